@@ -1,0 +1,34 @@
+"""Communication: process groups with byte counters, the parallel mesh, and abort-on-error. The only MPI users."""
+
+from mpitrain.comm.failure import abort_on_error, run_or_abort
+from mpitrain.comm.group import COUNTER_KINDS, Group, GroupBase, Handle, merge_counters, progress, ring_bytes
+from mpitrain.comm.mesh import (
+    GROUP_KINDS,
+    Coordinates,
+    Degrees,
+    Mesh,
+    group_members,
+    mesh_coordinates,
+    pipeline_neighbours,
+    validate_degrees,
+)
+
+__all__ = [
+    "COUNTER_KINDS",
+    "GROUP_KINDS",
+    "Coordinates",
+    "Degrees",
+    "Group",
+    "GroupBase",
+    "Handle",
+    "Mesh",
+    "abort_on_error",
+    "group_members",
+    "merge_counters",
+    "mesh_coordinates",
+    "pipeline_neighbours",
+    "progress",
+    "ring_bytes",
+    "run_or_abort",
+    "validate_degrees",
+]

@@ -1,0 +1,3 @@
+from mpitrain.cli import main
+
+main(prog_name="mpitrain")

@@ -1,0 +1,82 @@
+"""The array backend: numpy on CPUs, CuPy on NVIDIA GPUs, behind one name, `xp`.
+
+Model and parallel code receive a `Backend` and call `backend.xp`, never numpy directly, so the GPU path is the same
+code. Host-side work (data loading, checkpoints, logging) uses numpy and moves arrays with `to_host`/`from_host`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpitrain.errors import ConfigError
+
+COMPUTE_DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+@dataclass(frozen=True)
+class Backend:
+    device: str  # "cpu" | "cuda"
+    xp: Any  # the numpy or cupy module
+    dtype: Any  # compute dtype (numpy dtype object)
+
+    def to_host(self, array) -> np.ndarray:
+        return array if self.xp is np else self.xp.asnumpy(array)
+
+    def from_host(self, array: np.ndarray, dtype=None):
+        return self.xp.asarray(array, dtype=dtype)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that timers measure work done, not work launched."""
+        if self.xp is not np:
+            self.xp.cuda.Stream.null.synchronize()
+
+
+def array_module(array):
+    """numpy or cupy, whichever owns `array`: lets math functions work on both without a backend argument."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int = 0) -> Backend:
+    if compute not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision.compute = {compute!r} is not supported here; allowed: {sorted(COMPUTE_DTYPES)}")
+    if device == "cpu":
+        return Backend("cpu", np, np.dtype(COMPUTE_DTYPES[compute]))
+    if device == "cuda":
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ConfigError("device = 'cuda' needs CuPy: pip install 'mpitrain[cuda12]' (or cuda13)") from exc
+        n_devices = cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(local_rank % n_devices).use()  # one GPU per rank on a node; shared GPUs only in tests
+        return Backend("cuda", cupy, np.dtype(COMPUTE_DTYPES[compute]))
+    raise ConfigError(f"device = {device!r} is not allowed; allowed: 'cpu', 'cuda'")
+
+
+def nbytes_of(tree) -> int:
+    """Bytes held by the arrays in a nested tuple/list/dict (how activation memory is counted from saved state).
+
+    An array saved twice (one input feeding three projections) is counted once, and a view counts its base's bytes
+    only once too, so the number is what the saved state really keeps alive.
+    """
+    seen: dict[int, int] = {}
+
+    def visit(node):
+        if node is None:
+            return
+        if isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (tuple, list)):
+            for value in node:
+                visit(value)
+        elif hasattr(node, "nbytes") and hasattr(node, "shape"):
+            owner = node.base if getattr(node, "base", None) is not None else node
+            seen[id(owner)] = max(seen.get(id(owner), 0), int(owner.nbytes))
+
+    visit(tree)
+    return sum(seen.values())

@@ -1,0 +1,187 @@
+"""The `mpitrain` command: data prepare, train, launch, generate, bench step."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import click
+
+from mpitrain.errors import MpitrainError
+
+CONFIG_ARG = click.argument("config", type=click.Path(dir_okay=False))
+SET_OPTION = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+                          help="Override a config key, e.g. --set train.steps=50 (repeatable).")
+
+
+def _user_errors(fn):
+    """Commands that run in one process: a user error is one line on stderr and exit status 1."""
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MpitrainError as exc:
+            raise click.ClickException(str(exc)) from None
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="mpitrain")
+def main():
+    """Train transformer language models across MPI ranks, every parallel layout written to be read."""
+
+
+# ----------------------------------------------------------------------------- data
+@main.group()
+def data():
+    """Prepare token datasets."""
+
+
+@data.command("prepare")
+@click.option("--source", "sources", multiple=True, required=True,
+              help="'python-stdlib' (this Python's own source tree, no download) or text files/folders; repeatable.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="HDF5 file to write.")
+@click.option("--tokenizer", type=click.Choice(["byte", "bpe"]), default="byte", show_default=True)
+@click.option("--vocab-size", type=int, default=None, help="BPE vocabulary size (needs the 'tokenizers' package).")
+@click.option("--val-fraction", type=float, default=0.05, show_default=True)
+@click.option("--max-bytes", type=int, default=None, help="Use at most this many bytes of text.")
+@_user_errors
+def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes):
+    """Tokenize text into an HDF5 token file with train and val splits."""
+    from mpitrain.data.prepare import prepare_dataset
+    source = "python-stdlib" if list(sources) == ["python-stdlib"] else list(sources)
+    summary = prepare_dataset(source, out_path, tokenizer=tokenizer, vocab_size=vocab_size,
+                              val_fraction=val_fraction, max_bytes=max_bytes)
+    click.echo(f"wrote {summary['out']}: {summary['train_tokens']:,} train + {summary['val_tokens']:,} val tokens "
+               f"from {summary['documents']:,} documents ({summary['bytes']:,} bytes), "
+               f"{summary['tokenizer']} tokenizer, vocabulary {summary['vocab_size']}")
+
+
+# ----------------------------------------------------------------------------- train
+@main.command()
+@CONFIG_ARG
+@SET_OPTION
+@click.option("--out", "run_dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: runs/<config name>).")
+def train(config, overrides, run_dir):
+    """Train (run under mpiexec for several ranks; one process works without it)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.config import load_config
+    from mpitrain.train import default_run_dir, train as run_training
+
+    comm = MPI.COMM_WORLD
+    with abort_on_error(comm):
+        cfg = load_config(config, overrides)
+        out = Path(run_dir) if run_dir else default_run_dir(config)
+        run_training(cfg, comm, out, echo=lambda text: click.echo(text))
+
+
+# ----------------------------------------------------------------------------- launch
+def find_mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise MpitrainError("no mpiexec found beside this Python or on PATH; pip install 'mpitrain[mpich]' "
+                            "or load your cluster's MPI module")
+    return found
+
+
+def rank_environment(n_ranks: int, cores: int, base: dict) -> dict:
+    """BLAS threads per rank (cores / ranks) and, when ranks outnumber cores, MPICH's yield settings: without them
+    ranks spin on the cores that others need to compute."""
+    env = dict(base)
+    threads = str(max(1, cores // n_ranks))
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(key, threads)
+    if n_ranks > cores:
+        env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "1")
+        env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
+    return env
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("-n", "n_ranks", type=int, required=True, help="Number of MPI ranks.")
+@CONFIG_ARG
+@click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
+@_user_errors
+def launch(n_ranks, config, train_args):
+    """Run `mpitrain train CONFIG ...` on N local ranks through mpiexec, with BLAS threads set per rank."""
+    if n_ranks < 1:
+        raise MpitrainError(f"-n must be >= 1, got {n_ranks}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    command = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "train", config, *train_args]
+    env = rank_environment(n_ranks, cores, os.environ)
+    click.echo(f"launch: {' '.join(command)}  (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", err=True)
+    sys.stdout.flush()
+    os.execvpe(command[0], command, env)
+
+
+# ----------------------------------------------------------------------------- generate
+@main.command()
+@click.argument("weights", type=click.Path(exists=True))
+@click.option("--prompt", default="def ", show_default=True)
+@click.option("--tokens", "n_tokens", type=int, default=200, show_default=True)
+@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--top-k", type=int, default=0, help="Sample among the k likeliest tokens (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@_user_errors
+def generate(weights, prompt, n_tokens, temperature, top_k, seed):
+    """Sample text from a trained model (a run directory or its final.h5)."""
+    from mpitrain.generate import load_weights, sample
+    _, model, tokenizer = load_weights(weights)
+    if tokenizer is None:
+        raise MpitrainError(f"{weights} was trained on synthetic data: it has no tokenizer to sample text with")
+    click.echo(sample(model, tokenizer, prompt, n_tokens, temperature, top_k, seed))
+
+
+# ----------------------------------------------------------------------------- bench
+@main.group()
+def bench():
+    """Benchmarks."""
+
+
+@bench.command("step")
+@CONFIG_ARG
+@SET_OPTION
+@click.option("--steps", type=int, default=6, show_default=True, help="Timed steps.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@click.option("--real-data", is_flag=True, help="Read data.path instead of synthetic tokens.")
+def bench_step(config, overrides, steps, warmup, real_data):
+    """Time training steps; prints one JSON object last (tokens_per_s, mfu, peak_flops, ...)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.config import load_config
+    from mpitrain.train import Trainer
+
+    comm = MPI.COMM_WORLD
+    with abort_on_error(comm):
+        overrides = list(overrides) + ([] if real_data else ["data.synthetic=true"])
+        overrides.append(f"train.steps={warmup + steps}")
+        cfg = load_config(config, overrides)
+        trainer = Trainer(cfg, comm)
+        times = []
+        for step in range(warmup + steps):
+            result = trainer.train_step(step)
+            if step >= warmup:
+                times.append(result.seconds)
+        step_time = statistics.median(times)
+        tokens_per_s = trainer.tokens_per_step / step_time
+        report = {"config": config, "world_size": comm.Get_size(), "step_time_s": step_time,
+                  "tokens_per_s": tokens_per_s,
+                  "mfu": trainer.model.flops_per_token() * tokens_per_s / trainer.cluster_peak_flops,
+                  "peak_flops": trainer.cluster_peak_flops, "model_flops_per_token": trainer.model.flops_per_token(),
+                  "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS")}
+        if comm.Get_rank() == 0:
+            click.echo(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

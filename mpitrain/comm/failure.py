@@ -1,0 +1,62 @@
+"""No silent hangs (design decision 9): an exception on any rank ends the whole job.
+
+If one rank raises while the others wait in a collective, they would wait forever. `abort_on_error` prints which
+rank failed and why, then calls `comm.Abort`, which makes mpiexec kill every rank.
+
+    with abort_on_error(MPI.COMM_WORLD):
+        train(config)
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import contextmanager
+
+from mpitrain.errors import MpitrainError
+
+
+def format_failure(exc: BaseException, rank: int, size: int) -> str:
+    """One line for errors the user can fix (MpitrainError); the full traceback otherwise, every line prefixed."""
+    prefix = f"[rank {rank}/{size}]"
+    if isinstance(exc, MpitrainError):
+        return f"{prefix} ERROR: {exc}"
+    lines = [f"{prefix} ERROR: {type(exc).__name__}: {exc}"]
+    for chunk in traceback.format_exception(exc):
+        lines.extend(f"{prefix} {line}" for line in chunk.rstrip("\n").split("\n"))
+    return "\n".join(lines)
+
+
+def report_and_abort(exc: BaseException, comm, code: int = 1):
+    """Print the failure to stderr, then abort every rank (size > 1) or exit with `code` (a single process)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    print(format_failure(exc, rank, size), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if size > 1:
+        comm.Abort(code)
+    raise SystemExit(code)
+
+
+@contextmanager
+def abort_on_error(comm=None, code: int = 1):
+    """Run the body; on any exception (or a non-zero sys.exit) report it and end the job. comm: world by default."""
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            raise
+        report_and_abort(exc, comm or _comm_world(), code)
+    except BaseException as exc:  # KeyboardInterrupt too: the other ranks would hang all the same
+        report_and_abort(exc, comm or _comm_world(), code)
+
+
+def run_or_abort(fn, comm=None, code: int = 1):
+    """Call fn() under abort_on_error and return its result."""
+    with abort_on_error(comm, code):
+        return fn()
+
+
+def _comm_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD

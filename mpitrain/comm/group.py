@@ -1,0 +1,397 @@
+"""Process groups: the only place parallel code talks to MPI.
+
+`GroupBase` is the interface every group offers (the MPI `Group` below on host arrays; an `NcclGroup` on GPU arrays
+will follow with the same methods). All buffer methods work in place on contiguous arrays, counted in elements of
+the buffers' dtype, with ranks local to the group.
+
+Byte counters (`group.bytes_sent[kind]`) hold what THIS rank sends under the bandwidth-optimal (ring) algorithm of
+each operation, whatever algorithm MPI really picks, so that tests and reports can be checked against theory:
+
+    kind            bytes this rank sends for a B-byte buffer on N ranks
+    all_reduce      2(N-1)/N * B
+    reduce_scatter  (N-1)/N * B     B = the whole input (N blocks)
+    all_gather      (N-1)/N * B     B = the whole output (N blocks)
+    broadcast       B on the root, 0 elsewhere (the root sends the whole buffer once; relays are not counted)
+    send            B               (recv counts nothing: bytes are counted by the sender)
+    all_to_all      (N-1)/N * B     B = the send buffer; all_to_allv counts exactly what goes to other ranks
+    control         B               small control messages (all_reduce_scalar), kept apart so that the gradient
+                                    traffic counters above stay exact
+
+Totals are kept as exact fractions and rounded to the nearest integer when read. A group of size 1 sends nothing
+(every counter stays 0) and makes no MPI call: collectives become local copies or no-ops. Non-blocking operations
+are counted when issued.
+"""
+
+from __future__ import annotations
+
+import abc
+from fractions import Fraction
+
+import numpy as np
+
+COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control")
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def ring_bytes(kind: str, nbytes: int, size: int, is_root: bool = False) -> Fraction:
+    """Bytes one rank sends for operation `kind` on an `nbytes` buffer across `size` ranks (see the module table)."""
+    if size == 1:
+        return Fraction(0)
+    share = Fraction(size - 1, size) * nbytes
+    if kind == "all_reduce":
+        return 2 * share
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return share
+    if kind == "broadcast":
+        return Fraction(nbytes if is_root else 0)
+    if kind in ("send", "control"):
+        return Fraction(nbytes)
+    raise ValueError(f"unknown communication kind {kind!r}; expected one of {', '.join(COUNTER_KINDS)}")
+
+
+def merge_counters(groups) -> dict[str, int]:
+    """Sum the byte counters of several groups per kind (exactly, rounded once at the end)."""
+    total = {kind: Fraction(0) for kind in COUNTER_KINDS}
+    for group in groups:
+        for kind, value in group.counters(exact=True).items():
+            total[kind] += value
+    return {kind: round(value) for kind, value in total.items()}
+
+
+class Handle:
+    """A non-blocking operation in flight. Holds its buffers so they cannot be freed before it completes."""
+
+    def __init__(self, request=None, buffers=()):
+        self._request = request  # None: already complete (size-1 groups)
+        self._buffers = buffers
+
+    @property
+    def done(self) -> bool:
+        return self._request is None
+
+    def test(self) -> bool:
+        """Drive progress once; True when the operation has completed."""
+        if self._request is not None and self._request.Test():
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        if self._request is not None:
+            self._request.Wait()
+            self._complete()
+
+    def _complete(self) -> None:
+        self._request = None
+        self._buffers = ()
+
+
+def progress(handles) -> int:
+    """Test each pending handle once so MPI advances them while we compute; returns how many are still pending.
+
+    Called between layers so that gradient all-reduces issued earlier overlap the backward pass.
+    """
+    return sum(not handle.test() for handle in handles)
+
+
+class GroupBase(abc.ABC):
+    """Interface of a process group, plus the byte counters every implementation shares.
+
+    Subclasses set `comm`, `name`, `rank`, `size`, `world_ranks` and implement the buffer methods.
+    """
+
+    name: str
+    rank: int
+    size: int
+    world_ranks: list[int]
+
+    def __init__(self):
+        self._sent = {kind: Fraction(0) for kind in COUNTER_KINDS}
+
+    # ---- counters ------------------------------------------------------------------------------------------------
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        return self.counters()
+
+    def counters(self, exact: bool = False) -> dict:
+        """A copy of the byte counters: ints (rounded), or the exact Fractions with exact=True."""
+        return dict(self._sent) if exact else {kind: round(value) for kind, value in self._sent.items()}
+
+    def reset_counters(self) -> None:
+        for kind in self._sent:
+            self._sent[kind] = Fraction(0)
+
+    def _count(self, kind: str, nbytes: int, is_root: bool = False) -> None:
+        self._sent[kind] += ring_bytes(kind, nbytes, self.size, is_root)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, rank {self.rank} of {self.size}, world ranks {self.world_ranks})"
+
+    # ---- the interface -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def all_reduce(self, buf, op: str = "sum") -> None:
+        """Reduce `buf` over the group, in place ("sum", "max" or "min")."""
+
+    @abc.abstractmethod
+    def all_reduce_scalar(self, x: float, op: str = "sum") -> float:
+        """Reduce one number (loss, grad norm, flags); counted under "control"."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send, recv, op: str = "sum") -> None:
+        """`send` holds size blocks of len(recv); rank r receives the reduction of block r."""
+
+    @abc.abstractmethod
+    def all_gather(self, send, recv) -> None:
+        """`recv` holds size blocks of len(send); block r is rank r's `send`."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf, root: int) -> None:
+        """Copy `buf` of rank `root` into `buf` everywhere."""
+
+    @abc.abstractmethod
+    def send(self, buf, dest: int, tag: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, buf, source: int, tag: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    def all_to_all(self, send, recv) -> None:
+        """Block r of `send` goes to rank r; block r of `recv` comes from rank r (equal blocks)."""
+
+    @abc.abstractmethod
+    def all_to_allv(self, send, send_counts, recv, recv_counts) -> None:
+        """Like all_to_all with per-rank element counts (blocks packed back to back in rank order)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def iall_reduce(self, buf, op: str = "sum") -> Handle: ...
+
+    @abc.abstractmethod
+    def ireduce_scatter(self, send, recv, op: str = "sum") -> Handle: ...
+
+    @abc.abstractmethod
+    def iall_gather(self, send, recv) -> Handle: ...
+
+    @abc.abstractmethod
+    def ibroadcast(self, buf, root: int) -> Handle: ...
+
+    @abc.abstractmethod
+    def isend(self, buf, dest: int, tag: int = 0) -> Handle: ...
+
+    @abc.abstractmethod
+    def irecv(self, buf, source: int, tag: int = 0) -> Handle: ...
+
+
+# ---- buffer checks shared by implementations -----------------------------------------------------------------------
+def check_blocks(send, recv, send_blocks: int, recv_blocks: int, what: str, size: int) -> None:
+    """send.size * send_blocks == recv.size * recv_blocks, same dtype (e.g. reduce_scatter: send = size x recv)."""
+    if send.dtype != recv.dtype:
+        raise ValueError(f"{what}: send dtype {send.dtype} differs from recv dtype {recv.dtype}")
+    if send.size * send_blocks != recv.size * recv_blocks:
+        raise ValueError(
+            f"{what} on {size} ranks: send has {send.size} elements and recv {recv.size}; "
+            f"expected send.size * {send_blocks} == recv.size * {recv_blocks}"
+        )
+
+
+def _check_host(buf, role: str, writable: bool = False) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        kind = type(buf).__module__.split(".")[0] + "." + type(buf).__name__
+        if hasattr(buf, "__cuda_array_interface__"):
+            raise TypeError(
+                f"{role} is a GPU array ({kind}); MPI groups take numpy arrays only "
+                "(MPI is not CUDA-aware here; NCCL groups for GPU arrays come in a later issue)"
+            )
+        raise TypeError(f"{role} must be a numpy array, got {kind}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(
+            f"{role} must be C-contiguous (shape {buf.shape}, strides {buf.strides}); "
+            "communicate a flat buffer or np.ascontiguousarray(...) of it"
+        )
+    if writable and not buf.flags.writeable:
+        raise ValueError(f"{role} is read-only but receives data")
+    return buf
+
+
+def _check_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    return op
+
+
+def _mpi():
+    # Imported on first use so that pure helpers (mesh coordinates, ring_bytes) never initialise MPI.
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _mpi_op(op: str):
+    MPI = _mpi()
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[_check_op(op)]
+
+
+def _flat(buf: np.ndarray) -> np.ndarray:
+    return buf.reshape(-1)  # a view: buffers are checked contiguous first
+
+
+class Group(GroupBase):
+    """A process group over an mpi4py communicator, on numpy arrays (mpi4py's uppercase buffer methods)."""
+
+    def __init__(self, comm, name: str):
+        super().__init__()
+        MPI = _mpi()
+        self.comm = comm
+        self.name = name
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self.world_ranks = [int(r) for r in group.Translate_ranks(list(range(self.size)), world_group)]
+        group.Free()
+        world_group.Free()
+
+    # ---- collectives ---------------------------------------------------------------------------------------------
+    def all_reduce(self, buf, op="sum"):
+        _check_host(buf, f"{self.name}.all_reduce buffer", writable=True)
+        self._count("all_reduce", buf.nbytes)
+        if self.size > 1:
+            self.comm.Allreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op))
+        else:
+            _check_op(op)
+
+    def all_reduce_scalar(self, x, op="sum"):
+        buf = np.array([x], dtype=np.float64)
+        self._count("control", buf.nbytes)
+        if self.size > 1:
+            self.comm.Allreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op))
+        else:
+            _check_op(op)
+        return float(buf[0])
+
+    def reduce_scatter(self, send, recv, op="sum"):
+        self._start_reduce_scatter(send, recv, op, blocking=True)
+
+    def all_gather(self, send, recv):
+        self._start_all_gather(send, recv, blocking=True)
+
+    def broadcast(self, buf, root):
+        self._start_broadcast(buf, root, blocking=True)
+
+    def all_to_all(self, send, recv):
+        _check_host(send, f"{self.name}.all_to_all send")
+        _check_host(recv, f"{self.name}.all_to_all recv", writable=True)
+        check_blocks(send, recv, 1, 1, f"{self.name}.all_to_all", self.size)
+        if send.size % self.size:
+            raise ValueError(f"{self.name}.all_to_all: {send.size} elements do not split into {self.size} blocks")
+        self._count("all_to_all", send.nbytes)
+        if self.size > 1:
+            self.comm.Alltoall(send, recv)
+        else:
+            np.copyto(_flat(recv), _flat(send))
+
+    def all_to_allv(self, send, send_counts, recv, recv_counts):
+        _check_host(send, f"{self.name}.all_to_allv send")
+        _check_host(recv, f"{self.name}.all_to_allv recv", writable=True)
+        send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if len(send_counts) != self.size or len(recv_counts) != self.size:
+            raise ValueError(f"{self.name}.all_to_allv needs {self.size} send and recv counts")
+        if sum(send_counts) > send.size or sum(recv_counts) > recv.size:
+            raise ValueError(f"{self.name}.all_to_allv: counts exceed the buffers ({send.size} / {recv.size} elements)")
+        if send.dtype != recv.dtype:
+            raise ValueError(f"{self.name}.all_to_allv: send dtype {send.dtype} differs from recv dtype {recv.dtype}")
+        to_others = (sum(send_counts) - send_counts[self.rank]) * send.itemsize
+        self._sent["all_to_all"] += to_others  # exact, not a ring formula
+        if self.size > 1:
+            self.comm.Alltoallv(
+                [send, (send_counts, _offsets(send_counts))], [recv, (recv_counts, _offsets(recv_counts))]
+            )
+        else:
+            _flat(recv)[: send_counts[0]] = _flat(send)[: send_counts[0]]
+
+    def barrier(self):
+        if self.size > 1:
+            self.comm.Barrier()
+
+    # ---- point to point (always through MPI, also on a group of one) ---------------------------------------------
+    def send(self, buf, dest, tag=0):
+        _check_host(buf, f"{self.name}.send buffer")
+        self._count("send", buf.nbytes)
+        self.comm.Send(buf, dest=dest, tag=tag)
+
+    def recv(self, buf, source, tag=0):
+        _check_host(buf, f"{self.name}.recv buffer", writable=True)
+        self.comm.Recv(buf, source=source, tag=tag)
+
+    def isend(self, buf, dest, tag=0):
+        _check_host(buf, f"{self.name}.isend buffer")
+        self._count("send", buf.nbytes)
+        return Handle(self.comm.Isend(buf, dest=dest, tag=tag), (buf,))
+
+    def irecv(self, buf, source, tag=0):
+        _check_host(buf, f"{self.name}.irecv buffer", writable=True)
+        return Handle(self.comm.Irecv(buf, source=source, tag=tag), (buf,))
+
+    # ---- non-blocking collectives --------------------------------------------------------------------------------
+    def iall_reduce(self, buf, op="sum"):
+        _check_host(buf, f"{self.name}.iall_reduce buffer", writable=True)
+        self._count("all_reduce", buf.nbytes)
+        if self.size == 1:
+            _check_op(op)
+            return Handle()
+        return Handle(self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op)), (buf,))
+
+    def ireduce_scatter(self, send, recv, op="sum"):
+        return self._start_reduce_scatter(send, recv, op, blocking=False)
+
+    def iall_gather(self, send, recv):
+        return self._start_all_gather(send, recv, blocking=False)
+
+    def ibroadcast(self, buf, root):
+        return self._start_broadcast(buf, root, blocking=False)
+
+    # ---- shared bodies of the blocking and non-blocking forms ----------------------------------------------------
+    def _start_reduce_scatter(self, send, recv, op, blocking):
+        what = f"{self.name}.reduce_scatter"
+        _check_host(send, f"{what} send")
+        _check_host(recv, f"{what} recv", writable=True)
+        check_blocks(send, recv, 1, self.size, what, self.size)
+        self._count("reduce_scatter", send.nbytes)
+        if self.size == 1:
+            _check_op(op)
+            np.copyto(_flat(recv), _flat(send))
+            return Handle()
+        if blocking:
+            self.comm.Reduce_scatter_block(send, recv, op=_mpi_op(op))
+            return None
+        return Handle(self.comm.Ireduce_scatter_block(send, recv, op=_mpi_op(op)), (send, recv))
+
+    def _start_all_gather(self, send, recv, blocking):
+        what = f"{self.name}.all_gather"
+        _check_host(send, f"{what} send")
+        _check_host(recv, f"{what} recv", writable=True)
+        check_blocks(send, recv, self.size, 1, what, self.size)
+        self._count("all_gather", recv.nbytes)
+        if self.size == 1:
+            np.copyto(_flat(recv), _flat(send))
+            return Handle()
+        if blocking:
+            self.comm.Allgather(send, recv)
+            return None
+        return Handle(self.comm.Iallgather(send, recv), (send, recv))
+
+    def _start_broadcast(self, buf, root, blocking):
+        _check_host(buf, f"{self.name}.broadcast buffer", writable=self.rank != root)
+        if not 0 <= root < self.size:
+            raise ValueError(f"{self.name}.broadcast: root {root} is not a rank of this group of {self.size}")
+        self._count("broadcast", buf.nbytes, is_root=self.rank == root)
+        if self.size == 1:
+            return Handle()
+        if blocking:
+            self.comm.Bcast(buf, root=root)
+            return None
+        return Handle(self.comm.Ibcast(buf, root=root), (buf,))
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    return [sum(counts[:i]) for i in range(len(counts))]

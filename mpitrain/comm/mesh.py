@@ -1,0 +1,153 @@
+"""The process mesh: which world ranks form the data-, tensor-, pipeline-, context- and expert-parallel groups.
+
+World ranks are laid out pp-major, then dp, then cp, with tp innermost (fastest):
+
+    world_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+so a tensor-parallel group is a run of consecutive ranks (inside one node, where its frequent all-reduces are
+cheap). Expert parallelism is carved out of data parallelism: dp_rank = dp_outer * ep + ep_rank, the ep ranks of one
+expert group are consecutive dp ranks, and `expert_dp` joins the ranks that hold the same experts.
+
+The layout is pure functions of (world_rank, degrees), testable without MPI; `Mesh` only turns them into groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple
+
+from mpitrain.comm.group import Group
+from mpitrain.errors import LayoutError
+
+GROUP_KINDS = ("world", "dp", "tp", "pp", "cp", "ep", "expert_dp", "dp_cp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep}"
+
+
+class Coordinates(NamedTuple):
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def validate_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Degrees:
+    """Check the degrees against the world size before any collective; raise LayoutError naming what to change."""
+    for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutError(f"parallel.{key} must be a positive integer, got {value!r}")
+    product = dp * tp * pp * cp
+    if product != world_size:
+        raise LayoutError(
+            f"parallel degrees dp={dp} x tp={tp} x pp={pp} x cp={cp} = {product} do not match the {world_size} MPI "
+            f"ranks (world size); change parallel.dp/tp/pp/cp or run with -n {product}"
+        )
+    if dp % ep:
+        choices = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        raise LayoutError(
+            f"parallel.ep={ep} does not divide parallel.dp={dp} (expert parallelism is carved out of data "
+            f"parallelism); choose parallel.ep among {choices}"
+        )
+    return Degrees(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
+def mesh_coordinates(world_rank: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> Coordinates:
+    """(pp, dp, cp, tp) coordinates of a world rank; tp varies fastest."""
+    if not 0 <= world_rank < dp * tp * pp * cp:
+        raise ValueError(f"world rank {world_rank} is outside a mesh of {dp * tp * pp * cp} ranks")
+    rest, tp_rank = divmod(world_rank, tp)
+    rest, cp_rank = divmod(rest, cp)
+    pp_rank, dp_rank = divmod(rest, dp)
+    return Coordinates(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+
+
+def _same_group(kind: str, a: Coordinates, b: Coordinates, ep: int) -> bool:
+    same = {axis: getattr(a, axis) == getattr(b, axis) for axis in Coordinates._fields}
+    if kind == "world":
+        return True
+    if kind == "dp_cp":
+        return same["pp"] and same["tp"]
+    if kind in ("dp", "tp", "pp", "cp"):  # everything but this axis is shared
+        return all(value for axis, value in same.items() if axis != kind)
+    if kind in ("ep", "expert_dp"):
+        shared = same["pp"] and same["cp"] and same["tp"]
+        if kind == "ep":  # the same block of ep consecutive dp ranks
+            return shared and a.dp // ep == b.dp // ep
+        return shared and a.dp % ep == b.dp % ep  # ranks holding the same experts
+    raise ValueError(f"unknown group kind {kind!r}; expected one of {', '.join(GROUP_KINDS)}")
+
+
+def group_members(kind: str, world_rank: int, degrees: Degrees | Mapping[str, int]) -> list[int]:
+    """World ranks of `world_rank`'s group of `kind`, in group-rank order (which is ascending world rank)."""
+    d = degrees if isinstance(degrees, Degrees) else Degrees(**degrees)
+    mine = mesh_coordinates(world_rank, d.dp, d.tp, d.pp, d.cp)
+    return [
+        rank
+        for rank in range(d.world_size)
+        if _same_group(kind, mine, mesh_coordinates(rank, d.dp, d.tp, d.pp, d.cp), d.ep)
+    ]
+
+
+def pipeline_neighbours(world_rank: int, degrees: Degrees | Mapping[str, int]) -> tuple[int | None, int | None]:
+    """World ranks of the previous and next pipeline stage (None at the ends)."""
+    stages = group_members("pp", world_rank, degrees)
+    here = stages.index(world_rank)
+    previous = stages[here - 1] if here > 0 else None
+    following = stages[here + 1] if here + 1 < len(stages) else None
+    return previous, following
+
+
+class Mesh:
+    """All process groups of one run, built with the same sequence of comm.Split calls on every rank.
+
+    Groups: world, dp, tp, pp, cp, ep, expert_dp, dp_cp (dp and cp together: what gradients are reduced over when
+    cp > 1). Degrees are in `mesh.degrees`; `mesh.dp.size == mesh.degrees.dp`. `pp_prev`/`pp_next` are world ranks.
+    """
+
+    def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+        self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.rank = world_comm.Get_rank()
+        coords = mesh_coordinates(self.rank, dp, tp, pp, cp)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
+        self.ep_rank = self.dp_rank % ep
+        self.pp_prev, self.pp_next = pipeline_neighbours(self.rank, self.degrees)
+
+        # Split is collective: every rank builds the groups in this same order.
+        self.world = self._split(world_comm, "world")
+        self.dp = self._split(world_comm, "dp")
+        self.tp = self._split(world_comm, "tp")
+        self.pp = self._split(world_comm, "pp")
+        self.cp = self._split(world_comm, "cp")
+        self.ep = self._split(world_comm, "ep")
+        self.expert_dp = self._split(world_comm, "expert_dp")
+        self.dp_cp = self._split(world_comm, "dp_cp")
+
+    def _split(self, world_comm, kind: str) -> Group:
+        members = group_members(kind, self.rank, self.degrees)
+        # Colour each group by its first member (groups of one kind partition the world), order by position.
+        comm = world_comm.Split(color=members[0], key=members.index(self.rank))
+        assert comm.Get_size() == len(members) and comm.Get_rank() == members.index(self.rank), kind
+        return Group(comm, kind)
+
+    def all_groups(self) -> list[Group]:
+        return [getattr(self, kind) for kind in GROUP_KINDS]
+
+    def describe(self) -> str:
+        return (
+            f"mesh {self.degrees} on {self.degrees.world_size} ranks; rank {self.rank}: pp {self.pp_rank}, "
+            f"dp {self.dp_rank}, cp {self.cp_rank}, tp {self.tp_rank}, ep {self.ep_rank}"
+        )

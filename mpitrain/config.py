@@ -1,0 +1,272 @@
+"""Run configuration: TOML files with sections, `--set section.key=value` overrides, validation that names the key.
+
+Every key has a typed default here; a config file only lists what it changes (like nanoGPT's override files). The
+resolved config is written to RUN_DIR/config.toml so a run can be repeated exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args
+
+from mpitrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"  # gpt2: learned positions, LayerNorm, GELU, tied head; llama: RoPE, RMSNorm, SwiGLU, GQA
+    n_layer: int = 2
+    d_model: int = 64
+    n_head: int = 4
+    n_kv_head: int = 0  # 0: same as n_head (multi-head attention); fewer: grouped-query attention (llama)
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_ff: int = 0  # 0: 4*d_model for gpt2, 8/3*d_model rounded up to a multiple of 32 for llama
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ff_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.arch == "gpt2":
+            return 4 * self.d_model
+        return 32 * -(-(8 * self.d_model // 3) // 32)
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0  # 0: whatever the world size leaves after tp*pp*cp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0 = plain data parallelism
+    bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB)
+    overlap: bool = True  # start bucket all-reduces during backward
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 4  # sequences per rank per forward/backward; accumulation = global/(dp*micro)
+    seed: int = 1234
+    device: str = "cpu"
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    sample_tokens: int = 200  # sampled at the end of training; 0 to skip
+    sample_prompt: str = "def "
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0  # global gradient-norm clip; 0 disables
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class PrecisionConfig:
+    compute: str = "float32"
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib.h5"  # made by: mpitrain data prepare --source python-stdlib --out data/stdlib.h5
+    synthetic: bool = False  # random tokens instead of a file (benchmarks, layout tests): a pure function of step
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "": RUN_DIR/checkpoints
+    every: int = 0  # 0: only the final weights
+
+
+@dataclass
+class LoggingConfig:
+    peak_flops: float = 0.0  # per rank, FLOP/s; 0: measured with a float32 matmul at start-up
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ALLOWED = {
+    "model.arch": ("gpt2", "llama"),
+    "train.device": ("cpu", "cuda"),
+    "precision.compute": ("float32", "float64"),
+    "parallel.zero": (0,),
+}
+# Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
+NOT_YET = {"parallel.tp": "tensor parallelism", "parallel.pp": "pipeline parallelism",
+           "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in fields(Config)]
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check a value against the type of the key's default; ints are accepted where floats are expected."""
+    kind = type(default)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"config key {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def config_from_dict(raw: dict, source: str = "config") -> Config:
+    cfg = Config()
+    for section_name, section_values in raw.items():
+        if section_name not in _section_names():
+            raise ConfigError(f"unknown config section [{section_name}] in {source}; allowed: {', '.join(_section_names())}")
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"config section [{section_name}] in {source} must be a table of keys")
+        section = getattr(cfg, section_name)
+        known = {f.name for f in fields(section)}
+        for key, value in section_values.items():
+            full = f"{section_name}.{key}"
+            if key not in known:
+                raise ConfigError(f"unknown config key {full} in {source}; allowed in [{section_name}]: {', '.join(sorted(known))}")
+            setattr(section, key, _coerce(full, value, getattr(section, key)))
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'section.key=value' with value read as a TOML literal (numbers, booleans, quoted strings), else a bare string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=50")
+    path, literal = text.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {literal}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = literal
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        source = str(path)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    cfg = config_from_dict(raw, source)
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no MPI: run on every rank before any collective, so a bad config never hangs a job."""
+    for key, allowed in ALLOWED.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value in allowed, f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+    for key, what in NOT_YET.items():
+        value = getattr(cfg.parallel, key.split(".")[1])
+        _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
+    positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
+                "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
+                "optim.beta1", "optim.beta2", "parallel.bucket_mb"]
+    for key in positive:
+        section, name = key.split(".")
+        _require(getattr(getattr(cfg, section), name) > 0, f"config key {key} must be > 0")
+    nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "train.eval_every", "train.sample_tokens",
+              "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip",
+              "checkpoint.every", "logging.peak_flops"]
+    for key in nonneg:
+        section, name = key.split(".")
+        _require(getattr(getattr(cfg, section), name) >= 0, f"config key {key} must be >= 0")
+    m = cfg.model
+    _require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    _require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
+    _require(m.n_head % m.kv_heads == 0, f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
+    _require(m.arch == "llama" or m.kv_heads == m.n_head,
+             "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
+    _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
+    _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+
+
+def resolve_layout(cfg: Config, world_size: int) -> None:
+    """Fill parallel.dp = 0 from the world size and check the batch splits evenly. No MPI calls: safe before any."""
+    p = cfg.parallel
+    others = p.tp * p.pp * p.cp
+    if p.dp == 0:
+        _require(world_size % others == 0,
+                 f"world size {world_size} is not divisible by parallel.tp*pp*cp = {others}")
+        p.dp = world_size // others
+    t = cfg.train
+    per_step = p.dp * t.micro_batch
+    _require(t.global_batch % per_step == 0,
+             f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
+             f"{p.dp} * {t.micro_batch} = {per_step}; pick a global batch that is a multiple of {per_step}")
+
+
+def grad_accumulation_steps(cfg: Config) -> int:
+    return cfg.train.global_batch // (cfg.parallel.dp * cfg.train.micro_batch)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (tomllib has no writer; our values are flat scalars, so this stays short)."""
+    def literal(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return repr(value)
+
+    lines = []
+    for section_name in _section_names():
+        lines.append(f"[{section_name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section_name)).items():
+            lines.append(f"{key} = {literal(value)}")
+        lines.append("")
+    return "\n".join(lines)

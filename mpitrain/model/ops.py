@@ -1,0 +1,241 @@
+"""Transformer operations as forward/backward pairs over `xp` arrays.
+
+Convention (design decision 1): `y, saved = op_forward(..., x)` returns the output and exactly what backward needs;
+`dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the given arrays in
+place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what `saved` holds.
+Linear weights are stored (in_features, out_features), so forward is `x @ w`.
+"""
+from __future__ import annotations
+
+import math
+
+from mpitrain.backend import array_module as _xp
+
+GELU_K = math.sqrt(2.0 / math.pi)
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+# ----------------------------------------------------------------------------- linear
+def linear_forward(x, w, b=None):
+    y = _rows(x) @ w
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[1]), x
+
+
+def linear_backward(x, w, dy, dw, db=None):
+    dy2 = _rows(dy)
+    dw += _rows(x).T @ dy2
+    if db is not None:
+        db += dy2.sum(axis=0)
+    return (dy2 @ w.T).reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- norms
+def layernorm_forward(x, w, b, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = 1.0 / _xp(x).sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc
+    xhat *= rstd
+    y = xhat * w
+    y += b
+    return y, (xhat, rstd)
+
+
+def layernorm_backward(saved, w, dy, dw, db):
+    xhat, rstd = saved
+    dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
+    db += _rows(dy).sum(axis=0)
+    dxhat = dy * w
+    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+    dx -= xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    dx *= rstd
+    return dx
+
+
+def rmsnorm_forward(x, w, eps):
+    rstd = 1.0 / _xp(x).sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    return xhat * w, (xhat, rstd)
+
+
+def rmsnorm_backward(saved, w, dy, dw):
+    xhat, rstd = saved
+    dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
+    dxhat = dy * w
+    dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    dx *= rstd
+    return dx
+
+
+# ----------------------------------------------------------------------------- activations
+def gelu_forward(x):
+    """GELU, tanh approximation (GPT-2). Saves only x; tanh is recomputed in backward (memory over speed)."""
+    xp = _xp(x)
+    inner = x * x
+    inner *= 0.044715 * GELU_K
+    inner += GELU_K
+    inner *= x
+    y = xp.tanh(inner)
+    y += 1.0
+    y *= x
+    y *= 0.5
+    return y, x
+
+
+def gelu_backward(x, dy):
+    xp = _xp(x)
+    x2 = x * x
+    t = x2 * (0.044715 * GELU_K)
+    t += GELU_K
+    t *= x
+    t = xp.tanh(t, out=t)
+    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)
+    slope = x2
+    slope *= 3 * 0.044715 * GELU_K
+    slope += GELU_K
+    slope *= x
+    slope *= 0.5
+    slope *= 1.0 - t * t
+    t += 1.0
+    t *= 0.5
+    slope += t
+    slope *= dy
+    return slope
+
+
+def swiglu_forward(gate, up):
+    """silu(gate) * up (llama's MLP). Saves both inputs."""
+    xp = _xp(gate)
+    sig = 1.0 / (1.0 + xp.exp(-gate))
+    return gate * sig * up, (gate, up)
+
+
+def swiglu_backward(saved, dy):
+    gate, up = saved
+    xp = _xp(gate)
+    sig = 1.0 / (1.0 + xp.exp(-gate))
+    silu = gate * sig
+    d_up = dy * silu
+    # d silu / d gate = sig * (1 + gate * (1 - sig))
+    d_gate = 1.0 - sig
+    d_gate *= gate
+    d_gate += 1.0
+    d_gate *= sig
+    d_gate *= dy
+    d_gate *= up
+    return d_gate, d_up
+
+
+# ----------------------------------------------------------------------------- embeddings
+def embedding_forward(table, ids):
+    return table[ids], ids
+
+
+def embedding_backward(ids, dy, dtable):
+    _xp(dtable).add.at(dtable, ids.reshape(-1), _rows(dy))
+
+
+# ----------------------------------------------------------------------------- rotary positions (llama)
+def rope_tables(positions, head_dim, theta, xp, dtype):
+    """cos/sin of shape (T, head_dim/2) for the given absolute positions (context parallelism passes its chunk's)."""
+    inv_freq = 1.0 / (theta ** (xp.arange(0, head_dim, 2, dtype=xp.float64) / head_dim))
+    angles = xp.asarray(positions, dtype=xp.float64)[:, None] * inv_freq[None, :]
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+
+
+def rope_forward(x, cos, sin):
+    """Rotate the two halves of each head (x: (B, H, T, D)); the 'rotate half' convention of Llama in HF."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    y = _xp(x).empty_like(x)
+    y[..., :half] = x1 * cos - x2 * sin
+    y[..., half:] = x2 * cos + x1 * sin
+    return y
+
+
+def rope_backward(dy, cos, sin):
+    """The rotation's transpose: rotate by -angle."""
+    half = dy.shape[-1] // 2
+    d1, d2 = dy[..., :half], dy[..., half:]
+    dx = _xp(dy).empty_like(dy)
+    dx[..., :half] = d1 * cos + d2 * sin
+    dx[..., half:] = d2 * cos - d1 * sin
+    return dx
+
+
+# ----------------------------------------------------------------------------- causal attention
+def causal_bias(t_q, t_k, xp, dtype, offset=0):
+    """Additive mask (t_q, t_k): 0 where key position <= query position + offset, -inf elsewhere."""
+    q = xp.arange(t_q)[:, None] + offset
+    k = xp.arange(t_k)[None, :]
+    return xp.where(k <= q, 0.0, -xp.inf).astype(dtype)
+
+
+def attention_forward(q, k, v, bias):
+    """Softmax(q k^T / sqrt(D) + bias) v with grouped-query heads.
+
+    q: (B, H, T, D); k, v: (B, Hkv, T, D) with H a multiple of Hkv. Query heads that share a key/value head are
+    stacked along the time axis, (B, Hkv, G*T, D), so each product is one large matmul and K/V are never copied.
+    """
+    xp = _xp(q)
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    qg = q.reshape(b, hkv, group * t, d)
+    scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*T, Tk)
+    scores *= 1.0 / math.sqrt(d)
+    scores = scores.reshape(b, hkv, group, t, -1)
+    scores += bias
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = xp.exp(scores, out=scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    probs = probs.reshape(b, hkv, group * t, -1)
+    out = (probs @ v).reshape(b, h, t, d)
+    return out, (q, k, v, probs)
+
+
+def attention_backward(saved, dout):
+    q, k, v, probs = saved
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    dout_g = dout.reshape(b, hkv, (h // hkv) * t, d)
+    dv = probs.swapaxes(-1, -2) @ dout_g  # sums over the query heads of each group
+    dprobs = dout_g @ v.swapaxes(-1, -2)
+    # softmax backward: ds = p * (dp - sum(dp * p))
+    dscores = dprobs
+    dscores -= (dprobs * probs).sum(axis=-1, keepdims=True)
+    dscores *= probs
+    dscores *= 1.0 / math.sqrt(d)
+    dq = (dscores @ k).reshape(b, h, t, d)
+    dk = dscores.swapaxes(-1, -2) @ q.reshape(b, hkv, -1, d)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- loss
+def cross_entropy_forward(logits, targets):
+    """Sum over tokens of -log softmax(logits)[target]; saves the probabilities. Returns (loss_sum, saved)."""
+    xp = _xp(logits)
+    logits2 = _rows(logits)
+    flat_targets = targets.reshape(-1)
+    shifted = logits2 - logits2.max(axis=-1, keepdims=True)
+    probs = xp.exp(shifted)
+    sums = probs.sum(axis=-1, keepdims=True)
+    rows = xp.arange(len(flat_targets))
+    loss_sum = (xp.log(sums[:, 0]) - shifted[rows, flat_targets]).sum()
+    probs /= sums
+    return loss_sum, (probs, flat_targets, logits.shape)
+
+
+def cross_entropy_backward(saved, dloss):
+    """Gradient of dloss * loss_sum w.r.t. the logits (dloss = 1 / tokens in the global batch for a mean loss)."""
+    probs, flat_targets, shape = saved
+    xp = _xp(probs)
+    dlogits = probs.copy()
+    dlogits[xp.arange(len(flat_targets)), flat_targets] -= 1.0
+    dlogits *= dloss
+    return dlogits.reshape(shape)

@@ -1,0 +1,185 @@
+"""The training loop: wires config, mesh, data, model, gradient sync and optimizer together.
+
+One code path for every layout: with one process the mesh has groups of size 1, whose collectives cost nothing.
+Everything that can fail because of the user's input (config, layout, dataset) is checked before the first
+collective, so a mistake ends every rank with the same clear line instead of a hang.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitrain.backend import make_backend
+from mpitrain.comm.group import merge_counters
+from mpitrain.comm.mesh import Mesh, validate_degrees
+from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
+from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
+from mpitrain.data.synthetic import SyntheticSampler
+from mpitrain.errors import ConfigError
+from mpitrain.model.gpt import GPT
+from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
+from mpitrain.optim.schedule import lr_at
+from mpitrain.parallel.data import BucketedAllReduce
+from mpitrain.profile.flops import measure_matmul_peak
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    comm_bytes: dict
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world_comm):
+        self.cfg = cfg
+        world_size, world_rank = world_comm.Get_size(), world_comm.Get_rank()
+        # --- checks without communication (every rank reaches the same verdict on its own)
+        resolve_layout(cfg, world_size)
+        p = cfg.parallel
+        validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        self.tokenizer_description = None
+        if cfg.data.synthetic:
+            self.train_data = SyntheticSampler(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.global_batch,
+                                               cfg.train.seed)
+            self.val_data = SyntheticSampler(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.global_batch,
+                                             cfg.train.seed + 1)
+            self.tokenizer = None
+        else:
+            dataset = TokenDataset(cfg.data.path)
+            if dataset.vocab_size > cfg.model.vocab_size:
+                raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
+                                  f"{cfg.data.path} ({dataset.vocab_size} tokens)")
+            self.train_data, self.val_data = train_and_val_samplers(dataset, cfg.model.seq_len,
+                                                                    cfg.train.global_batch, cfg.train.seed)
+            self.tokenizer = dataset.tokenizer
+            self.tokenizer_description = dataset.tokenizer.description()
+        self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
+        # --- from here on, collectives
+        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        self.model = GPT(cfg.model, self.backend, cfg.train.seed)
+        self.grad_sync = BucketedAllReduce(self.model.grads, self.mesh.dp, int(p.bucket_mb * 2**20), p.overlap)
+        o = cfg.optim
+        self.optimizer = AdamW(self.model.params.data, self.model.params.decay_ranges(),
+                               AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        self.accumulation = grad_accumulation_steps(cfg)
+        self.rows_per_rank = cfg.train.global_batch // p.dp
+        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        self.peak_flops = cfg.logging.peak_flops or measure_matmul_peak(self.backend)
+        self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
+
+    @property
+    def is_logger(self) -> bool:
+        return self.mesh.world.rank == 0
+
+    def _rows(self, micro: int) -> range:
+        first = self.mesh.dp_rank * self.rows_per_rank + micro * self.cfg.train.micro_batch
+        return range(first, first + self.cfg.train.micro_batch)
+
+    def train_step(self, step: int) -> StepResult:
+        cfg, model, xp = self.cfg, self.model, self.backend.xp
+        groups = self.mesh.all_groups()
+        for group in groups:
+            group.reset_counters()
+        start = time.perf_counter()
+        model.grads.data.fill(0)
+        dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
+        loss_sum = 0.0
+        for micro in range(self.accumulation):
+            inputs, targets = self.train_data.global_batch_rows(step, self._rows(micro))
+            self.grad_sync.begin_micro_batch(last=micro == self.accumulation - 1)
+            micro_loss, saved = model.forward(self.backend.from_host(inputs), self.backend.from_host(targets))
+            loss_sum += float(micro_loss)
+            model.backward(saved, dloss, on_unit_done=self.grad_sync.unit_done)
+        self.grad_sync.finish()
+        grads = model.grads.data
+        grad_norm = math.sqrt(float(xp.dot(grads, grads)))  # every dp rank holds the full, summed gradient
+        scale = clip_scale(grad_norm, cfg.optim.clip)
+        if scale != 1.0:
+            grads *= scale
+        o = cfg.optim
+        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
+        self.optimizer.step(grads, lr)
+        loss = self.mesh.dp.all_reduce_scalar(loss_sum) / self.tokens_per_step
+        self.backend.synchronize()
+        seconds = time.perf_counter() - start
+        return StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups))
+
+    def evaluate(self) -> float:
+        loss_sum = 0.0
+        for batch in range(self.cfg.train.eval_batches):
+            for micro in range(self.accumulation):
+                inputs, targets = self.val_data.global_batch_rows(batch, self._rows(micro))
+                micro_loss, _ = self.model.forward(self.backend.from_host(inputs), self.backend.from_host(targets))
+                loss_sum += float(micro_loss)
+        return self.mesh.dp.all_reduce_scalar(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
+
+    def metrics(self, result: StepResult) -> dict:
+        tokens_per_s = self.tokens_per_step / result.seconds
+        mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
+        return {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
+                "comm_bytes": result.comm_bytes}
+
+
+def format_log_line(record: dict, total_steps: int) -> str:
+    line = (f"step {record['step'] + 1:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
+    if "val_loss" in record:
+        line += f" | val loss {record['val_loss']:.4f}"
+    return line
+
+
+def train(cfg: Config, world_comm, run_dir: Path, echo=print) -> dict:
+    """Run cfg.train.steps steps; rank 0 writes RUN_DIR/{config.toml, metrics.jsonl, final.h5} and prints progress."""
+    trainer = Trainer(cfg, world_comm)
+    logger = trainer.is_logger
+    metrics_file = None
+    if logger:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        metrics_file = open(run_dir / "metrics.jsonl", "w")
+        m = trainer.model
+        echo(f"mpitrain: {cfg.model.arch} with {m.n_params:,} parameters on {trainer.mesh.describe()}, "
+             f"{trainer.accumulation} micro-batch(es) of {cfg.train.micro_batch} x {cfg.model.seq_len} tokens per "
+             f"rank per step, {cfg.precision.compute} on {cfg.train.device}; run dir {run_dir}")
+    t = cfg.train
+    last: dict = {}
+    try:
+        for step in range(t.steps):
+            result = trainer.train_step(step)
+            is_last = step == t.steps - 1
+            evaluate = is_last or (t.eval_every and (step + 1) % t.eval_every == 0)
+            record = trainer.metrics(result)
+            if evaluate:
+                record["val_loss"] = trainer.evaluate()
+            if logger and (evaluate or (step + 1) % t.log_every == 0 or step == 0):
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                echo(format_log_line(record, t.steps))
+            if not math.isfinite(result.loss):
+                raise FloatingPointError(f"loss became {result.loss} at step {step + 1}; lower optim.lr")
+            last = record
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    if logger:
+        from mpitrain.generate import sample, save_weights
+        save_weights(run_dir / "final.h5", trainer.model, cfg, trainer.tokenizer_description)
+        if trainer.tokenizer is not None and t.sample_tokens:
+            text = sample(trainer.model, trainer.tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
+            echo(f"--- sample ({t.sample_tokens} tokens after {t.sample_prompt!r}) ---\n{text}\n---")
+        echo(f"final weights: {run_dir / 'final.h5'}  (try: mpitrain generate {run_dir})")
+    return last
+
+
+def default_run_dir(config_path: str | None) -> Path:
+    stem = Path(config_path).stem if config_path else "default"
+    return Path(os.environ.get("MPITRAIN_RUNS", "runs")) / stem
