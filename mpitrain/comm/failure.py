@@ -30,7 +30,8 @@ def format_failure(exc: BaseException, rank: int, size: int) -> str:
 def report_and_abort(exc: BaseException, comm, code: int = 1):
     """Print the failure to stderr, then abort every rank (size > 1) or exit with `code` (a single process)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    print(format_failure(exc, rank, size), file=sys.stderr, flush=True)
+    sys.stderr.write(format_failure(exc, rank, size) + "\n")  # one write, so lines of ranks do not interleave
+    sys.stderr.flush()
     sys.stdout.flush()
     if size > 1:
         comm.Abort(code)

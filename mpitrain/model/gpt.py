@@ -59,9 +59,11 @@ class Block:
             specs += [_matrix("w_gate", c, f, std), _matrix("w_up", c, f, std), _matrix("w_down", f, c, out_std)]
         specs += [ParamSpec("norm1_w", (c,), "ones"), ParamSpec("norm2_w", (c,), "ones")]
         if gpt2:
+            # No key bias: softmax is invariant to adding q.b_k to a whole row of scores, so its gradient is exactly
+            # zero and it would train only on rounding noise, which Adam amplifies to full-size steps.
             specs += [ParamSpec(n, (s,), "zeros") for n, s in
-                      [("norm1_b", c), ("norm2_b", c), ("bq", cfg.n_head * d), ("bk", cfg.kv_heads * d),
-                       ("bv", cfg.kv_heads * d), ("bo", c), ("b_fc", f), ("b_proj", c)]]
+                      [("norm1_b", c), ("norm2_b", c), ("bq", cfg.n_head * d), ("bv", cfg.kv_heads * d),
+                       ("bo", c), ("b_fc", f), ("b_proj", c)]]
         self.layout = UnitLayout(f"blocks.{index}", specs)
         self.gpt2 = gpt2
 

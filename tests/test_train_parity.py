@@ -1,0 +1,111 @@
+"""Data parallelism is exact: dp = 2 and 4 give the single process's losses and parameters (float64, 1e-10).
+
+Runs the real `mpitrain train` command under mpiexec, on a small token file made by `mpitrain data prepare`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.data.prepare import prepare_dataset
+from tests.mpi_helpers import describe, run_mpi
+
+RTOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "stdlib.h5"
+    prepare_dataset("python-stdlib", path, max_bytes=400_000)
+    return path
+
+
+def train_run(n_ranks, run_dir, dataset, *overrides, config="configs/tiny.toml"):
+    settings = [f"data.path={dataset}", "precision.compute=float64", "train.steps=10", *overrides]
+    args = ["-m", "mpitrain", "train", config, "--out", str(run_dir)]
+    for setting in settings:
+        args += ["--set", setting]
+    result = run_mpi(n_ranks, args, timeout=180)
+    assert result.returncode == 0, describe(result)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with h5py.File(run_dir / "final.h5") as f:
+        params = {name: f["params"][name][()] for name in f["params"]}
+    return metrics, params
+
+
+def assert_same_run(reference, other):
+    ref_metrics, ref_params = reference
+    metrics, params = other
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics]
+    for ref, got in zip(ref_metrics, metrics):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), f"step {got['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-9)
+    for name, value in ref_params.items():
+        err = np.linalg.norm(params[name] - value) / np.linalg.norm(value)
+        assert err < RTOL, f"{name}: relative difference {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("micro_batch", [1, 2], ids=["accumulate", "one-micro-batch-at-dp4"])
+def test_data_parallel_matches_single_process(tmp_path, dataset, arch, micro_batch):
+    extra = [f"model.arch={arch}", f"train.micro_batch={micro_batch}"]
+    if arch == "llama":
+        extra.append("model.n_kv_head=2")
+    single = train_run(1, tmp_path / "dp1", dataset, *extra)
+    assert len(single[0]) == 10 and single[0][-1]["loss"] < single[0][0]["loss"]
+    for dp in (2, 4):
+        assert_same_run(single, train_run(dp, tmp_path / f"dp{dp}", dataset, *extra))
+
+
+def test_small_buckets_and_no_overlap_give_the_same_run(tmp_path, dataset):
+    reference = train_run(2, tmp_path / "a", dataset, "parallel.bucket_mb=0.01")
+    assert_same_run(reference, train_run(2, tmp_path / "b", dataset, "parallel.overlap=false"))
+
+
+def test_comm_bytes_are_the_ring_all_reduce_volume(tmp_path, dataset):
+    metrics, params = train_run(4, tmp_path / "dp4", dataset, "train.steps=2", "train.micro_batch=2")
+    psi = sum(v.size for v in params.values()) * 8  # float64 gradient bytes
+    for record in metrics:
+        assert record["comm_bytes"]["all_reduce"] == round(2 * 3 / 4 * psi)
+        assert record["comm_bytes"]["reduce_scatter"] == 0
+
+
+def test_metrics_have_the_contract_keys(tmp_path, dataset):
+    metrics, _ = train_run(1, tmp_path / "run", dataset, "train.steps=3", "precision.compute=float32")
+    for record in metrics:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_bytes"):
+            assert key in record
+        assert 0 < record["mfu"] < 1
+    assert "val_loss" in metrics[-1]
+    assert (tmp_path / "run" / "config.toml").is_file()
+
+
+@pytest.mark.parametrize("ranks, overrides, message", [
+    (2, ["train.global_batch=6", "train.micro_batch=2"], "train.global_batch = 6 is not divisible"),
+    (2, ["model.colour=3"], "unknown config key model.colour"),
+    (2, ["train.steps=\"ten\""], "config key train.steps must be int"),
+    (3, ["parallel.dp=2"], "do not match the 3 MPI ranks"),
+    (2, ["data.path=/nonexistent/corpus.h5"], "dataset file not found: /nonexistent/corpus.h5"),
+    (2, ["model.arch=bert"], "model.arch = 'bert' is not allowed"),
+])
+def test_bad_input_fails_fast_with_one_clear_line(tmp_path, ranks, overrides, message):
+    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path)]
+    for setting in overrides:
+        args += ["--set", setting]
+    result = run_mpi(ranks, args, timeout=60)
+    assert result.returncode != 0, describe(result)
+    assert message in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr, describe(result)
+
+
+def test_single_process_works_without_mpiexec(tmp_path, dataset):
+    import subprocess
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path),
+                             "--set", f"data.path={dataset}", "--set", "train.steps=2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "final.h5").is_file()
