@@ -75,7 +75,9 @@ def nbytes_of(tree) -> int:
             for value in node:
                 visit(value)
         elif hasattr(node, "nbytes") and hasattr(node, "shape"):
-            owner = node.base if getattr(node, "base", None) is not None else node
+            owner = node
+            while getattr(owner, "base", None) is not None and hasattr(owner.base, "nbytes"):
+                owner = owner.base
             seen[id(owner)] = max(seen.get(id(owner), 0), int(owner.nbytes))
 
     visit(tree)

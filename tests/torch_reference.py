@@ -5,7 +5,8 @@ like `GPT.params.named_views()` ("embed.wte", "blocks.0.wq", "head.norm_w", ...)
 (in_features, out_features) so y = x @ W + b.
 
   gpt2:  x = wte[tokens] + wpe[0..T-1]; pre-norm blocks with LayerNorm (biased, eps = cfg.norm_eps), causal softmax
-         attention with scale 1/sqrt(head_dim), GELU (tanh) MLP, biases everywhere; final LayerNorm; logits = h @ wte^T.
+         attention with scale 1/sqrt(head_dim), GELU (tanh) MLP, biases on q, v, o, fc, proj (and on k only if given:
+         mpitrain drops it, softmax being blind to it); final LayerNorm; logits = h @ wte^T.
   llama: x = wte[tokens]; RMSNorm, RoPE ("rotate half", theta = cfg.rope_theta) on q and k, grouped-query attention
          (query head h reads key/value head h // (n_head / n_kv_head)), SwiGLU MLP (silu(h W_gate) * (h W_up)) W_down,
          no biases; final RMSNorm; logits = h @ w_lm with w_lm stored (d_model, vocab).
@@ -122,7 +123,9 @@ def _logits(cfg, w: _Weights, tokens):
         p = f"blocks.{layer}."
         h = norm(x, p + "norm1")
         q = split_heads(linear(h, p + "wq", p + "bq"), cfg.n_head)
-        k = split_heads(linear(h, p + "wk", p + "bk"), n_kv)
+        # gpt2 has no key bias (adding q.b_k to a whole row of scores leaves softmax unchanged, so its gradient is
+        # exactly zero); one is applied only if the weights have it.
+        k = split_heads(linear(h, p + "wk", p + "bk" if p + "bk" in w.tensors else None), n_kv)
         v = split_heads(linear(h, p + "wv", p + "bv"), n_kv)
         if not gpt2:
             q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
