@@ -41,6 +41,11 @@ def array_module(array):
     return np
 
 
+def to_host(array) -> np.ndarray:
+    """A numpy copy (or the array itself) of a numpy or cupy array."""
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
 def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int = 0) -> Backend:
     if compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute = {compute!r} is not supported here; allowed: {sorted(COMPUTE_DTYPES)}")

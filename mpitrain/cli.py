@@ -135,10 +135,10 @@ def launch(n_ranks, config, train_args):
 def generate(weights, prompt, n_tokens, temperature, top_k, seed):
     """Sample text from a trained model (a run directory or its final.h5)."""
     from mpitrain.generate import load_weights, sample
-    _, model, tokenizer = load_weights(weights)
+    _, model, state, tokenizer = load_weights(weights)
     if tokenizer is None:
         raise MpitrainError(f"{weights} was trained on synthetic data: it has no tokenizer to sample text with")
-    click.echo(sample(model, tokenizer, prompt, n_tokens, temperature, top_k, seed))
+    click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))
 
 
 # ----------------------------------------------------------------------------- bench

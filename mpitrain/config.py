@@ -52,9 +52,10 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    zero: int = 0  # 0 = plain data parallelism
-    bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB)
-    overlap: bool = True  # start bucket all-reduces during backward
+    zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward (False: keep for backward)
+    bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB); ZeRO reduces one unit at a time
+    overlap: bool = True  # start gradient reductions during backward
 
 
 @dataclass
@@ -121,7 +122,7 @@ ALLOWED = {
     "model.arch": ("gpt2", "llama"),
     "train.device": ("cpu", "cuda"),
     "precision.compute": ("float32", "float64"),
-    "parallel.zero": (0,),
+    "parallel.zero": (0, 1, 2, 3),
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
 NOT_YET = {"parallel.tp": "tensor parallelism", "parallel.pp": "pipeline parallelism",

@@ -8,14 +8,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpitrain.backend import make_backend
+from mpitrain.backend import make_backend, to_host
 from mpitrain.config import config_from_dict, to_toml
 from mpitrain.data.tokenizer import tokenizer_from_description
 from mpitrain.errors import DataError
 from mpitrain.model.gpt import GPT
+from mpitrain.model.params import FlatBuffer
+from mpitrain.parallel.data import ReplicatedState
 
 
-def sample(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+def sample(model: GPT, state, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
            top_k: int = 0, seed: int = 0) -> str:
     """Autoregressive sampling on one rank (no KV cache: small models, readable code)."""
     backend, seq_len = model.backend, model.cfg.seq_len
@@ -23,7 +25,7 @@ def sample(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature:
     ids = list(tokenizer.encode(prompt)) or [0]
     for _ in range(max_new_tokens):
         window = np.asarray(ids[-seq_len:], dtype=np.int64)[None, :]
-        logits = backend.to_host(model.last_logits(backend.from_host(window)))[0].astype(np.float64)
+        logits = backend.to_host(model.last_logits(state, backend.from_host(window)))[0].astype(np.float64)
         if temperature <= 0:
             ids.append(int(np.argmax(logits)))
             continue
@@ -35,7 +37,7 @@ def sample(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature:
     return tokenizer.decode(np.asarray(ids))
 
 
-def save_weights(path: Path, model: GPT, cfg, tokenizer_description: dict | None) -> None:
+def save_weights(path: Path, params: FlatBuffer, cfg, tokenizer_description: dict | None) -> None:
     """Full parameters in one HDF5 file, written to a temporary name and renamed, so a crash never leaves half."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -43,13 +45,13 @@ def save_weights(path: Path, model: GPT, cfg, tokenizer_description: dict | None
         f.attrs["config"] = to_toml(cfg)
         f.attrs["tokenizer"] = json.dumps(tokenizer_description or {})
         group = f.create_group("params")
-        for name, view in model.params.named_views():
-            group.create_dataset(name, data=model.backend.to_host(view))
+        for name, view in params.named_views():
+            group.create_dataset(name, data=to_host(view))
     tmp.replace(path)
 
 
 def load_weights(path, device: str = "cpu"):
-    """(config, model, tokenizer or None) from a file written by save_weights."""
+    """(config, model, state holding the weights, tokenizer or None) from a file written by save_weights."""
     path = Path(path)
     if path.is_dir():
         path = path / "final.h5"
@@ -58,10 +60,12 @@ def load_weights(path, device: str = "cpu"):
     with h5py.File(path, "r") as f:
         cfg = config_from_dict(tomllib.loads(f.attrs["config"]), str(path))
         description = json.loads(f.attrs["tokenizer"])
-        model = GPT(cfg.model, make_backend(device, cfg.precision.compute), cfg.train.seed)
-        for name, view in model.params.named_views():
+        backend = make_backend(device, cfg.precision.compute)
+        model = GPT(cfg.model, backend)
+        state = ReplicatedState(model.layouts, backend, seed=None)
+        for name, view in state.params.named_views():
             if name not in f["params"]:
                 raise DataError(f"{path} has no tensor {name}: it was written by another model version")
-            view[...] = model.backend.from_host(f["params"][name][()])
+            view[...] = backend.from_host(f["params"][name][()])
     tokenizer = tokenizer_from_description(description) if description else None
-    return cfg, model, tokenizer
+    return cfg, model, state, tokenizer

@@ -23,7 +23,8 @@ from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
-from mpitrain.parallel.data import BucketedAllReduce
+from mpitrain.parallel.data import ReplicatedState
+from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 
 
@@ -64,11 +65,10 @@ class Trainer:
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.model = GPT(cfg.model, self.backend, cfg.train.seed)
-        self.grad_sync = BucketedAllReduce(self.model.grads, self.mesh.dp, int(p.bucket_mb * 2**20), p.overlap)
+        self.model = GPT(cfg.model, self.backend)
+        self.state = make_state(cfg, self.model, self.backend, self.mesh)
         o = cfg.optim
-        self.optimizer = AdamW(self.model.params.data, self.model.params.decay_ranges(),
-                               AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
         self.accumulation = grad_accumulation_steps(cfg)
         self.rows_per_rank = cfg.train.global_batch // p.dp
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -84,29 +84,30 @@ class Trainer:
         return range(first, first + self.cfg.train.micro_batch)
 
     def train_step(self, step: int) -> StepResult:
-        cfg, model, xp = self.cfg, self.model, self.backend.xp
+        cfg, model, state = self.cfg, self.model, self.state
         groups = self.mesh.all_groups()
         for group in groups:
             group.reset_counters()
         start = time.perf_counter()
-        model.grads.data.fill(0)
+        state.zero_grads()
         dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
         loss_sum = 0.0
         for micro in range(self.accumulation):
             inputs, targets = self.train_data.global_batch_rows(step, self._rows(micro))
-            self.grad_sync.begin_micro_batch(last=micro == self.accumulation - 1)
-            micro_loss, saved = model.forward(self.backend.from_host(inputs), self.backend.from_host(targets))
+            state.begin_micro_batch(last=micro == self.accumulation - 1)
+            micro_loss, saved = model.forward(state, self.backend.from_host(inputs), self.backend.from_host(targets))
             loss_sum += float(micro_loss)
-            model.backward(saved, dloss, on_unit_done=self.grad_sync.unit_done)
-        self.grad_sync.finish()
-        grads = model.grads.data
-        grad_norm = math.sqrt(float(xp.dot(grads, grads)))  # every dp rank holds the full, summed gradient
+            model.backward(state, saved, dloss)
+        state.finish()
+        grad_norm = math.sqrt(state.grad_sq_sum())
         scale = clip_scale(grad_norm, cfg.optim.clip)
         if scale != 1.0:
-            grads *= scale
+            for segment in self.optimizer.segments:
+                segment.grads *= scale
         o = cfg.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
-        self.optimizer.step(grads, lr)
+        self.optimizer.step(lr)
+        state.after_step()
         loss = self.mesh.dp.all_reduce_scalar(loss_sum) / self.tokens_per_step
         self.backend.synchronize()
         seconds = time.perf_counter() - start
@@ -117,7 +118,8 @@ class Trainer:
         for batch in range(self.cfg.train.eval_batches):
             for micro in range(self.accumulation):
                 inputs, targets = self.val_data.global_batch_rows(batch, self._rows(micro))
-                micro_loss, _ = self.model.forward(self.backend.from_host(inputs), self.backend.from_host(targets))
+                micro_loss, _ = self.model.forward(self.state, self.backend.from_host(inputs),
+                                                   self.backend.from_host(targets))
                 loss_sum += float(micro_loss)
         return self.mesh.dp.all_reduce_scalar(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 
@@ -127,6 +129,14 @@ class Trainer:
         return {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                 "comm_bytes": result.comm_bytes}
+
+
+def make_state(cfg: Config, model: GPT, backend, mesh):
+    """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
+    p = cfg.parallel
+    if p.zero == 0:
+        return ReplicatedState(model.layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap)
+    return ZeroState(model.layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward)
 
 
 def format_log_line(record: dict, total_steps: int) -> str:
@@ -170,11 +180,13 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print) -> dict:
     finally:
         if metrics_file is not None:
             metrics_file.close()
+    full = trainer.state.full_params()  # a collective under ZeRO-3: every rank takes part
     if logger:
         from mpitrain.generate import sample, save_weights
-        save_weights(run_dir / "final.h5", trainer.model, cfg, trainer.tokenizer_description)
+        local = ReplicatedState(trainer.model.layouts, trainer.backend, None, params=full)
+        save_weights(run_dir / "final.h5", full, cfg, trainer.tokenizer_description)
         if trainer.tokenizer is not None and t.sample_tokens:
-            text = sample(trainer.model, trainer.tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
+            text = sample(trainer.model, local, trainer.tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
             echo(f"--- sample ({t.sample_tokens} tokens after {t.sample_prompt!r}) ---\n{text}\n---")
         echo(f"final weights: {run_dir / 'final.h5'}  (try: mpitrain generate {run_dir})")
     return last

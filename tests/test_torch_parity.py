@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is the gradient reference: 
 from mpitrain.backend import make_backend  # noqa: E402
 from mpitrain.config import Config, ModelConfig, validate  # noqa: E402
 from mpitrain.model.gpt import GPT  # noqa: E402
+from mpitrain.parallel.data import ReplicatedState  # noqa: E402
 
 try:
     import torch_reference as ref
@@ -27,10 +28,29 @@ CONFIGS = {
 }
 
 
-def tiny_model(name: str, seed: int = 0) -> GPT:
+class SingleProcessModel:
+    """The model with its parameters in one process (the state every parallel layout is compared against)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        backend = make_backend("cpu", "float64")
+        self.cfg, self.gpt = cfg, GPT(cfg, backend)
+        self.state = ReplicatedState(self.gpt.layouts, backend, seed)
+        self.params, self.grads = self.state.params, self.state.grads
+
+    def forward(self, tokens, targets):
+        return self.gpt.forward(self.state, tokens, targets)
+
+    def backward(self, saved, dloss):
+        self.gpt.backward(self.state, saved, dloss)
+
+    def last_logits(self, tokens):
+        return self.gpt.last_logits(self.state, tokens)
+
+
+def tiny_model(name: str, seed: int = 0) -> SingleProcessModel:
     cfg = CONFIGS[name]
     validate(Config(model=cfg))
-    model = GPT(cfg, make_backend("cpu", "float64"), seed=seed)
+    model = SingleProcessModel(cfg, seed=seed)
     # Move every tensor off its initial value (norm gains 1, biases 0) so that each one matters to the loss.
     rng = np.random.default_rng(seed + 100)
     for _, view in model.params.named_views():
@@ -46,7 +66,7 @@ def batch(cfg: ModelConfig, t: int, seed: int = 1, exclude=()):
     return tokens, targets
 
 
-def weights_of(model: GPT) -> dict[str, np.ndarray]:
+def weights_of(model: SingleProcessModel) -> dict[str, np.ndarray]:
     return {name: view.copy() for name, view in model.params.named_views()}
 
 
@@ -57,7 +77,7 @@ def rel_err(expected, actual) -> float:
     return 0.0 if scale == 0 else float(np.linalg.norm(expected - actual) / scale)
 
 
-def model_loss_and_grads(model: GPT, micro_batches):
+def model_loss_and_grads(model: SingleProcessModel, micro_batches):
     """Mean loss over all tokens of the micro-batches, gradients accumulated into model.grads."""
     tokens_total = sum(tokens.size for tokens, _ in micro_batches)
     model.grads.data[...] = 0.0

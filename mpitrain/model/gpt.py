@@ -1,220 +1,44 @@
-"""A decoder-only transformer assembled from units: embedding, blocks, head (the order the data flows).
+"""A decoder-only transformer (or one pipeline stage of it): a list of units and the loops that run them.
 
-Each unit has a `layout` (its tensors) and `forward(p, x, ctx) -> (y, saved)` / `backward(p, g, saved, dy) -> dx`,
-where `p` and `g` are dicts of parameter and gradient views handed in by the caller. Units own no arrays, so the same
-unit code runs with parameters from a flat buffer, from a ZeRO-3 all-gather or from a pipeline stage.
+The model holds no parameters: `forward`/`backward` ask a *state* object for each unit's parameter and gradient
+views. The state decides where they live: one full flat buffer (data parallelism, ZeRO-1/2) or a shard that is
+all-gathered just before use and freed after (ZeRO-3). See `mpitrain/parallel/data.py` for the protocol:
 
-Two flavours, chosen by `model.arch`:
-  gpt2:  learned positions, LayerNorm with bias, GELU (tanh), biases on linears, head tied to the token embedding.
-  llama: RoPE, RMSNorm, SwiGLU, grouped-query attention (n_kv_head), no biases, separate head.
+    state.acquire(unit, phase) -> dict of parameter views   (phase: "forward" | "backward")
+    state.release(unit, phase)                               after the unit's last reader in that phase
+    state.grad_views(unit) -> dict of gradient views         (added into by backward)
+    state.unit_done(unit)                                    its gradients for this micro-batch are complete
+
+Most units read only their own parameters; the gpt2 head also reads the embedding's `wte` (tied weights), so
+"last reader" is tracked per unit and phase.
 """
 from __future__ import annotations
 
-import math
-
-from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
 from mpitrain.model import ops
-from mpitrain.model.params import FlatBuffer, ParamSpec, UnitLayout, init_tensor
-
-
-def _matrix(name, rows, cols, std):
-    return ParamSpec(name, (rows, cols), "normal", std)
-
-
-class Embedding:
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        specs = [_matrix("wte", cfg.vocab_size, cfg.d_model, cfg.init_std)]
-        if cfg.arch == "gpt2":
-            specs.append(_matrix("wpe", cfg.seq_len, cfg.d_model, cfg.init_std))
-        self.layout = UnitLayout("embed", specs)
-
-    def forward(self, p, tokens, ctx):
-        x, ids = ops.embedding_forward(p["wte"], tokens)
-        if "wpe" in p:
-            x += p["wpe"][ctx["positions"]]
-        return x, ids
-
-    def backward(self, p, g, ids, dx):
-        ops.embedding_backward(ids, dx, g["wte"])
-        if "wpe" in g:
-            g["wpe"][: dx.shape[1]] += dx.sum(axis=0)  # positions are 0..T-1 without context parallelism
-        return None
-
-
-class Block:
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
-
-    def __init__(self, cfg: ModelConfig, index: int):
-        self.cfg = cfg
-        c, d, f = cfg.d_model, cfg.head_dim, cfg.ff_dim
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual init
-        gpt2 = cfg.arch == "gpt2"
-        specs = [_matrix("wq", c, cfg.n_head * d, std), _matrix("wk", c, cfg.kv_heads * d, std),
-                 _matrix("wv", c, cfg.kv_heads * d, std), _matrix("wo", cfg.n_head * d, c, out_std)]
-        if gpt2:
-            specs += [_matrix("w_fc", c, f, std), _matrix("w_proj", f, c, out_std)]
-        else:
-            specs += [_matrix("w_gate", c, f, std), _matrix("w_up", c, f, std), _matrix("w_down", f, c, out_std)]
-        specs += [ParamSpec("norm1_w", (c,), "ones"), ParamSpec("norm2_w", (c,), "ones")]
-        if gpt2:
-            # No key bias: softmax is invariant to adding q.b_k to a whole row of scores, so its gradient is exactly
-            # zero and it would train only on rounding noise, which Adam amplifies to full-size steps.
-            specs += [ParamSpec(n, (s,), "zeros") for n, s in
-                      [("norm1_b", c), ("norm2_b", c), ("bq", cfg.n_head * d), ("bv", cfg.kv_heads * d),
-                       ("bo", c), ("b_fc", f), ("b_proj", c)]]
-        self.layout = UnitLayout(f"blocks.{index}", specs)
-        self.gpt2 = gpt2
-
-    # -- helpers shared by forward and backward
-    def _norm(self, p, x, which):
-        if self.gpt2:
-            return ops.layernorm_forward(x, p[f"norm{which}_w"], p[f"norm{which}_b"], self.cfg.norm_eps)
-        return ops.rmsnorm_forward(x, p[f"norm{which}_w"], self.cfg.norm_eps)
-
-    def _norm_backward(self, p, g, saved, dy, which):
-        if self.gpt2:
-            return ops.layernorm_backward(saved, p[f"norm{which}_w"], dy, g[f"norm{which}_w"], g[f"norm{which}_b"])
-        return ops.rmsnorm_backward(saved, p[f"norm{which}_w"], dy, g[f"norm{which}_w"])
-
-    @staticmethod
-    def _split_heads(x, n_heads, xp):
-        b, t, _ = x.shape
-        return xp.ascontiguousarray(x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3))
-
-    @staticmethod
-    def _merge_heads(x, xp):
-        b, h, t, d = x.shape
-        return xp.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(b, t, h * d)
-
-    def forward(self, p, x, ctx):
-        xp, cfg = ctx["xp"], self.cfg
-        h1, norm1 = self._norm(p, x, 1)
-        q = self._split_heads(ops.linear_forward(h1, p["wq"], p.get("bq"))[0], cfg.n_head, xp)
-        k = self._split_heads(ops.linear_forward(h1, p["wk"], p.get("bk"))[0], cfg.kv_heads, xp)
-        v = self._split_heads(ops.linear_forward(h1, p["wv"], p.get("bv"))[0], cfg.kv_heads, xp)
-        if not self.gpt2:
-            q = ops.rope_forward(q, ctx["cos"], ctx["sin"])
-            k = ops.rope_forward(k, ctx["cos"], ctx["sin"])
-        attn, attention = ops.attention_forward(q, k, v, ctx["bias"])
-        attn = self._merge_heads(attn, xp)
-        x1 = x + ops.linear_forward(attn, p["wo"], p.get("bo"))[0]
-        h2, norm2 = self._norm(p, x1, 2)
-        if self.gpt2:
-            up = ops.linear_forward(h2, p["w_fc"], p["b_fc"])[0]
-            act, _ = ops.gelu_forward(up)
-            mlp_saved = (up,)
-        else:
-            gate = ops.linear_forward(h2, p["w_gate"])[0]
-            up = ops.linear_forward(h2, p["w_up"])[0]
-            act, _ = ops.swiglu_forward(gate, up)
-            mlp_saved = (gate, up)
-        y = x1 + ops.linear_forward(act, p["w_proj" if self.gpt2 else "w_down"], p.get("b_proj"))[0]
-        saved = {"norm1": norm1, "h1": h1, "attention": attention, "attn": attn, "norm2": norm2, "h2": h2,
-                 "mlp": mlp_saved, "act": act}
-        if not self.gpt2:
-            saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
-        return y, saved
-
-    def backward(self, p, g, s, dy):
-        xp, cfg = array_module(dy), self.cfg
-        # MLP branch
-        w_out = "w_proj" if self.gpt2 else "w_down"
-        d_act = ops.linear_backward(s["act"], p[w_out], dy, g[w_out], g.get("b_proj"))
-        if self.gpt2:
-            d_up = ops.gelu_backward(s["mlp"][0], d_act)
-            d_h2 = ops.linear_backward(s["h2"], p["w_fc"], d_up, g["w_fc"], g["b_fc"])
-        else:
-            d_gate, d_up = ops.swiglu_backward(s["mlp"], d_act)
-            d_h2 = ops.linear_backward(s["h2"], p["w_gate"], d_gate, g["w_gate"])
-            d_h2 += ops.linear_backward(s["h2"], p["w_up"], d_up, g["w_up"])
-        dx1 = dy + self._norm_backward(p, g, s["norm2"], d_h2, 2)
-        # attention branch
-        d_attn = ops.linear_backward(s["attn"], p["wo"], dx1, g["wo"], g.get("bo"))
-        dq, dk, dv = ops.attention_backward(s["attention"], self._split_heads(d_attn, cfg.n_head, xp))
-        if not self.gpt2:
-            cos, sin = s["rope"]
-            dq = ops.rope_backward(dq, cos, sin)
-            dk = ops.rope_backward(dk, cos, sin)
-        h1 = s["h1"]
-        d_h1 = ops.linear_backward(h1, p["wq"], self._merge_heads(dq, xp), g["wq"], g.get("bq"))
-        d_h1 += ops.linear_backward(h1, p["wk"], self._merge_heads(dk, xp), g["wk"], g.get("bk"))
-        d_h1 += ops.linear_backward(h1, p["wv"], self._merge_heads(dv, xp), g["wv"], g.get("bv"))
-        return dx1 + self._norm_backward(p, g, s["norm1"], d_h1, 1)
-
-
-class Head:
-    """Final norm, output projection (tied to the token embedding for gpt2) and the mean cross-entropy loss."""
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        self.tied = cfg.arch == "gpt2"
-        specs = [ParamSpec("norm_w", (cfg.d_model,), "ones")]
-        if self.tied:
-            specs.append(ParamSpec("norm_b", (cfg.d_model,), "zeros"))
-        else:
-            specs.append(_matrix("w_lm", cfg.d_model, cfg.vocab_size, cfg.init_std))
-        self.layout = UnitLayout("head", specs)
-
-    def _norm(self, p, x):
-        if self.tied:
-            return ops.layernorm_forward(x, p["norm_w"], p["norm_b"], self.cfg.norm_eps)
-        return ops.rmsnorm_forward(x, p["norm_w"], self.cfg.norm_eps)
-
-    @staticmethod
-    def _weight(p):
-        """(d_model, vocab) view of the output projection: the transposed token embedding when tied."""
-        return p["wte"].T if "wte" in p else p["w_lm"]
-
-    def logits(self, p, x):
-        h, _ = self._norm(p, x)
-        return ops.linear_forward(h, self._weight(p))[0]
-
-    def forward(self, p, x, targets):
-        h, norm = self._norm(p, x)
-        logits = ops.linear_forward(h, self._weight(p))[0]
-        loss_sum, loss = ops.cross_entropy_forward(logits, targets)
-        return loss_sum, {"norm": norm, "h": h, "loss": loss}
-
-    def backward(self, p, g, s, dloss):
-        dlogits = ops.cross_entropy_backward(s["loss"], dloss)
-        dh = ops.linear_backward(s["h"], self._weight(p), dlogits, self._weight(g))
-        if self.tied:
-            return ops.layernorm_backward(s["norm"], p["norm_w"], dh, g["norm_w"], g["norm_b"])
-        return ops.rmsnorm_backward(s["norm"], p["norm_w"], dh, g["norm_w"])
+from mpitrain.model.units import Block, Embedding, Head
 
 
 class GPT:
-    """The whole model on one rank: units, one flat parameter buffer and one flat gradient buffer.
-
-    forward/backward run one micro-batch. `backward` calls `on_unit_done(i)` as soon as unit i's gradients for this
-    micro-batch are complete (units finish in reverse order), which is where data parallelism starts its bucket
-    all-reduces so that communication overlaps the rest of backward.
-    """
-
-    def __init__(self, cfg: ModelConfig, backend, seed: int):
+    def __init__(self, cfg: ModelConfig, backend):
         self.cfg, self.backend = cfg, backend
         self.units = [Embedding(cfg)] + [Block(cfg, i) for i in range(cfg.n_layer)] + [Head(cfg)]
-        layouts = [u.layout for u in self.units]
-        xp, dtype = backend.xp, backend.dtype
-        self.params = FlatBuffer.allocate(layouts, xp, dtype)
-        self.grads = FlatBuffer.allocate(layouts, xp, dtype)
-        for layout, views in zip(layouts, self.params.views):
-            for spec in layout.specs:
-                views[spec.name][...] = backend.from_host(init_tensor(spec, layout.name, seed), dtype)
+        self.layouts = [u.layout for u in self.units]
+        head = len(self.units) - 1
+        # reads[i]: the units whose parameters unit i uses
+        self.reads = {i: [i] for i in range(len(self.units))}
+        if self.units[head].tied:
+            self.reads[head].append(0)
+        self.last_reader = {"forward": {}, "backward": {}}
+        for i in range(len(self.units)):  # forward runs units in ascending order, backward in descending
+            for j in self.reads[i]:
+                self.last_reader["forward"][j] = max(i, self.last_reader["forward"].get(j, i))
+                self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
-
-    # -- parameters
-    def unit_views(self, index: int, buffer: FlatBuffer) -> dict:
-        views = buffer.views[index]
-        if index == len(self.units) - 1 and self.units[index].tied:
-            views = {**views, "wte": buffer.views[0]["wte"]}  # the tied head reads (and adds into) the embedding
-        return views
 
     @property
     def n_params(self) -> int:
-        return int(self.params.data.size)
+        return sum(layout.size for layout in self.layouts)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus attention's 12*L*d*T.
@@ -227,8 +51,8 @@ class GPT:
         matmul_weights = self.n_params - embedding + cfg.vocab_size * cfg.d_model
         return 6.0 * matmul_weights + 12.0 * cfg.n_layer * cfg.d_model * seq_len
 
-    # -- per sequence-length constants
     def context(self, seq_len: int) -> dict:
+        """Per-sequence-length constants shared by all units: positions, causal mask, rotary tables."""
         if seq_len not in self._ctx_cache:
             xp, dtype, cfg = self.backend.xp, self.backend.dtype, self.cfg
             ctx = {"xp": xp, "positions": xp.arange(seq_len), "bias": ops.causal_bias(seq_len, seq_len, xp, dtype)}
@@ -237,32 +61,60 @@ class GPT:
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
 
+    # -- parameter access through the state
+    def _params(self, state, unit: int, phase: str) -> dict:
+        views = {}
+        for j in reversed(self.reads[unit]):  # the unit's own tensors win over borrowed ones of the same name
+            own = state.acquire(j, phase)
+            views.update(own if j == unit else {"wte": own["wte"]})
+        return views
+
+    def _grads(self, state, unit: int) -> dict:
+        views = {}
+        for j in reversed(self.reads[unit]):
+            own = state.grad_views(j)
+            views.update(own if j == unit else {"wte": own["wte"]})
+        return views
+
+    def _after(self, state, unit: int, phase: str) -> None:
+        for j in self.reads[unit]:
+            if self.last_reader[phase][j] == unit:
+                if phase == "backward":
+                    state.unit_done(j)
+                state.release(j, phase)
+
     # -- one micro-batch
-    def forward(self, tokens, targets):
+    def forward(self, state, tokens, targets):
         """Returns (sum of token losses, saved state per unit)."""
         ctx = self.context(tokens.shape[1])
         x, saved = tokens, []
-        for i, unit in enumerate(self.units[:-1]):
-            x, s = unit.forward(self.unit_views(i, self.params), x, ctx)
+        head = len(self.units) - 1
+        for i, unit in enumerate(self.units):
+            p = self._params(state, i, "forward")
+            if i == head:
+                x, s = unit.forward(p, x, targets)
+            else:
+                x, s = unit.forward(p, x, ctx)
+            self._after(state, i, "forward")
             saved.append(s)
-        last = len(self.units) - 1
-        loss_sum, s = self.units[last].forward(self.unit_views(last, self.params), x, targets)
-        saved.append(s)
-        return loss_sum, saved
+        return x, saved
 
-    def backward(self, saved, dloss: float, on_unit_done=None):
+    def backward(self, state, saved, dloss: float) -> None:
         dx = dloss
         for i in reversed(range(len(self.units))):
-            dx = self.units[i].backward(self.unit_views(i, self.params), self.unit_views(i, self.grads), saved[i], dx)
+            dx = self.units[i].backward(self._params(state, i, "backward"), self._grads(state, i), saved[i], dx)
             saved[i] = None  # free this unit's activations as soon as they are used
-            if on_unit_done is not None:
-                on_unit_done(i)
+            self._after(state, i, "backward")
 
-    def last_logits(self, tokens):
+    def last_logits(self, state, tokens):
         """Logits of the last position (generation)."""
         ctx = self.context(tokens.shape[1])
-        x = tokens
-        for i, unit in enumerate(self.units[:-1]):
-            x, _ = unit.forward(self.unit_views(i, self.params), x, ctx)
-        last = len(self.units) - 1
-        return self.units[last].logits(self.unit_views(last, self.params), x[:, -1:])[:, 0]
+        x, head = tokens, len(self.units) - 1
+        for i, unit in enumerate(self.units):
+            p = self._params(state, i, "forward")
+            if i == head:
+                x = unit.logits(p, x[:, -1:])[:, 0]
+            else:
+                x, _ = unit.forward(p, x, ctx)
+            self._after(state, i, "forward")
+        return x

@@ -1,9 +1,11 @@
 """Parameters as flat buffers with named views (design decision 3).
 
-A `UnitLayout` lists a unit's tensors (name, shape, how to initialise, whether weight decay applies). A `FlatBuffer`
-places the units of a stage one after the other in ONE contiguous array, so data-parallel all-reduce, ZeRO sharding,
-bucketing, offloading and checkpoints all work on contiguous ranges instead of hundreds of small arrays. Inside a
-unit, decayed tensors (matrices) come first, so each unit's decayed part is a single range.
+A `UnitLayout` lists a unit's tensors. Each `ParamSpec` knows the tensor's GLOBAL shape and where this rank's piece
+sits in it (`offset`): with tensor parallelism a rank holds a block of a weight, and checkpoints, initialisation and
+gradient norms need to know which. A `FlatBuffer` places units one after the other in ONE contiguous array, so
+data-parallel all-reduce, ZeRO sharding, bucketing, offloading and checkpoints work on contiguous ranges instead of
+hundreds of small arrays. Each unit's range can be padded to a multiple of the data-parallel size, so ZeRO shards are
+equal without any "must be divisible" rule (padding is zero and stays zero).
 """
 from __future__ import annotations
 
@@ -16,18 +18,33 @@ import numpy as np
 @dataclass(frozen=True)
 class ParamSpec:
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # this rank's piece
     init: str  # "normal" (std), "zeros", "ones"
     std: float = 0.0
+    global_shape: tuple[int, ...] | None = None  # None: the piece is the whole tensor
+    offset: tuple[int, ...] | None = None  # where the piece starts in the global tensor
+    tp_replicated: bool = True  # identical on every tensor-parallel rank (counted once in norms, saved once)
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape))
 
     @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.global_shape or self.shape
+
+    @property
+    def start(self) -> tuple[int, ...]:
+        return self.offset or (0,) * len(self.shape)
+
+    @property
     def decay(self) -> bool:
         """Decoupled weight decay on matrices only (embeddings included), never on biases or norm gains."""
         return len(self.shape) >= 2
+
+    def piece(self, full: np.ndarray) -> np.ndarray:
+        """This rank's piece of the full tensor."""
+        return full[tuple(slice(s, s + n) for s, n in zip(self.start, self.shape))]
 
 
 @dataclass
@@ -36,25 +53,28 @@ class UnitLayout:
     specs: list[ParamSpec]
 
     def __post_init__(self):
-        self.specs = sorted(self.specs, key=lambda s: not s.decay)  # stable: matrices first
+        # Stable order: decayed tensors first, then the rest; tensor-parallel-sharded before replicated within each,
+        # so "decayed" and "replicated" are each a few contiguous ranges of the unit.
+        self.specs = sorted(self.specs, key=lambda s: (not s.decay, s.tp_replicated))
 
     @property
     def size(self) -> int:
         return sum(s.size for s in self.specs)
 
-    @property
-    def decay_size(self) -> int:
-        return sum(s.size for s in self.specs if s.decay)
-
 
 def init_tensor(spec: ParamSpec, unit_name: str, seed: int) -> np.ndarray:
-    """The full initial value of one tensor, a pure function of (seed, tensor name): every layout starts equal."""
+    """Initial value of this rank's piece: a slice of the full tensor, itself a pure function of (seed, tensor name),
+    so every layout starts from the same model."""
     if spec.init == "zeros":
         return np.zeros(spec.shape)
     if spec.init == "ones":
         return np.ones(spec.shape)
     rng = np.random.default_rng([seed, zlib.crc32(f"{unit_name}.{spec.name}".encode())])
-    return rng.normal(0.0, spec.std, size=spec.shape)
+    return spec.piece(rng.normal(0.0, spec.std, size=spec.full_shape))
+
+
+def padded(size: int, align: int) -> int:
+    return -(-size // align) * align
 
 
 @dataclass
@@ -62,15 +82,24 @@ class FlatBuffer:
     """One contiguous array holding the tensors of several units, with a dict of named views per unit."""
     layouts: list[UnitLayout]
     data: object  # xp array, 1-D
-    offsets: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # unit i occupies [offsets[i], offsets[i] + layouts[i].size)
     views: list[dict] = field(default_factory=list)
 
     @classmethod
-    def allocate(cls, layouts: list[UnitLayout], xp, dtype) -> "FlatBuffer":
-        offsets = np.cumsum([0] + [u.size for u in layouts]).tolist()
-        buf = cls(layouts, xp.zeros(offsets[-1], dtype=dtype), offsets)
+    def geometry(cls, layouts: list[UnitLayout], align: int = 1) -> "FlatBuffer":
+        """Offsets and ranges only, no array: for code that needs to know where tensors sit (ZeRO-3 shards)."""
+        return cls(layouts, None, np.cumsum([0] + [padded(u.size, align) for u in layouts]).tolist())
+
+    @classmethod
+    def allocate(cls, layouts: list[UnitLayout], xp, dtype, align: int = 1) -> "FlatBuffer":
+        buf = cls.geometry(layouts, align)
+        buf.data = xp.zeros(buf.offsets[-1], dtype=dtype)
         buf.views = [buf._unit_views(i) for i in range(len(layouts))]
         return buf
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
 
     def _unit_views(self, index: int) -> dict:
         views, position = {}, self.offsets[index]
@@ -80,13 +109,38 @@ class FlatBuffer:
         return views
 
     def unit_range(self, index: int) -> tuple[int, int]:
+        """[start, end) of unit `index`, padding included."""
         return self.offsets[index], self.offsets[index + 1]
 
-    def decay_ranges(self) -> list[tuple[int, int]]:
-        """Flat [start, end) ranges that get weight decay."""
-        return [(self.offsets[i], self.offsets[i] + u.decay_size) for i, u in enumerate(self.layouts) if u.decay_size]
+    def ranges(self, predicate) -> list[tuple[int, int]]:
+        """Flat [start, end) ranges holding the tensors for which predicate(spec) is true, adjacent ones merged."""
+        found: list[list[int]] = []
+        for layout, start in zip(self.layouts, self.offsets):
+            for spec in layout.specs:
+                if predicate(spec):
+                    if found and found[-1][1] == start:
+                        found[-1][1] = start + spec.size
+                    else:
+                        found.append([start, start + spec.size])
+                start += spec.size
+        return [tuple(r) for r in found]
 
     def named_views(self):
         for layout, views in zip(self.layouts, self.views):
             for spec in layout.specs:
                 yield f"{layout.name}.{spec.name}", views[spec.name]
+
+
+def initial_unit_flat(layout: UnitLayout, seed: int, size: int) -> np.ndarray:
+    """The unit's initial parameters as one host float64 flat array of `size` (padding zero), in layout order."""
+    flat = np.zeros(size)
+    position = 0
+    for spec in layout.specs:
+        flat[position:position + spec.size] = init_tensor(spec, layout.name, seed).reshape(-1)
+        position += spec.size
+    return flat
+
+
+def intersect(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of `ranges` inside [start, end), shifted so that `start` becomes 0."""
+    return [(max(a, start) - start, min(b, end) - start) for a, b in ranges if a < end and b > start]

@@ -1,14 +1,22 @@
-"""AdamW over flat buffers, with decoupled weight decay on chosen ranges and global gradient-norm clipping.
+"""AdamW over flat segments, with decoupled weight decay on chosen ranges, and global gradient-norm clipping.
 
-The optimizer sees one flat parameter array and the matching flat gradient array (or, under ZeRO, one rank's shard of
-them: `decay_ranges` are then given in the shard's coordinates). Its moments are flat arrays of the same length.
+The optimizer never sees tensors: it updates `Segment`s, each a 1-D parameter view with its gradient view and the
+ranges inside it that get weight decay. Plain data parallelism hands it one segment (the whole flat buffer); ZeRO
+hands it one per unit (this rank's shard of each unit). Its moments are one flat array over all segments.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from mpitrain.backend import array_module as _xp
+from mpitrain.backend import array_module
+
+
+@dataclass
+class Segment:
+    params: object  # 1-D view, updated in place
+    grads: object  # 1-D view of the same length
+    decay_ranges: list[tuple[int, int]]  # [start, end) within this segment
 
 
 @dataclass
@@ -20,42 +28,46 @@ class AdamWHyper:
 
 
 class AdamW:
-    def __init__(self, params, decay_ranges: list[tuple[int, int]], hyper: AdamWHyper, state_dtype=None):
-        xp = _xp(params)
-        self.params = params
-        self.decay_ranges = decay_ranges
-        self.hyper = hyper
-        # Moments are fp32 at least (fp64 when the compute dtype is fp64, for parity tests).
-        dtype = state_dtype or params.dtype
-        self.exp_avg = xp.zeros(params.shape, dtype=dtype)
-        self.exp_avg_sq = xp.zeros(params.shape, dtype=dtype)
+    def __init__(self, segments: list[Segment], hyper: AdamWHyper, state_dtype=None):
+        xp = array_module(segments[0].params)
+        self.segments, self.hyper = segments, hyper
+        self.bounds = []
+        total = 0
+        for segment in segments:
+            self.bounds.append((total, total + segment.params.size))
+            total += segment.params.size
+        # Moments in the master dtype: float32 (float64 in parity runs), never lower.
+        dtype = state_dtype or segments[0].params.dtype
+        self.exp_avg = xp.zeros(total, dtype=dtype)
+        self.exp_avg_sq = xp.zeros(total, dtype=dtype)
         self.steps_taken = 0
 
     def state_nbytes(self) -> int:
         return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes)
 
-    def step(self, grads, lr: float) -> None:
-        """One update of `self.params` in place from `grads` (already averaged and clipped)."""
-        h, xp = self.hyper, _xp(self.params)
+    def step(self, lr: float) -> None:
+        """One update of every segment's parameters in place from its gradients (already averaged and clipped)."""
         self.steps_taken += 1
-        t = self.steps_taken
+        for segment, (start, end) in zip(self.segments, self.bounds):
+            self._update(segment, self.exp_avg[start:end], self.exp_avg_sq[start:end], lr)
+
+    def _update(self, segment: Segment, m, v, lr: float) -> None:
+        h, xp, t = self.hyper, array_module(segment.params), self.steps_taken
+        p, g = segment.params, segment.grads
         if h.weight_decay and lr:
             shrink = 1.0 - lr * h.weight_decay  # decoupled: p <- p (1 - lr wd), before the Adam update (as torch)
-            for start, end in self.decay_ranges:
-                self.params[start:end] *= shrink
-        m, v = self.exp_avg, self.exp_avg_sq
+            for start, end in segment.decay_ranges:
+                p[start:end] *= shrink
         m *= h.beta1
-        m += (1.0 - h.beta1) * grads
+        m += (1.0 - h.beta1) * g
         v *= h.beta2
-        v += (1.0 - h.beta2) * (grads * grads)
-        bias1 = 1.0 - h.beta1 ** t
-        bias2 = 1.0 - h.beta2 ** t
+        v += (1.0 - h.beta2) * (g * g)
         denom = xp.sqrt(v)
-        denom /= math.sqrt(bias2)
+        denom /= math.sqrt(1.0 - h.beta2 ** t)
         denom += h.eps
         update = m / denom
-        update *= lr / bias1
-        self.params -= update
+        update *= lr / (1.0 - h.beta1 ** t)
+        p -= update
 
 
 def clip_scale(grad_norm: float, max_norm: float) -> float:

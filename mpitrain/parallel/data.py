@@ -1,36 +1,71 @@
 """Data parallelism: every rank holds the whole model and sums gradients over the data-parallel group.
 
+`ReplicatedState` is the parameter/gradient state for `parallel.zero = 0` and the reference for the ZeRO states
+(`zero.py`), which offer the same methods. The model calls the first four during forward/backward; the trainer calls
+the rest around them:
+
+    acquire(unit, phase) -> views   release(unit, phase)   grad_views(unit) -> views   unit_done(unit)
+    zero_grads()   begin_micro_batch(last)   finish()   grad_sq_sum()   optimizer_segments()   after_step()
+
 Gradients are reduced in buckets: contiguous ranges of the flat gradient buffer, formed from the last unit backwards
 (the order backward finishes them). During the last micro-batch's backward, a bucket's non-blocking all-reduce starts
 as soon as all its units are done, and pending requests are tested after every unit so that MPI makes progress while
 the remaining layers compute. `finish()` waits for the rest before the optimizer step.
-
-ZeRO (a later issue) plugs in here with the same four calls, reducing with reduce-scatter instead.
 """
 from __future__ import annotations
 
+from mpitrain.model.params import FlatBuffer, initial_unit_flat
+from mpitrain.optim.adamw import Segment
 
-class BucketedAllReduce:
-    def __init__(self, grads, group, bucket_bytes: int, overlap: bool = True):
-        self.grads, self.group, self.overlap = grads, group, overlap
-        self.buckets: list[tuple[int, int, set[int]]] = []  # (flat start, flat end, unit indices)
-        itemsize = grads.data.itemsize
-        units: list[int] = []
-        for unit in reversed(range(len(grads.layouts))):
-            units.append(unit)
-            start, end = grads.unit_range(min(units))[0], grads.unit_range(max(units))[1]
-            if (end - start) * itemsize >= bucket_bytes or unit == 0:
-                self.buckets.append((start, end, set(units)))
-                units = []
-        self.bucket_of_unit = {u: b for b, (_, _, us) in enumerate(self.buckets) for u in us}
+
+def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
+    for index, layout in enumerate(buffer.layouts):
+        start, end = buffer.unit_range(index)
+        buffer.data[start:end] = backend.from_host(initial_unit_flat(layout, seed, end - start), buffer.data.dtype)
+
+
+def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, set[int]]]:
+    """(flat start, flat end, units) per bucket, from the last unit backwards, each at least bucket_bytes."""
+    buckets, units = [], []
+    for unit in reversed(range(len(grads.layouts))):
+        units.append(unit)
+        start, end = grads.unit_range(min(units))[0], grads.unit_range(max(units))[1]
+        if (end - start) * grads.data.itemsize >= bucket_bytes or unit == 0:
+            buckets.append((start, end, set(units)))
+            units = []
+    return buckets
+
+
+class ReplicatedState:
+    """parallel.zero = 0: full parameters and gradients on every rank; gradients summed by bucketed all-reduce.
+
+    `group` is the data-parallel group (None: a single process, e.g. generation)."""
+
+    sharded = False
+
+    def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
+                 overlap: bool = True, params: FlatBuffer | None = None):
+        xp, dtype = backend.xp, backend.dtype
+        self.group, self.overlap = group, overlap
+        self.params = params or FlatBuffer.allocate(layouts, xp, dtype)
+        if params is None and seed is not None:
+            initialise(self.params, seed, backend)
+        self.grads = FlatBuffer.allocate(layouts, xp, dtype)
+        self.buckets = make_buckets(self.grads, bucket_bytes)
+        self.bucket_of_unit = {u: b for b, (_, _, units) in enumerate(self.buckets) for u in units}
         self._remaining: list[int] = []
         self._handles: list = []
         self._syncing = False
 
-    def begin_micro_batch(self, last: bool) -> None:
-        """Only the last micro-batch of a step reduces: earlier ones just accumulate into the same buffer."""
-        self._syncing = last and self.group.size > 1
-        self._remaining = [len(units) for _, _, units in self.buckets]
+    # -- what the model calls
+    def acquire(self, unit: int, phase: str) -> dict:
+        return self.params.views[unit]
+
+    def release(self, unit: int, phase: str) -> None:
+        pass
+
+    def grad_views(self, unit: int) -> dict:
+        return self.grads.views[unit]
 
     def unit_done(self, unit: int) -> None:
         if not self._syncing:
@@ -43,6 +78,15 @@ class BucketedAllReduce:
         for handle in self._handles:  # drive progress of the reductions already in flight
             handle.test()
 
+    # -- what the trainer calls
+    def zero_grads(self) -> None:
+        self.grads.data.fill(0)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Only the last micro-batch of a step reduces: earlier ones just accumulate into the same buffer."""
+        self._syncing = last and self.group is not None and self.group.size > 1
+        self._remaining = [len(units) for _, _, units in self.buckets]
+
     def finish(self) -> None:
         if not self._syncing:
             return
@@ -53,3 +97,22 @@ class BucketedAllReduce:
             handle.wait()
         self._handles = []
         self._syncing = False
+
+    def grad_sq_sum(self) -> float:
+        """Sum of squared gradients over the whole model (every rank holds all of it after the all-reduce)."""
+        grads = self.grads.data
+        return float(grads @ grads)
+
+    def optimizer_segments(self) -> list[Segment]:
+        return [Segment(self.params.data, self.grads.data, self.params.ranges(lambda spec: spec.decay))]
+
+    def after_step(self) -> None:
+        pass
+
+    def full_params(self) -> FlatBuffer:
+        """The whole model's parameters (a collective under ZeRO-3; here they are simply ours)."""
+        return self.params
+
+    def memory(self) -> dict:
+        """Bytes of the arrays this state keeps between steps."""
+        return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes)}

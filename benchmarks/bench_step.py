@@ -1,0 +1,432 @@
+#!/usr/bin/env python
+"""Side-by-side training-step benchmark: mpitrain (numpy) against PyTorch eager on the same model, plus DP scaling.
+
+    python benchmarks/bench_step.py [--config configs/bench-small.toml] [--steps 6] [--warmup 2] [--rounds 3]
+
+In one run it measures
+  1. this machine's float32 matmul peak (numpy, and torch if present) with 1 thread and with all threads;
+  2. mpitrain, 1 rank x all threads (`python -m mpitrain bench step`): tokens/s and MFU;
+  3. PyTorch eager, the same gpt2 model (same weights), same batch, AdamW + grad clipping included, all threads
+     (and F.scaled_dot_product_attention as an extra column);
+  4. the ratio mpitrain / torch eager (target >= 0.6);
+  5. DP scaling: mpitrain 1 rank x 1 thread (global batch = micro batch) against 2 ranks x 1 thread under mpiexec
+     (global batch = 2 x micro batch, i.e. the same work per rank), ratio of tokens/s (target >= 1.8).
+
+Every measurement runs in its own subprocess with OMP/OPENBLAS/MKL_NUM_THREADS set, so thread counts are exact. The
+variants are interleaved in rounds (A B C D E, then E D C B A, ...) because the machine is noisy; the headline is each
+variant's best round (noise only slows a run down), the median is in the JSON too. The last line printed is one JSON
+object with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+TARGET_TORCH_RATIO = 0.6
+TARGET_DP_SCALING = 1.8
+
+
+# ============================================================================ workers (run in subprocesses)
+def _best_matmul_flops(matmul, sync=lambda: None, n: int = 1024, seconds: float = 0.3) -> float:
+    """Best FLOP/s of an n x n float32 matmul over ~`seconds` (same method as mpitrain.profile.flops)."""
+    matmul()
+    sync()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        start = time.perf_counter()
+        matmul()
+        sync()
+        best = max(best, 2.0 * n ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def worker_peak(threads: int) -> dict:
+    import numpy as np
+    n = 1024
+    a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
+    out = np.empty((n, n), np.float32)
+    result = {"threads": threads, "numpy": _best_matmul_flops(lambda: np.matmul(a, b, out=out), n=n)}
+    try:
+        import torch
+    except ImportError:
+        result["torch"] = None
+    else:
+        torch.set_num_threads(threads)
+        ta, tb = torch.ones(n, n), torch.ones(n, n)
+        tout = torch.empty(n, n)
+        result["torch"] = _best_matmul_flops(lambda: torch.matmul(ta, tb, out=tout), n=n)
+    return result
+
+
+def _torch_gpt(cfg, attention: str):
+    """A compact PyTorch nn.Module of mpitrain's gpt2 flavour, built from torch's own eager ops."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    m = cfg.model
+    c, n_head, f, t_max, eps = m.d_model, m.n_head, m.ff_dim, m.seq_len, m.norm_eps
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(c, eps=eps), nn.LayerNorm(c, eps=eps)
+            self.q, self.k, self.v = nn.Linear(c, c), nn.Linear(c, c, bias=False), nn.Linear(c, c)  # no key bias
+            self.o = nn.Linear(c, c)
+            self.fc, self.proj = nn.Linear(c, f), nn.Linear(f, c)
+            self.register_buffer("future", torch.triu(torch.ones(t_max, t_max, dtype=torch.bool), 1),
+                                 persistent=False)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            h = self.ln1(x)
+            q, k, v = (lin(h).view(b, t, n_head, c // n_head).transpose(1, 2) for lin in (self.q, self.k, self.v))
+            if attention == "sdpa":
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # plain eager attention, like mpitrain's
+                scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // n_head))
+                scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
+                a = torch.softmax(scores, dim=-1) @ v
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, c))
+            return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(m.vocab_size, c)
+            self.wpe = nn.Parameter(torch.zeros(t_max, c))
+            self.blocks = nn.ModuleList(Block() for _ in range(m.n_layer))
+            self.ln_f = nn.LayerNorm(c, eps=eps)
+
+        def forward(self, tokens, targets):
+            x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            logits = F.linear(self.ln_f(x), self.wte.weight)  # head tied to the token embedding
+            return F.cross_entropy(logits.view(-1, m.vocab_size), targets.view(-1), reduction="sum")
+
+    return GPT2()
+
+
+def _copy_mpitrain_weights(model, mp_model) -> None:
+    """mpitrain stores linear weights (in, out); nn.Linear wants (out, in)."""
+    import torch
+    linear = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_fc": "fc", "w_proj": "proj"}
+    bias = {"bq": "q", "bv": "v", "bo": "o", "b_fc": "fc", "b_proj": "proj"}
+    norm = {"norm1_w": ("ln1", "weight"), "norm1_b": ("ln1", "bias"),
+            "norm2_w": ("ln2", "weight"), "norm2_b": ("ln2", "bias")}
+    copied = 0
+    with torch.no_grad():
+        for name, view in mp_model.params.named_views():
+            value = torch.from_numpy(view.copy())
+            unit, _, tensor = name.rpartition(".")
+            if unit == "embed":
+                (model.wte.weight if tensor == "wte" else model.wpe).copy_(value)
+            elif unit == "head":
+                getattr(model.ln_f, "weight" if tensor == "norm_w" else "bias").copy_(value)
+            else:
+                block = model.blocks[int(unit.split(".")[1])]
+                if tensor in linear:
+                    getattr(block, linear[tensor]).weight.copy_(value.T)
+                elif tensor in bias:
+                    getattr(block, bias[tensor]).bias.copy_(value)
+                else:
+                    module, attr = norm[tensor]
+                    getattr(getattr(block, module), attr).copy_(value)
+            copied += value.numel()
+    n_torch = sum(p.numel() for p in model.parameters())
+    if copied != n_torch:
+        raise AssertionError(f"copied {copied} mpitrain parameters into a torch model of {n_torch}: not the same model")
+
+
+def worker_torch(config: str, overrides: list[str], steps: int, warmup: int, threads: int, attention: str,
+                 check: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from mpitrain.backend import make_backend
+    from mpitrain.config import load_config
+    from mpitrain.data.synthetic import SyntheticSampler
+    from mpitrain.model.gpt import GPT
+
+    torch.set_num_threads(threads)
+    cfg = load_config(config, list(overrides) + ["data.synthetic=true", f"train.steps={warmup + steps}"])
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    if m.arch != "gpt2":
+        raise SystemExit(f"the torch comparison implements model.arch = 'gpt2' only, not {m.arch!r}")
+    if t.global_batch % t.micro_batch:
+        raise SystemExit("train.global_batch must be a multiple of train.micro_batch")
+    accumulation = t.global_batch // t.micro_batch
+    tokens_per_step = t.global_batch * m.seq_len
+
+    mp_model = GPT(m, make_backend("cpu", "float32"), t.seed)
+    model = _torch_gpt(cfg, attention)
+    _copy_mpitrain_weights(model, mp_model)
+    sampler = SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed)
+    result = {"threads": threads, "attention": attention, "n_params": sum(p.numel() for p in model.parameters()),
+              "torch_version": torch.__version__}
+    if check:  # same model: the first micro-batch's loss on identical weights matches mpitrain's
+        inputs, targets = sampler.global_batch_rows(0, range(t.micro_batch))
+        mp_loss = float(mp_model.forward(inputs, targets)[0]) / inputs.size
+        with torch.no_grad():
+            th_loss = float(model(torch.from_numpy(inputs), torch.from_numpy(targets))) / inputs.size
+        result["parity"] = {"mpitrain_loss": mp_loss, "torch_loss": th_loss,
+                            "rel_diff": abs(mp_loss - th_loss) / abs(mp_loss)}
+    del mp_model
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices (embeddings included), as mpitrain
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    params = list(model.parameters())
+    dloss = 1.0 / tokens_per_step  # mean over every token of the global batch, as mpitrain
+
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        for micro in range(accumulation):
+            rows = range(micro * t.micro_batch, (micro + 1) * t.micro_batch)
+            inputs, targets = sampler.global_batch_rows(step, rows)
+            loss = model(torch.from_numpy(inputs), torch.from_numpy(targets)) * dloss
+            loss.backward()
+        if o.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, o.clip)
+        else:
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        optimizer.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    step_time = statistics.median(times)
+    result.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
+                  final_loss=float(loss) / dloss / np.prod(inputs.shape))
+    return result
+
+
+# ============================================================================ driver
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.update({var: str(threads) for var in THREAD_VARS})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _run_json(cmd: list[str], threads: int, timeout: float = 120) -> dict:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
+    return json.loads(lines[-1])
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def _human(flops: float | None) -> str:
+    return "-" if flops is None else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/bench-small.toml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override passed to every variant (repeatable)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per measurement (median taken)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every variant")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="'all threads' (default: CPU count)")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the extra torch SDPA column")
+    parser.add_argument("--_worker", choices=["peak", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--_attention", default="eager", help=argparse.SUPPRESS)
+    parser.add_argument("--_check", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._worker == "peak":
+        print(json.dumps(worker_peak(args.threads)))
+        return 0
+    if args._worker == "torch":
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(worker_torch(args.config, args.overrides, args.steps, args.warmup, args.threads,
+                                      args._attention, args._check)))
+        return 0
+
+    t_start = time.perf_counter()
+    sys.path.insert(0, str(ROOT))
+    from mpitrain.config import load_config
+    cfg = load_config(ROOT / args.config if not Path(args.config).is_absolute() else args.config, args.overrides)
+    micro = cfg.train.micro_batch
+    all_threads = max(1, args.threads)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    sets = [a for s in args.overrides for a in ("--set", s)]
+    try:
+        import torch  # noqa: F401  (only asked whether it is there; the workers import it)
+        torch_reason = None
+    except ImportError:
+        torch_reason = "PyTorch is not installed (pip install torch) - torch columns skipped"
+    mpiexec = _mpiexec()
+    mpi_reason = None if mpiexec else "no mpiexec found beside python or on PATH - 2-rank DP run skipped"
+
+    print(f"bench_step: {args.config}, {cfg.model.arch} {cfg.model.n_layer}L d{cfg.model.d_model} "
+          f"h{cfg.model.n_head} T{cfg.model.seq_len} vocab {cfg.model.vocab_size}, micro-batch {micro}; "
+          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps); {all_threads} threads = all")
+    for reason in (torch_reason, mpi_reason):
+        if reason:
+            print(f"  SKIP: {reason}")
+
+    # 1. matmul peaks
+    peaks = {}
+    for threads in sorted({1, all_threads}):
+        peaks[threads] = _run_json(me + ["--_worker", "peak", "--threads", str(threads)], threads)
+
+    # 2-5. the variants, interleaved
+    def mpitrain_cmd(global_batch: int, ranks: int) -> list[str]:
+        cmd = [sys.executable, "-m", "mpitrain", "bench", "step", args.config, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), *sets, "--set", f"train.global_batch={global_batch}",
+               "--set", f"train.micro_batch={micro}"]
+        return ([mpiexec, "-n", str(ranks)] + cmd) if ranks > 1 else cmd
+
+    variants = {  # name -> (command or None, threads)
+        "mpitrain": (mpitrain_cmd(cfg.train.global_batch, 1), all_threads),
+        "torch_eager": (None if torch_reason else
+                        me + common + sets + ["--_worker", "torch", "--threads", str(all_threads)], all_threads),
+        "torch_sdpa": (None if torch_reason or args.no_sdpa else
+                       me + common + sets + ["--_worker", "torch", "--threads", str(all_threads),
+                                             "--_attention", "sdpa"], all_threads),
+        "mpitrain_1rank_1thread": (mpitrain_cmd(micro, 1), 1),
+        "mpitrain_2ranks_1thread": (None if mpi_reason else mpitrain_cmd(2 * micro, 2), 1),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name, (cmd, _) in variants.items() if cmd}
+    order = list(runs)
+    for round_index in range(args.rounds):
+        for name in (order if round_index % 2 == 0 else order[::-1]):
+            cmd, threads = variants[name]
+            if name == "torch_eager" and round_index == 0:
+                cmd = cmd + ["--_check"]
+            result = _run_json(cmd, threads, timeout=300)
+            runs[name].append(result)
+            print(f"  round {round_index + 1}/{args.rounds} {name:<24} {result['tokens_per_s']:>9,.0f} tok/s  "
+                  f"step {result['step_time_s'] * 1e3:7.1f} ms", flush=True)
+
+    def summary(name):
+        if name not in runs:
+            return None
+        tps = [r["tokens_per_s"] for r in runs[name]]
+        best = max(runs[name], key=lambda r: r["tokens_per_s"])
+        return {"tokens_per_s": best["tokens_per_s"], "tokens_per_s_median": statistics.median(tps),
+                "tokens_per_s_all": tps, "step_time_s": best["step_time_s"], "best": best}
+
+    s = {name: summary(name) for name in variants}
+    flops_per_token = s["mpitrain"]["best"]["model_flops_per_token"]
+
+    def ratio(a, b, key="tokens_per_s"):
+        return s[a][key] / s[b][key] if s[a] and s[b] else None
+
+    torch_ratio = ratio("mpitrain", "torch_eager")
+    torch_ratio_median = ratio("mpitrain", "torch_eager", "tokens_per_s_median")
+    dp_scaling = ratio("mpitrain_2ranks_1thread", "mpitrain_1rank_1thread")
+    dp_scaling_median = ratio("mpitrain_2ranks_1thread", "mpitrain_1rank_1thread", "tokens_per_s_median")
+    numpy_peak_all, torch_peak_all = peaks[all_threads]["numpy"], peaks[all_threads]["torch"]
+
+    def mfu(name, peak):
+        return flops_per_token * s[name]["tokens_per_s"] / peak if s[name] and peak else None
+
+    # ---- table
+    print()
+    print(f"matmul peak (float32, 1024^3, best of 0.3 s):")
+    for threads, p in peaks.items():
+        print(f"  {threads} thread(s): numpy {_human(p['numpy'])}   torch {_human(p['torch'])}")
+    print()
+    header = f"{'variant':<34}{'tokens/s (best)':>16}{'median':>10}{'step ms':>9}{'MFU':>7}"
+    print(header)
+    print("-" * len(header))
+    rows = [("mpitrain", f"mpitrain 1 rank x {all_threads} threads", numpy_peak_all),
+            ("torch_eager", f"torch eager {all_threads} threads", torch_peak_all),
+            ("torch_sdpa", f"torch SDPA {all_threads} threads (extra)", torch_peak_all),
+            ("mpitrain_1rank_1thread", f"mpitrain 1 rank x 1 thread, gb {micro}", None),
+            ("mpitrain_2ranks_1thread", f"mpitrain 2 ranks x 1 thread, gb {2 * micro}", None)]
+    for name, label, peak in rows:
+        if not s[name]:
+            continue
+        best = s[name]["best"]
+        m = best["mfu"] if "mfu" in best else mfu(name, peak)
+        print(f"{label:<34}{s[name]['tokens_per_s']:>16,.0f}{s[name]['tokens_per_s_median']:>10,.0f}"
+              f"{s[name]['step_time_s'] * 1e3:>9.1f}{100 * m:>6.1f}%")
+    print()
+    if torch_ratio is not None:
+        verdict = "OK" if torch_ratio >= TARGET_TORCH_RATIO else "BELOW TARGET"
+        print(f"mpitrain / torch eager   = {torch_ratio:.2f} (median {torch_ratio_median:.2f}; target >= "
+              f"{TARGET_TORCH_RATIO}) {verdict}")
+    if s["torch_sdpa"]:
+        print(f"mpitrain / torch SDPA    = {ratio('mpitrain', 'torch_sdpa'):.2f} (extra)")
+    if dp_scaling is not None:
+        verdict = "OK" if dp_scaling >= TARGET_DP_SCALING else "BELOW TARGET"
+        print(f"DP scaling 2 ranks / 1   = {dp_scaling:.2f} (median {dp_scaling_median:.2f}; target >= "
+              f"{TARGET_DP_SCALING}) {verdict}")
+    parity = runs.get("torch_eager", [{}])[0].get("parity") if "torch_eager" in runs else None
+    if parity:
+        print(f"same model check: first micro-batch loss mpitrain {parity['mpitrain_loss']:.6f} vs torch "
+              f"{parity['torch_loss']:.6f} (rel diff {parity['rel_diff']:.1e}), "
+              f"{runs['torch_eager'][0]['n_params']:,} parameters each")
+    elapsed = time.perf_counter() - t_start
+    print(f"total {elapsed:.0f} s")
+
+    def compact(name):
+        if not s[name]:
+            return None
+        out = {k: v for k, v in s[name].items() if k != "best"}
+        best = s[name]["best"]
+        for key in ("mfu", "peak_flops", "world_size", "threads"):
+            if key in best:
+                out[key] = best[key]
+        return out
+
+    report = {
+        "benchmark": "bench_step", "config": args.config, "overrides": args.overrides,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpu_count": os.cpu_count(), "processor": _cpu_name(), "python": platform.python_version()},
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "all_threads": all_threads,
+        "micro_batch": micro, "seq_len": cfg.model.seq_len, "model_flops_per_token": flops_per_token,
+        "peak_flops": {f"numpy_{t}t": p["numpy"] for t, p in peaks.items()}
+        | {f"torch_{t}t": p["torch"] for t, p in peaks.items()},
+        "results": {name: compact(name) for name in variants},
+        "torch_eager_mfu": mfu("torch_eager", torch_peak_all),
+        "ratio_mpitrain_over_torch_eager": torch_ratio, "ratio_mpitrain_over_torch_eager_median": torch_ratio_median,
+        "ratio_mpitrain_over_torch_sdpa": ratio("mpitrain", "torch_sdpa"),
+        "dp_scaling_2_over_1": dp_scaling, "dp_scaling_2_over_1_median": dp_scaling_median,
+        "targets": {"ratio_mpitrain_over_torch_eager": TARGET_TORCH_RATIO, "dp_scaling_2_over_1": TARGET_DP_SCALING},
+        "parity": parity, "skipped": [r for r in (torch_reason, mpi_reason) if r], "elapsed_s": elapsed,
+    }
+    print(json.dumps(report))
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
