@@ -99,7 +99,8 @@ class Trainer:
             loss_sum += float(micro_loss)
             model.backward(state, saved, dloss)
         state.finish()
-        grad_norm = math.sqrt(state.grad_sq_sum())
+        tp_sharded, tp_replicated = state.grad_sq_sums()
+        grad_norm = math.sqrt(self.mesh.tp.all_reduce_scalar(tp_sharded) + tp_replicated)
         scale = clip_scale(grad_norm, cfg.optim.clip)
         if scale != 1.0:
             for segment in self.optimizer.segments:

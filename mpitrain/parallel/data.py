@@ -5,7 +5,7 @@
 the rest around them:
 
     acquire(unit, phase) -> views   release(unit, phase)   grad_views(unit) -> views   unit_done(unit)
-    zero_grads()   begin_micro_batch(last)   finish()   grad_sq_sum()   optimizer_segments()   after_step()
+    zero_grads()   begin_micro_batch(last)   finish()   grad_sq_sums()   optimizer_segments()   after_step()
 
 Gradients are reduced in buckets: contiguous ranges of the flat gradient buffer, formed from the last unit backwards
 (the order backward finishes them). During the last micro-batch's backward, a bucket's non-blocking all-reduce starts
@@ -22,6 +22,10 @@ def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
     for index, layout in enumerate(buffer.layouts):
         start, end = buffer.unit_range(index)
         buffer.data[start:end] = backend.from_host(initial_unit_flat(layout, seed, end - start), buffer.data.dtype)
+
+
+def squared_sum(flat, ranges: list[tuple[int, int]]) -> float:
+    return float(sum(flat[a:b] @ flat[a:b] for a, b in ranges))
 
 
 def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, set[int]]]:
@@ -98,10 +102,11 @@ class ReplicatedState:
         self._handles = []
         self._syncing = False
 
-    def grad_sq_sum(self) -> float:
-        """Sum of squared gradients over the whole model (every rank holds all of it after the all-reduce)."""
-        grads = self.grads.data
-        return float(grads @ grads)
+    def grad_sq_sums(self) -> tuple[float, float]:
+        """Sums of squared gradients of (tensor-parallel-sharded, tensor-parallel-replicated) tensors; every dp rank
+        holds all of them after the all-reduce. The caller sums the first over the tp group, the second not."""
+        return tuple(squared_sum(self.grads.data, self.grads.ranges(lambda spec, r=replicated: spec.tp_replicated == r))
+                     for replicated in (False, True))
 
     def optimizer_segments(self) -> list[Segment]:
         return [Segment(self.params.data, self.grads.data, self.params.ranges(lambda spec: spec.decay))]

@@ -23,7 +23,7 @@ import numpy as np
 
 from mpitrain.model.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.optim.adamw import Segment
-from mpitrain.parallel.data import initialise
+from mpitrain.parallel.data import initialise, squared_sum
 
 
 class ZeroState:
@@ -148,9 +148,15 @@ class ZeroState:
     def finish(self) -> None:
         self._progress(wait=True)
 
-    def grad_sq_sum(self) -> float:
-        local = float(self.grad_shard @ self.grad_shard)
-        return self.group.all_reduce_scalar(local)
+    def grad_sq_sums(self) -> tuple[float, float]:
+        """Like ReplicatedState.grad_sq_sums, from the shards: each rank sums its windows, the dp group adds up."""
+        sums = []
+        for replicated in (False, True):
+            ranges = self.geometry.ranges(lambda spec, r=replicated: spec.tp_replicated == r)
+            local = sum(squared_sum(self._shard(self.grad_shard, u), intersect(ranges, *self._window(u)))
+                        for u in range(len(self.layouts)))
+            sums.append(self.group.all_reduce_scalar(local))
+        return tuple(sums)
 
     def optimizer_segments(self) -> list[Segment]:
         decay = self.geometry.ranges(lambda spec: spec.decay)
