@@ -34,6 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# glibc malloc kept from returning big blocks to the OS: numpy's multi-MB temporaries are then reused instead of being
+# mmap'ed, page-faulted and unmapped on every op (the extra "mpitrain_malloc_tuned" column; no code change).
+MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30),
+                "MALLOC_TOP_PAD_": str(256 * 2**20)}
 TARGET_TORCH_RATIO = 0.6
 TARGET_DP_SCALING = 1.8
 
@@ -217,15 +221,17 @@ def worker_torch(config: str, overrides: list[str], steps: int, warmup: int, thr
 
 
 # ============================================================================ driver
-def _env(threads: int) -> dict:
+def _env(threads: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update({var: str(threads) for var in THREAD_VARS})
+    env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     return env
 
 
-def _run_json(cmd: list[str], threads: int, timeout: float = 120) -> dict:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True, timeout=timeout)
+def _run_json(cmd: list[str], threads: int, timeout: float = 120, extra_env: dict | None = None) -> dict:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads, extra_env), capture_output=True, text=True,
+                          timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
@@ -253,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every variant")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="'all threads' (default: CPU count)")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the extra torch SDPA column")
+    parser.add_argument("--no-malloc", action="store_true",
+                        help="skip the extra column of mpitrain with glibc malloc tuned by environment variables")
     parser.add_argument("--_worker", choices=["peak", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--_attention", default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--_check", action="store_true", help=argparse.SUPPRESS)
@@ -268,6 +276,7 @@ def main(argv=None) -> int:
         return 0
 
     t_start = time.perf_counter()
+    load_start = _loadavg()
     sys.path.insert(0, str(ROOT))
     from mpitrain.config import load_config
     cfg = load_config(ROOT / args.config if not Path(args.config).is_absolute() else args.config, args.overrides)
@@ -290,6 +299,8 @@ def main(argv=None) -> int:
     for reason in (torch_reason, mpi_reason):
         if reason:
             print(f"  SKIP: {reason}")
+    if load_start and load_start[0] > 0.5:
+        print(f"  NOTE: load average {load_start[0]:.2f} at start: other work is running, numbers will be noisy")
 
     # 1. matmul peaks
     peaks = {}
@@ -303,8 +314,10 @@ def main(argv=None) -> int:
                "--set", f"train.micro_batch={micro}"]
         return ([mpiexec, "-n", str(ranks)] + cmd) if ranks > 1 else cmd
 
-    variants = {  # name -> (command or None, threads)
+    variants = {  # name -> (command or None, threads, extra environment)
         "mpitrain": (mpitrain_cmd(cfg.train.global_batch, 1), all_threads),
+        "mpitrain_malloc_tuned": (None if args.no_malloc else mpitrain_cmd(cfg.train.global_batch, 1), all_threads,
+                                  MALLOC_TUNED),
         "torch_eager": (None if torch_reason else
                         me + common + sets + ["--_worker", "torch", "--threads", str(all_threads)], all_threads),
         "torch_sdpa": (None if torch_reason or args.no_sdpa else
@@ -313,14 +326,14 @@ def main(argv=None) -> int:
         "mpitrain_1rank_1thread": (mpitrain_cmd(micro, 1), 1),
         "mpitrain_2ranks_1thread": (None if mpi_reason else mpitrain_cmd(2 * micro, 2), 1),
     }
-    runs: dict[str, list[dict]] = {name: [] for name, (cmd, _) in variants.items() if cmd}
+    runs: dict[str, list[dict]] = {name: [] for name, (cmd, *_) in variants.items() if cmd}
     order = list(runs)
     for round_index in range(args.rounds):
         for name in (order if round_index % 2 == 0 else order[::-1]):
-            cmd, threads = variants[name]
+            cmd, threads, *extra_env = variants[name]
             if name == "torch_eager" and round_index == 0:
                 cmd = cmd + ["--_check"]
-            result = _run_json(cmd, threads, timeout=300)
+            result = _run_json(cmd, threads, timeout=300, extra_env=extra_env[0] if extra_env else None)
             runs[name].append(result)
             print(f"  round {round_index + 1}/{args.rounds} {name:<24} {result['tokens_per_s']:>9,.0f} tok/s  "
                   f"step {result['step_time_s'] * 1e3:7.1f} ms", flush=True)
@@ -358,6 +371,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     rows = [("mpitrain", f"mpitrain 1 rank x {all_threads} threads", numpy_peak_all),
+            ("mpitrain_malloc_tuned", "  same, MALLOC_* tuned (extra)", numpy_peak_all),
             ("torch_eager", f"torch eager {all_threads} threads", torch_peak_all),
             ("torch_sdpa", f"torch SDPA {all_threads} threads (extra)", torch_peak_all),
             ("mpitrain_1rank_1thread", f"mpitrain 1 rank x 1 thread, gb {micro}", None),
@@ -376,6 +390,8 @@ def main(argv=None) -> int:
               f"{TARGET_TORCH_RATIO}) {verdict}")
     if s["torch_sdpa"]:
         print(f"mpitrain / torch SDPA    = {ratio('mpitrain', 'torch_sdpa'):.2f} (extra)")
+    if s["mpitrain_malloc_tuned"] and s["torch_eager"]:
+        print(f"mpitrain MALLOC_* tuned / torch eager = {ratio('mpitrain_malloc_tuned', 'torch_eager'):.2f} (extra)")
     if dp_scaling is not None:
         verdict = "OK" if dp_scaling >= TARGET_DP_SCALING else "BELOW TARGET"
         print(f"DP scaling 2 ranks / 1   = {dp_scaling:.2f} (median {dp_scaling_median:.2f}; target >= "
@@ -410,12 +426,21 @@ def main(argv=None) -> int:
         "torch_eager_mfu": mfu("torch_eager", torch_peak_all),
         "ratio_mpitrain_over_torch_eager": torch_ratio, "ratio_mpitrain_over_torch_eager_median": torch_ratio_median,
         "ratio_mpitrain_over_torch_sdpa": ratio("mpitrain", "torch_sdpa"),
+        "ratio_mpitrain_malloc_tuned_over_torch_eager": ratio("mpitrain_malloc_tuned", "torch_eager"),
+        "malloc_tuned_env": MALLOC_TUNED, "loadavg_start": load_start, "loadavg_end": _loadavg(),
         "dp_scaling_2_over_1": dp_scaling, "dp_scaling_2_over_1_median": dp_scaling_median,
         "targets": {"ratio_mpitrain_over_torch_eager": TARGET_TORCH_RATIO, "dp_scaling_2_over_1": TARGET_DP_SCALING},
         "parity": parity, "skipped": [r for r in (torch_reason, mpi_reason) if r], "elapsed_s": elapsed,
     }
     print(json.dumps(report))
     return 0
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _cpu_name() -> str:

@@ -141,6 +141,31 @@ def generate(weights, prompt, n_tokens, temperature, top_k, seed):
     click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))
 
 
+# ----------------------------------------------------------------------------- memory
+@main.command()
+@CONFIG_ARG
+@SET_OPTION
+@click.option("-n", "world_size", type=int, default=1, show_default=True, help="Number of ranks to plan for.")
+@_user_errors
+def memory(config, overrides, world_size):
+    """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
+    from mpitrain.backend import make_backend
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.model.gpt import GPT
+    from mpitrain.plan.memory import memory_report
+
+    cfg = load_config(config, overrides)
+    resolve_layout(cfg, world_size)
+    n_params = GPT(cfg.model, make_backend("cpu", cfg.precision.compute)).n_params
+    report = memory_report(cfg, n_params)
+    click.echo(f"{config}: {n_params:,} parameters (Psi), ZeRO-{cfg.parallel.zero}, dp N = {cfg.parallel.dp}, "
+               f"{cfg.precision.compute} (e = {report['e']} bytes), micro-batch {cfg.train.micro_batch} x "
+               f"{cfg.model.seq_len} tokens; per rank:")
+    for kind, value in report["bytes"].items():
+        click.echo(f"  {kind:<12} {value / 2**20:>10.2f} MiB   {report['formulas'][kind]}")
+    click.echo(f"  {'total':<12} {report['total'] / 2**20:>10.2f} MiB")
+
+
 # ----------------------------------------------------------------------------- bench
 @main.group()
 def bench():

@@ -1,0 +1,72 @@
+"""Per-rank memory of a layout, from formulas: what `mpitrain memory CONFIG` prints.
+
+Model state (Psi = parameters this rank's pipeline stage and tensor-parallel slice hold, N = data-parallel size,
+e = bytes per element of the compute dtype). On CPU the float32/float64 parameters are their own master copy, and
+the Adam moments are kept in the same dtype, so:
+
+    ZeRO-0  params e*Psi      grads e*Psi               moments 2e*Psi        (16 Psi bytes at float32)
+    ZeRO-1  params e*Psi      grads e*Psi + e*Psi/N     moments 2e*Psi/N      (the shard of reduced gradients)
+    ZeRO-2  params e*Psi      grads e*Psi/N             moments 2e*Psi/N
+    ZeRO-3  params e*Psi/N    grads e*Psi/N             moments 2e*Psi/N      (16 Psi / N at float32)
+
+With mixed precision (bf16/fp16 compute on GPUs, a later issue) a separate fp32 master copy joins the moments:
+2 + 2 + 12 bytes per parameter, and ZeRO-1 shards the 12 (12 Psi / N), as in the ZeRO paper.
+
+Activations are the bytes the saved state of one micro-batch holds (exactly what `nbytes_of(saved)` counts for the
+units as written in mpitrain/model/units.py), times the micro-batches in flight (1 without pipelining).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.config import Config
+
+STAGE_FORMULAS = {
+    0: ("e*Psi", "e*Psi", "2e*Psi"),
+    1: ("e*Psi", "e*Psi + e*Psi/N", "2e*Psi/N"),
+    2: ("e*Psi", "e*Psi/N", "2e*Psi/N"),
+    3: ("e*Psi/N", "e*Psi/N", "2e*Psi/N"),
+}
+
+
+def model_state_bytes(n_params: int, itemsize: int, zero: int, dp: int) -> dict:
+    """Bytes of parameters, gradients and optimizer moments one rank keeps between steps (padding not counted)."""
+    psi, e, n = n_params, itemsize, dp
+    params = e * psi / n if zero == 3 else e * psi
+    grads = {0: e * psi, 1: e * psi + e * psi / n, 2: e * psi / n, 3: e * psi / n}[zero]
+    moments = 2 * e * psi / n if zero else 2 * e * psi
+    return {"params": params, "grads": grads, "optimizer": moments}
+
+
+def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
+    """Saved-state bytes of one micro-batch's forward on one rank (tp = 1), counted array by array."""
+    m = cfg.model
+    b, t, c, e = micro_batch or cfg.train.micro_batch, m.seq_len, m.d_model, np.dtype(cfg.precision.compute).itemsize
+    bt, kv, f = b * t, m.kv_heads * m.head_dim, m.ff_dim
+    per_block = (
+        (bt * c + bt)  # norm 1: normalised input, 1/std
+        + bt * c  # its output, the q/k/v projections' input
+        + bt * (c + 2 * kv)  # q, k, v
+        + b * m.n_head * t * t  # attention probabilities
+        + bt * c  # attention output, the output projection's input
+        + (bt * c + bt) + bt * c  # norm 2 and its output
+        + bt * f * (1 if m.arch == "gpt2" else 2)  # MLP up (gpt2) or gate and up (llama)
+        + bt * f  # activation output, the down projection's input
+    )
+    head = (bt * c + bt) + bt * c + bt * m.vocab_size  # final norm, its output, softmax probabilities
+    rope = t * m.head_dim if m.arch == "llama" else 0  # cos and sin tables, shared by all blocks
+    token_ids = 2 * bt * 8  # int64 inputs (embedding) and targets (loss)
+    return int(e * (m.n_layer * per_block + head + rope) + token_ids)
+
+
+def memory_report(cfg: Config, n_params: int) -> dict:
+    """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size)."""
+    p = cfg.parallel
+    itemsize = np.dtype(cfg.precision.compute).itemsize
+    state = model_state_bytes(n_params, itemsize, p.zero, p.dp)
+    activations = activation_bytes(cfg)
+    formulas = dict(zip(("params", "grads", "optimizer"), STAGE_FORMULAS[p.zero]))
+    formulas["activations"] = "saved state of one micro-batch (see mpitrain/plan/memory.py)"
+    rows = {**state, "activations": activations}
+    return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
+            "total": sum(rows.values())}

@@ -1,0 +1,110 @@
+"""ZeRO-1/2/3: exact against one process, and state memory and traffic as the formulas say."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mpitrain.backend import make_backend, nbytes_of
+from mpitrain.config import load_config
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.data import ReplicatedState
+from mpitrain.plan.memory import activation_bytes
+from tests.mpi_helpers import describe, run_python_mpi
+from tests.test_train_parity import assert_same_run, dataset, train_run  # noqa: F401 (fixture)
+
+# 3 heads of 10 and a 259-token vocabulary: a parameter count that neither 4 nor (for some units) 4 divides.
+ODD = ["model.d_model=30", "model.n_head=3", "model.vocab_size=259", "model.seq_len=24"]
+
+
+@pytest.mark.parametrize("extra", [[], ODD], ids=["tiny", "odd-sizes"])
+def test_every_zero_stage_matches_the_single_process(tmp_path, dataset, extra):
+    single = train_run(1, tmp_path / "single", dataset, "train.micro_batch=1", *extra)
+    for stage in (1, 2, 3):
+        for dp in (2, 4):
+            run = train_run(dp, tmp_path / f"z{stage}dp{dp}", dataset, "train.micro_batch=1",
+                            f"parallel.zero={stage}", *extra)
+            assert_same_run(single, run)
+
+
+def test_odd_sizes_really_need_padding():
+    cfg = load_config("configs/tiny.toml", ODD)
+    sizes = [layout.size for layout in GPT(cfg.model, make_backend("cpu", "float64")).layouts]
+    assert sum(sizes) % 4 and any(size % 4 for size in sizes), sizes
+
+
+@pytest.mark.parametrize("overrides", [["model.arch=llama", "model.n_kv_head=2"],
+                                       ["parallel.reshard_after_forward=false"],
+                                       ["parallel.overlap=false"]], ids=["llama", "keep-params", "no-overlap"])
+def test_zero3_variants_match_the_single_process(tmp_path, dataset, overrides):
+    single = train_run(1, tmp_path / "single", dataset, *overrides)
+    assert_same_run(single, train_run(2, tmp_path / "z3", dataset, "parallel.zero=3", *overrides))
+
+
+@pytest.mark.parametrize("stage, reshard, factor", [(0, True, 2), (1, True, 2), (2, True, 2), (3, True, 3),
+                                                    (3, False, 2)])
+def test_traffic_per_step_is_k_times_n_minus_1_over_n_psi(tmp_path, dataset, stage, reshard, factor):
+    """Plain DP, ZeRO-1 and ZeRO-2 move 2(N-1)/N Psi bytes per rank and step, ZeRO-3 3(N-1)/N Psi (1.5x)."""
+    n = 4
+    metrics, params = train_run(n, tmp_path / "run", dataset, "train.steps=2", "train.micro_batch=2",
+                                f"parallel.zero={stage}", f"parallel.reshard_after_forward={str(reshard).lower()}")
+    psi = sum(v.size for v in params.values()) * 8
+    expected = factor * (n - 1) / n * psi
+    for record in metrics:
+        moved = sum(v for k, v in record["comm_bytes"].items() if k != "control")
+        assert moved == pytest.approx(expected, rel=0.01), record["comm_bytes"]
+
+
+MEMORY_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.backend import make_backend
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import load_config, resolve_layout
+from mpitrain.model.gpt import GPT
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.train import make_state
+world = MPI.COMM_WORLD
+out = {}
+for stage in (0, 1, 2, 3):
+    cfg = load_config("configs/bench-small.toml", [f"parallel.zero={stage}", "train.micro_batch=1",
+                                                   f"train.global_batch={world.size}"])
+    resolve_layout(cfg, world.size)
+    backend = make_backend("cpu", "float32")
+    model = GPT(cfg.model, backend)
+    state = make_state(cfg, model, backend, Mesh(world, dp=world.size))
+    optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
+    held = state.memory()
+    out[stage] = {**held, "optimizer": optimizer.state_nbytes(), "psi": model.n_params}
+if world.rank == world.size - 1:
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_state_memory_per_rank_falls_as_the_formulas_say(n):
+    """Bytes of the arrays a rank really holds, against 16 Psi (ZeRO-0), 8 Psi + 12 Psi/N (ZeRO-1: params, full and
+    sharded grads, moments), 4 Psi + 12 Psi/N (ZeRO-2) and 16 Psi/N (ZeRO-3) at float32."""
+    result = run_python_mpi(n, MEMORY_JOB, timeout=120)
+    assert result.returncode == 0, describe(result)
+    measured = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    psi = measured[0]["psi"]
+    expected_total = {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+    padding = 4 * 4 * n * (4 + 2)  # at most n-1 padding elements per unit, 6 units, in 4 arrays of 4 bytes
+    for stage, expected in expected_total.items():
+        held = measured[stage]
+        total = held["params"] + held["grads"] + held["optimizer"]
+        assert abs(total - expected) <= 0.02 * expected + padding, (stage, total, expected)
+
+
+def test_activation_estimate_is_what_the_saved_state_holds():
+    for overrides in ([], ["model.arch=llama", "model.n_kv_head=2"]):
+        cfg = load_config("configs/tiny.toml", ["precision.compute=float64", *overrides])
+        backend = make_backend("cpu", "float64")
+        model = GPT(cfg.model, backend)
+        state = ReplicatedState(model.layouts, backend, 0)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 256, (cfg.train.micro_batch, cfg.model.seq_len))
+        _, saved = model.forward(state, tokens, rng.integers(0, 256, tokens.shape))
+        assert nbytes_of(saved) == activation_bytes(cfg), overrides
