@@ -166,6 +166,48 @@ def memory(config, overrides, world_size):
     click.echo(f"  {'total':<12} {report['total'] / 2**20:>10.2f} MiB")
 
 
+# ----------------------------------------------------------------------------- schedule (pipeline, no MPI)
+@main.command("schedule")
+@click.option("--pp", type=int, required=True, help="Pipeline stages (ranks).")
+@click.option("--microbatches", type=int, required=True, help="Micro-batches per step.")
+@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb1p"]), default="1f1b",
+              show_default=True)
+@click.option("--virtual-stages", type=int, default=1, show_default=True,
+              help="Model chunks per rank (interleaved only).")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the timeline into this PNG file (needs matplotlib: pip install 'mpitrain[plot]').")
+@click.option("--width", type=int, default=120, show_default=True, help="Columns of the text timeline.")
+@click.option("--instructions", is_flag=True, help="Also print every rank's instruction list.")
+@_user_errors
+def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, instructions):
+    """Simulate a pipeline schedule: timeline, bubble (theoretical and simulated), peak activations per rank."""
+    from mpitrain.parallel.schedule import (bubble_fraction, format_schedule, make_schedule, peak_activations,
+                                            simulate, theoretical_bubble, validate)
+    from mpitrain.profile.timeline import render_png, render_text
+
+    v = virtual_stages
+    plan = make_schedule(kind, pp, microbatches, v)
+    validate(plan, pp, microbatches, v)
+    # time unit: one micro-batch's forward through a whole stage; an interleaved chunk is 1/v of a stage
+    timeline = simulate(plan, t_forward=1 / v, t_backward=2 / v, t_backward_input=1 / v, t_backward_weight=1 / v)
+    times = "forward 1, input grad 1, weight grad 1" if kind == "zb1p" else "forward 1, backward 2"
+    click.echo(f"{kind}: pp = {pp}, {microbatches} micro-batches" + (f", {v} chunks per rank" if v > 1 else "")
+               + f"; time per micro-batch and stage: {times}")
+    if instructions:
+        click.echo(format_schedule(plan))
+    click.echo(render_text(timeline, width=width))
+    click.echo(f"bubble: theoretical {theoretical_bubble(kind, pp, microbatches, v):.4f}, "
+               f"simulated {bubble_fraction(timeline):.4f}")
+    unit = f"(micro-batch, chunk) pairs, 1/{v} stage each" if v > 1 else "micro-batches"
+    click.echo(f"peak activations ({unit}): "
+               + ", ".join(f"rank {rank} {n}" for rank, n in enumerate(peak_activations(plan))))
+    if png_path:
+        title = f"{kind} pp={pp} m={microbatches}" + (f" v={v}" if v > 1 else "")
+        render_png(timeline, png_path, title)
+        click.echo(f"wrote {png_path}")
+# ----------------------------------------------------------------------------- end schedule
+
+
 # ----------------------------------------------------------------------------- bench
 @main.group()
 def bench():

@@ -25,6 +25,7 @@ are counted when issued.
 from __future__ import annotations
 
 import abc
+import pickle
 from fractions import Fraction
 
 import numpy as np
@@ -312,6 +313,17 @@ class Group(GroupBase):
     def barrier(self):
         if self.size > 1:
             self.comm.Barrier()
+
+    # ---- small Python objects (control plane: checkpoint indexes, timelines), counted under "control" ------------
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Every rank's `obj` as a list on `root` (None elsewhere)."""
+        self._count("control", len(pickle.dumps(obj)))
+        return self.comm.gather(obj, root=root) if self.size > 1 else [obj]
+
+    def broadcast_object(self, obj, root: int = 0):
+        if self.rank == root:
+            self._count("control", len(pickle.dumps(obj)))
+        return self.comm.bcast(obj, root=root) if self.size > 1 else obj
 
     # ---- point to point (always through MPI, also on a group of one) ---------------------------------------------
     def send(self, buf, dest, tag=0):

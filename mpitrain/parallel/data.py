@@ -118,6 +118,15 @@ class ReplicatedState:
         """The whole model's parameters (a collective under ZeRO-3; here they are simply ours)."""
         return self.params
 
+    def checkpoint_layout(self) -> dict:
+        """Where this rank's state sits in the flat geometry (see mpitrain/checkpoint/pieces.py)."""
+        return {"geometry": self.params, "param_windows": [(0, self.params.size, self.params.data, 0)],
+                "params_dp_replicated": True, "segment_windows": [(0, self.params.size)],
+                "moments_dp_replicated": True}
+
+    def after_restore(self) -> None:
+        """Called after a checkpoint was loaded into the arrays."""
+
     def memory(self) -> dict:
         """Bytes of the arrays this state keeps between steps."""
         return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes)}

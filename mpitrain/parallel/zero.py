@@ -184,6 +184,21 @@ class ZeroState:
             self.group.all_gather(self._param_shard(unit), full.data[slice(*full.unit_range(unit))])
         return full
 
+    def checkpoint_layout(self) -> dict:
+        """Where this rank's state sits in the padded flat geometry (see mpitrain/checkpoint/pieces.py)."""
+        units = range(len(self.layouts))
+        if self.stage < 3:
+            param_windows = [(0, self.geometry.size, self.params.data, 0)]
+        else:
+            param_windows = [(*self._window(u), self.param_shard, self.shard_offsets[u]) for u in units]
+        return {"geometry": self.geometry, "param_windows": param_windows, "params_dp_replicated": self.stage < 3,
+                "segment_windows": [self._window(u) for u in units], "moments_dp_replicated": False}
+
+    def after_restore(self) -> None:
+        """Called after a checkpoint was loaded into the arrays: nothing gathered may outlive it."""
+        if self.stage == 3:
+            self.gathered.clear()
+
     def memory(self) -> dict:
         """Bytes of the arrays this state keeps between steps (transient gathers and unit gradients excluded)."""
         params = self.params.data if self.stage < 3 else self.param_shard

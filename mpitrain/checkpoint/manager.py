@@ -1,0 +1,190 @@
+"""When and what the trainer saves and restores: the glue between the training state and the store.
+
+Saved per rank: parameters (on CPU at float32/float64 they are the master weights) and both Adam moments, as pieces
+in global coordinates. Saved once: the step to continue from, the optimizer's step count, the config, the layout and
+the tokenizer. Nothing else is needed to continue the same run: the learning rate is a function of the step and the
+data of step s is a function of (seed, s) (no dropout or other randomness in a step today).
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.backend import to_host
+from mpitrain.checkpoint.pieces import HeldPiece, held_pieces
+from mpitrain.checkpoint.store import (FORMAT_VERSION, Checkpoint, CheckpointError, clean, commit,
+                                       committed_checkpoints, rank_file_name, step_dir_name, write_rank_file)
+from mpitrain.config import to_toml
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request after saving; resume me"
+
+
+class CheckpointManager:
+    def __init__(self, trainer, directory: Path, keep: int, echo=print):
+        self.trainer, self.directory, self.keep, self.echo = trainer, Path(directory), keep, echo
+        self.world = trainer.mesh.world
+        self._pending = None  # an asynchronous save in flight: (step, partial dir, thread, result holder)
+
+    # -- what this rank holds
+    def held(self) -> list[HeldPiece]:
+        trainer = self.trainer
+        layout = trainer.state.checkpoint_layout()
+        mesh = trainer.mesh
+        dp, tp = (mesh.dp.size, mesh.dp.rank), (mesh.tp.size, mesh.tp.rank)
+        skip = getattr(trainer.model, "checkpoint_skip", ())
+        held = held_pieces("param", layout["geometry"], layout["param_windows"], layout["params_dp_replicated"],
+                           dp, tp, skip)
+        optimizer = trainer.optimizer
+        for kind, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+            windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout["segment_windows"],
+                                                                              optimizer.bounds)]
+            held += held_pieces(kind, layout["geometry"], windows, layout["moments_dp_replicated"], dp, tp, skip)
+        return held
+
+    def _index(self, step: int, records: list[dict]) -> dict:
+        trainer, cfg = self.trainer, self.trainer.cfg
+        tensors = {}
+        for record in records:
+            for piece in record["pieces"]:
+                tensors.setdefault(piece["tensor"], {"global_shape": piece["global_shape"], "dtype": piece["dtype"]})
+        p = cfg.parallel
+        return {"format": FORMAT_VERSION, "step": step, "created": time.time(),
+                "layout": {"world_size": self.world.size, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
+                           "ep": p.ep, "zero": p.zero},
+                "config": to_toml(cfg), "tokenizer": trainer.tokenizer_description,
+                "train_state": {"next_step": step, "optimizer_steps": trainer.optimizer.steps_taken},
+                "tensors": dict(sorted(tensors.items())), "files": records}
+
+    # -- saving
+    def _prepare(self, step: int) -> tuple[Path, Path]:
+        final = self.directory / step_dir_name(step)
+        partial = self.directory / (final.name + ".partial")
+        if self.world.rank == 0:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            if partial.exists():
+                shutil.rmtree(partial)  # a leftover of an interrupted save of the same step
+            partial.mkdir()
+        self.world.barrier()  # the directory exists before anyone writes into it
+        return partial, final
+
+    def _host_pieces(self) -> list:
+        """Copies of the pieces this rank writes, taken now (so training may go on changing the originals)."""
+        return [(item.piece, np.array(to_host(item.view()), copy=True)) for item in self.held() if item.writer]
+
+    def _commit(self, step: int, partial: Path, final: Path, record: dict | None, error: str | None) -> None:
+        """Collective: gather every rank's file record (or error) to rank 0, which commits; all learn the outcome."""
+        gathered = self.world.gather_object((record, error))
+        outcome = None
+        if self.world.rank == 0:
+            errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(gathered) if err]
+            if errors:
+                outcome = "checkpoint save failed: " + "; ".join(errors)
+            else:
+                commit(partial, final, self._index(step, [rec for rec, _ in gathered]))
+                removed = clean(self.directory, self.keep)
+                self.echo(f"checkpoint: saved step {step} to {final}"
+                          + (f" (removed {len(removed)} older)" if removed else ""))
+        outcome = self.world.broadcast_object(outcome)
+        if outcome:
+            raise CheckpointError(outcome)
+
+    def _already_saved(self, step: int) -> bool:
+        exists = self.world.broadcast_object((self.directory / step_dir_name(step) / "COMMITTED").is_file())
+        if exists and self.world.rank == 0:
+            self.echo(f"checkpoint: step {step} is already saved")
+        return exists
+
+    def save(self, step: int) -> None:
+        """Synchronous save of the state after `step` steps (collective)."""
+        self.wait()
+        if self._already_saved(step):
+            return
+        partial, final = self._prepare(step)
+        record, error = None, None
+        try:
+            record = write_rank_file(partial / rank_file_name(self.world.rank), self._host_pieces())
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self._commit(step, partial, final, record, error)
+
+    def save_async(self, step: int) -> None:
+        """Copy the state to host memory now, write it in a background thread, commit once all ranks are done."""
+        self.wait()
+        if self._already_saved(step):
+            return
+        partial, final = self._prepare(step)
+        pieces = self._host_pieces()
+        result: dict = {}
+
+        def write():
+            try:
+                result["record"] = write_rank_file(partial / rank_file_name(self.world.rank), pieces)
+            except Exception as exc:  # reported to every rank at the next poll
+                result["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=write, name=f"checkpoint-writer-{step}", daemon=True)
+        thread.start()
+        self._pending = (step, partial, final, thread, result)
+
+    def poll(self) -> None:
+        """Collective, once per step while an asynchronous save is in flight: commit when every writer is done."""
+        if self._pending is None:
+            return
+        step, partial, final, thread, result = self._pending
+        still_writing = self.world.all_reduce_scalar(float(thread.is_alive()), op="max")
+        if still_writing:
+            return
+        self._pending = None
+        self._commit(step, partial, final, result.get("record"), result.get("error"))
+
+    def wait(self) -> None:
+        """Finish an asynchronous save in flight (collective)."""
+        if self._pending is not None:
+            self._pending[3].join()
+            self.poll()
+
+    # -- restoring
+    def find_resume_point(self, spec: str) -> Path | None:
+        """Rank 0 picks and verifies the checkpoint; every rank gets the same answer (or the same error)."""
+        answer = None
+        if self.world.rank == 0:
+            answer = self._choose(spec)
+        answer = self.world.broadcast_object(answer)
+        if isinstance(answer, str) and answer.startswith("error:"):
+            raise CheckpointError(answer[len("error:"):].strip())
+        return Path(answer) if answer else None
+
+    def _choose(self, spec: str):
+        if spec != "auto":
+            try:
+                Checkpoint.open(Path(spec)).verify_files()
+            except CheckpointError as exc:
+                return f"error: {exc}"
+            return str(spec)
+        clean(self.directory, keep=0)  # leftovers of interrupted saves only (keep=0 removes no committed one)
+        for candidate in reversed(committed_checkpoints(self.directory)):
+            try:
+                Checkpoint.open(candidate).verify_files()
+                return str(candidate)
+            except CheckpointError as exc:
+                self.echo(f"checkpoint: {exc}; falling back to the previous committed checkpoint")
+        return None
+
+    def restore(self, path: Path) -> int:
+        """Load the checkpoint at `path` into this rank's state; returns the step to continue from."""
+        checkpoint = Checkpoint.open(path)
+        held = self.held()
+        for item in held:
+            saved = checkpoint.tensors().get(item.piece.tensor)
+            if saved is None or tuple(saved["global_shape"]) != item.piece.global_shape:
+                raise CheckpointError(f"{path} does not fit this model: tensor {item.piece.tensor} is "
+                                      f"{saved and saved['global_shape']} there and {list(item.piece.global_shape)} "
+                                      f"here (check the model.* keys)")
+        checkpoint.load_into(held)
+        self.trainer.state.after_restore()
+        self.trainer.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
+        return int(checkpoint.index["train_state"]["next_step"])

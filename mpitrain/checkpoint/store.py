@@ -1,0 +1,210 @@
+"""Saving and loading sharded checkpoints with an atomic commit.
+
+Layout on disk (one directory per step, names that sort by step):
+
+    CKPT_DIR/step_00000100/rank_00003.h5   this rank's pieces: one dataset per piece, attributes say where it goes
+    CKPT_DIR/step_00000100/index.json      layout, step, config, every piece and its file, SHA-256 per file
+    CKPT_DIR/step_00000100/COMMITTED       written last: without it the directory is not a checkpoint
+    CKPT_DIR/latest                        the newest committed step's directory name, replaced by atomic rename
+
+Protocol: every rank writes and fsyncs its file into `step_X.partial/`, hashes it and sends the hash to rank 0;
+rank 0 writes the index and the marker, fsyncs, renames `step_X.partial` to `step_X`, then moves `latest`. A crash at
+any point leaves either the previous checkpoints untouched or a `.partial` directory that is ignored and cleaned.
+Nothing is ever modified in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from mpitrain.checkpoint.pieces import HeldPiece, Piece, fill_box
+from mpitrain.errors import MpitrainError
+
+MARKER = "COMMITTED"
+INDEX = "index.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(MpitrainError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.h5"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- writing
+def write_rank_file(path: Path, pieces: list[tuple[Piece, np.ndarray]]) -> dict:
+    """Write this rank's pieces (host arrays), fsync, and return {file, sha256, bytes, pieces} for the index."""
+    records = []
+    with h5py.File(path, "w") as f:
+        for number, (piece, values) in enumerate(pieces):
+            name = f"{piece.kind}/{piece.tensor}#{number}"
+            dataset = f.create_dataset(name, data=values)
+            for key, value in piece.to_dict().items():
+                dataset.attrs[key] = value if isinstance(value, str) else np.asarray(value, dtype=np.int64)
+            records.append({**piece.to_dict(), "dataset": name, "dtype": str(values.dtype)})
+    fsync_path(path)
+    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size, "pieces": records}
+
+
+def commit(partial: Path, final: Path, index: dict) -> None:
+    """Rank 0, after every rank's file is on disk: index, marker, rename, then `latest`."""
+    with open(partial / INDEX, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(partial / MARKER, "w") as f:
+        f.write(f"step {index['step']}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(partial)
+    os.replace(partial, final)
+    fsync_path(final.parent)
+    latest_tmp = final.parent / ".latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, final.parent / "latest")
+    fsync_path(final.parent)
+
+
+# ----------------------------------------------------------------------------- finding and cleaning
+def committed_checkpoints(directory: Path) -> list[Path]:
+    """Committed checkpoint directories, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if STEP_DIR.match(p.name) and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def clean(directory: Path, keep: int) -> list[Path]:
+    """Remove leftover uncommitted directories and all but the `keep` newest committed checkpoints (never the
+    newest). Returns what was removed."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in directory.iterdir():
+        if path.is_dir() and (path.name.endswith(".partial") or (STEP_DIR.match(path.name) and
+                                                               not (path / MARKER).is_file())):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    committed = committed_checkpoints(directory)
+    for path in committed[:-max(1, keep)] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class Checkpoint:
+    path: Path
+    index: dict
+    _by_tensor: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path) -> "Checkpoint":
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint not found: {path}")
+        if not (path / MARKER).is_file():
+            raise CheckpointError(f"{path} is not a committed checkpoint (no {MARKER} marker): an interrupted save")
+        try:
+            index = json.loads((path / INDEX).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path / INDEX} is unreadable: {exc}") from exc
+        checkpoint = cls(path, index)
+        for record in index["files"]:
+            for piece in record["pieces"]:
+                key = (piece["kind"], piece["tensor"])
+                checkpoint._by_tensor.setdefault(key, []).append((record["file"], piece))
+        return checkpoint
+
+    @property
+    def step(self) -> int:
+        return int(self.index["step"])
+
+    def verify_files(self) -> None:
+        """Every shard file present, of the recorded size and SHA-256; raises naming the first bad file."""
+        for record in self.index["files"]:
+            path = self.path / record["file"]
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint shard missing: {path}")
+            if path.stat().st_size != record["bytes"]:
+                raise CheckpointError(f"checkpoint shard truncated: {path} has {path.stat().st_size} bytes, "
+                                      f"the index recorded {record['bytes']}")
+            if sha256_of(path) != record["sha256"]:
+                raise CheckpointError(f"checkpoint shard corrupt: {path} does not match its SHA-256 in the index")
+
+    def tensors(self) -> dict:
+        return self.index["tensors"]
+
+    def read_box(self, kind: str, tensor: str, box_offset, box_shape, dtype) -> np.ndarray:
+        """The block [box_offset, box_offset + box_shape) of a saved tensor, assembled from whatever pieces hold it.
+        Parts outside the tensor (vocabulary padding) are zero."""
+        saved = self._by_tensor.get((kind, tensor))
+        if not saved:
+            raise CheckpointError(f"{self.path} has no {kind} for tensor {tensor}")
+        out = np.zeros(box_shape, dtype=dtype)
+        covered = np.zeros(box_shape, dtype=bool)
+        files: dict[str, h5py.File] = {}
+        try:
+            for file_name, record in saved:
+                if file_name not in files:
+                    files[file_name] = h5py.File(self.path / file_name, "r")
+                piece = Piece.from_dict(record)
+                fill_box(box_offset, box_shape, piece, files[file_name][record["dataset"]][()], out, covered)
+        finally:
+            for handle in files.values():
+                handle.close()
+        global_shape = np.asarray(saved[0][1]["global_shape"])
+        inside = tuple(slice(0, max(0, min(n, g - o))) for n, g, o in zip(box_shape, global_shape, box_offset))
+        if not covered[inside].all():
+            raise CheckpointError(f"{self.path}: the saved pieces do not cover all of {kind} {tensor} "
+                                  f"[{list(box_offset)} + {list(box_shape)}]")
+        return out
+
+    def load_into(self, held: list[HeldPiece]) -> None:
+        """Fill every piece this rank holds from the checkpoint (any layout to any layout)."""
+        boxes: dict = {}
+        for item in held:
+            p = item.piece
+            key = (p.kind, p.tensor, p.box_offset, p.box_shape)
+            if key not in boxes:
+                boxes = {key: self.read_box(p.kind, p.tensor, p.box_offset, p.box_shape, np.float64)}
+            flat = boxes[key].reshape(-1)[p.flat[0]:p.flat[1]]
+            view = item.view()
+            view[...] = flat.astype(view.dtype) if isinstance(view, np.ndarray) else _to_device(view, flat)
+
+
+def _to_device(view, flat: np.ndarray):
+    from mpitrain.backend import array_module
+    return array_module(view).asarray(flat, dtype=view.dtype)
