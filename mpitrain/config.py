@@ -48,7 +48,8 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 0  # 0: whatever the world size leaves after tp*pp*cp
-    tp: int = 1
+    tp: int = 1  # tensor parallelism: every layer split over tp ranks (innermost in the mesh: one node)
+    sequence_parallel: bool = False  # tp > 1: norm/residual regions split along the sequence (1/tp activations)
     pp: int = 1
     cp: int = 1
     ep: int = 1
@@ -125,7 +126,7 @@ ALLOWED = {
     "parallel.zero": (0, 1, 2, 3),
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
-NOT_YET = {"parallel.tp": "tensor parallelism", "parallel.pp": "pipeline parallelism",
+NOT_YET = {"parallel.pp": "pipeline parallelism",
            "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
 
 
@@ -232,8 +233,24 @@ def validate(cfg: Config) -> None:
     _require(m.n_head % m.kv_heads == 0, f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
     _require(m.arch == "llama" or m.kv_heads == m.n_head,
              "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
+    validate_tensor_parallel(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+
+
+def validate_tensor_parallel(cfg: Config) -> None:
+    """What tensor parallelism splits must split evenly (the vocabulary need not: it is padded)."""
+    m, t = cfg.model, cfg.parallel.tp
+    _require(t >= 1, f"config key parallel.tp must be >= 1, got {t}")
+    for key, value in (("model.n_head", m.n_head), ("model.d_model", m.d_model), ("model.d_ff (MLP width)", m.ff_dim)):
+        _require(value % t == 0, f"{key} = {value} is not divisible by parallel.tp = {t} (tensor parallelism splits "
+                                 f"it across the tp ranks); choose parallel.tp dividing {value}")
+    _require(m.kv_heads % t == 0 or t % m.kv_heads == 0,
+             f"model.n_kv_head = {m.kv_heads} and parallel.tp = {t}: key/value heads are split across the tp ranks "
+             f"when n_kv_head is a multiple of tp and replicated when tp is a multiple of n_kv_head; choose one")
+    _require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
+             f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
+             f"splits the sequence across the tp ranks)")
 
 
 def resolve_layout(cfg: Config, world_size: int) -> None:

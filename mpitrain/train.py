@@ -24,6 +24,7 @@ from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.data import ReplicatedState
+from mpitrain.parallel.tensor import TensorParallel, gather_full_tensors
 from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 
@@ -65,7 +66,7 @@ class Trainer:
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.model = GPT(cfg.model, self.backend)
+        self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel)
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         o = cfg.optim
         self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
@@ -131,6 +132,32 @@ class Trainer:
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                 "comm_bytes": result.comm_bytes}
 
+    def whole_model(self, full):
+        """A single-process (tp = 1) model and state holding the whole trained model, on world rank 0; None elsewhere.
+
+        `full`: this rank's parameters (full_params()). Under tensor parallelism the tp group of world rank 0 sends
+        its pieces to tp rank 0, which assembles the global tensors (their shapes and offsets are in each tp rank's
+        layout; vocabulary padding is cut)."""
+        if self.mesh.dp_rank != 0:
+            return None
+        tp, cfg = self.model.tp, self.cfg
+        layouts = {tp.rank: self.model.layouts}
+
+        def layouts_of_rank(rank):
+            if rank not in layouts:
+                other = TensorParallel.layout_only(tp.size, rank, tp.sequence_parallel)
+                layouts[rank] = GPT(cfg.model, self.backend, tp=other).layouts
+            return layouts[rank]
+
+        tensors = gather_full_tensors(tp, layouts_of_rank, full)
+        if tensors is None:
+            return None
+        single = GPT(cfg.model, self.backend)
+        state = ReplicatedState(single.layouts, self.backend, None)
+        for name, view in state.params.named_views():
+            view[...] = self.backend.from_host(tensors[name])
+        return single, state
+
 
 def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
@@ -182,12 +209,14 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print) -> dict:
         if metrics_file is not None:
             metrics_file.close()
     full = trainer.state.full_params()  # a collective under ZeRO-3: every rank takes part
+    model = trainer.whole_model(full)  # a collective of the tp group holding world rank 0; None on other ranks
     if logger:
         from mpitrain.generate import sample, save_weights
-        local = ReplicatedState(trainer.model.layouts, trainer.backend, None, params=full)
-        save_weights(run_dir / "final.h5", full, cfg, trainer.tokenizer_description)
+        single_model, single_state = model
+        save_weights(run_dir / "final.h5", single_state.params, cfg, trainer.tokenizer_description)
         if trainer.tokenizer is not None and t.sample_tokens:
-            text = sample(trainer.model, local, trainer.tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
+            text = sample(single_model, single_state, trainer.tokenizer, t.sample_prompt, t.sample_tokens,
+                          seed=t.seed)
             echo(f"--- sample ({t.sample_tokens} tokens after {t.sample_prompt!r}) ---\n{text}\n---")
         echo(f"final weights: {run_dir / 'final.h5'}  (try: mpitrain generate {run_dir})")
     return last

@@ -14,15 +14,23 @@ Most units read only their own parameters; the gpt2 head also reads the embeddin
 """
 from __future__ import annotations
 
+import math
+
 from mpitrain.config import ModelConfig
 from mpitrain.model import ops
 from mpitrain.model.units import Block, Embedding, Head
+from mpitrain.parallel.tensor import TensorParallel
 
 
 class GPT:
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, *, tp_group=None, sequence_parallel: bool = False,
+                 tp: TensorParallel | None = None):
+        """`tp_group`: the tensor-parallel group (None: one rank), handed to every unit together with the mode
+        (`sequence_parallel`) as one TensorParallel; or pass that object itself as `tp`."""
         self.cfg, self.backend = cfg, backend
-        self.units = [Embedding(cfg)] + [Block(cfg, i) for i in range(cfg.n_layer)] + [Head(cfg)]
+        self.tp = tp or TensorParallel(tp_group, sequence_parallel)
+        self.units = ([Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)]
+                      + [Head(cfg, self.tp)])
         self.layouts = [u.layout for u in self.units]
         head = len(self.units) - 1
         # reads[i]: the units whose parameters unit i uses
@@ -38,7 +46,8 @@ class GPT:
 
     @property
     def n_params(self) -> int:
-        return sum(layout.size for layout in self.layouts)
+        """Parameters of the whole model (under tensor parallelism too: global shapes, vocabulary padding excluded)."""
+        return sum(math.prod(spec.full_shape) for layout in self.layouts for spec in layout.specs)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus attention's 12*L*d*T.
@@ -107,7 +116,7 @@ class GPT:
             self._after(state, i, "backward")
 
     def last_logits(self, state, tokens):
-        """Logits of the last position (generation)."""
+        """Logits of the last position (generation; a tp = 1 model, see Head.logits)."""
         ctx = self.context(tokens.shape[1])
         x, head = tokens, len(self.units) - 1
         for i, unit in enumerate(self.units):

@@ -1,0 +1,410 @@
+"""Tensor parallelism (Megatron style): the communication that splits every layer over the ranks of the tp group.
+
+Layers stay plain math; they receive a `TensorParallel` (the tp group and its mode) and call the operators below at
+the two places where a tensor-parallel region begins and ends. With one rank every operator is a no-op (no copy, no
+MPI call), so ONE code path serves every degree.
+
+The conjugate pairs (forward / backward), Megatron's f and g, and their sequence-parallel forms:
+
+    operator          forward                                backward
+    copy_to_tp        identity                               all-reduce
+    reduce_from_tp    all-reduce                             identity
+    gather_from_sp    all-gather along the sequence          reduce-scatter along the sequence
+    scatter_to_sp     reduce-scatter along the sequence      all-gather along the sequence
+
+A block enters its tensor-parallel region before the column-parallel linears (Q/K/V, MLP up/gate) and leaves it
+after the row-parallel ones (attention output, MLP down): `enter` is copy_to_tp, or gather_from_sp with sequence
+parallelism; `exit` is reduce_from_tp, or scatter_to_sp. Between a block's exit and the next block's entry (norms,
+residual adds, biases of row-parallel linears) activations are replicated, or with sequence parallelism split along
+the sequence: 1/t of them per rank, for the same bytes moved (an all-reduce is a reduce-scatter plus an all-gather).
+
+Activations are (batch, sequence, ...) and the sequence is axis 1, but MPI's all-gather and reduce-scatter work on
+contiguous LEADING blocks. So the sequence operators move the sequence to the front ((T, B, ...) contiguous: a copy,
+free when B = 1), communicate, and move it back.
+
+Also here: the vocabulary-parallel embedding and cross-entropy (each rank holds ceil(V/t) rows of the vocabulary;
+the full logits are never gathered), the column-parallel backward whose input-gradient reduction overlaps the
+weight-gradient matmul, gradients of replicated tensors that each rank only partly computes, and assembling full
+tensors from the pieces.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpitrain.backend import array_module, to_host
+from mpitrain.model.params import ParamSpec
+
+TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class TensorParallel:
+    """The tensor-parallel group and mode that layers receive explicitly (never a global).
+
+    `group`: a comm Group (None: one rank). `sequence_parallel`: split norm/residual regions along the sequence.
+    `seconds[kind]` accumulates the wall time this rank spends in tp collectives (issue + wait; the part of a
+    non-blocking reduction hidden behind compute is not counted), for the step breakdown and benchmarks.
+    """
+
+    def __init__(self, group=None, sequence_parallel: bool = False):
+        self.group = group
+        self.size = group.size if group is not None else 1
+        self.rank = group.rank if group is not None else 0
+        self.sequence_parallel = sequence_parallel
+        self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
+
+    @classmethod
+    def layout_only(cls, size: int, rank: int, sequence_parallel: bool = False) -> "TensorParallel":
+        """Degree and rank without a group: to build the parameter layout of another tp rank (assembling weights)."""
+        tp = cls(None, sequence_parallel)
+        tp.size, tp.rank = size, rank
+        return tp
+
+    def reset_timers(self) -> None:
+        self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(rank {self.rank} of {self.size}, sequence_parallel={self.sequence_parallel})"
+
+    # -- raw collectives, timed
+    def _timed(self, kind: str, start: float) -> None:
+        self.seconds[kind] += time.perf_counter() - start
+
+    def all_reduce(self, buf, op: str = "sum"):
+        """In place; returns buf."""
+        if self.size > 1:
+            start = time.perf_counter()
+            self.group.all_reduce(buf, op)
+            self._timed("all_reduce", start)
+        return buf
+
+    def start_all_reduce(self, buf) -> "Pending":
+        if self.size == 1:
+            return Pending.done(buf)
+        start = time.perf_counter()
+        handle = self.group.iall_reduce(buf)
+        self._timed("all_reduce", start)
+        return Pending(self, "all_reduce", handle, lambda: buf)
+
+    def gather_sequence(self, x):
+        """(B, T/t, ...) chunks of every rank -> (B, T, ...); rank r's chunk goes to positions [r T/t, (r+1) T/t)."""
+        if self.size == 1:
+            return x
+        start = time.perf_counter()
+        send = _sequence_first(x)
+        recv = array_module(x).empty((self.size * send.shape[0],) + send.shape[1:], dtype=x.dtype)
+        self.group.all_gather(send, recv)
+        self._timed("all_gather", start)
+        return _sequence_second(recv)
+
+    def start_reduce_scatter_sequence(self, x) -> "Pending":
+        """(B, T, ...) partial sums -> this rank's (B, T/t, ...) chunk of their sum; non-blocking."""
+        if self.size == 1:
+            return Pending.done(x)
+        if x.shape[1] % self.size:
+            raise ValueError(f"sequence parallelism: sequence length {x.shape[1]} is not divisible by tp = "
+                             f"{self.size}")
+        start = time.perf_counter()
+        send = _sequence_first(x)
+        recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=x.dtype)
+        handle = self.group.ireduce_scatter(send, recv)
+        self._timed("reduce_scatter", start)
+        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv))
+
+    def reduce_scatter_sequence(self, x):
+        return self.start_reduce_scatter_sequence(x).wait()
+
+    def sequence_chunk(self, seq_len: int) -> slice:
+        """Positions of this rank's chunk of a sequence in sequence-parallel regions (all of it without SP)."""
+        if not self.sequence_parallel or self.size == 1:
+            return slice(0, seq_len)
+        chunk = seq_len // self.size
+        return slice(self.rank * chunk, (self.rank + 1) * chunk)
+
+    # -- entering and leaving a tensor-parallel region: the mode picks the operator pair
+    def enter(self, x):
+        """Before column-parallel linears: replicated input (copy_to_tp) or the all-gathered sequence."""
+        return gather_from_sp_forward(self, x) if self.sequence_parallel else copy_to_tp_forward(self, x)
+
+    def start_enter_backward(self, dx) -> "Pending":
+        """Gradient of `enter`, started without waiting (the non-blocking form of copy_to_tp_backward or
+        gather_from_sp_backward): all-reduce, or reduce-scatter to this rank's sequence chunk."""
+        if self.sequence_parallel:
+            return self.start_reduce_scatter_sequence(dx)
+        return self.start_all_reduce(dx)
+
+    def exit(self, y):
+        """After row-parallel linears: sum the partial outputs (all-reduce, or reduce-scatter along the sequence)."""
+        return scatter_to_sp_forward(self, y) if self.sequence_parallel else reduce_from_tp_forward(self, y)
+
+    def exit_backward(self, dy):
+        return scatter_to_sp_backward(self, dy) if self.sequence_parallel else reduce_from_tp_backward(self, dy)
+
+
+class Pending:
+    """A reduction in flight; `wait()` completes it and returns the result array."""
+
+    def __init__(self, tp, kind, handle, result):
+        self.tp, self.kind, self.handle, self.result = tp, kind, handle, result
+
+    @classmethod
+    def done(cls, value) -> "Pending":
+        return cls(None, None, None, lambda: value)
+
+    def wait(self):
+        if self.handle is not None:
+            start = time.perf_counter()
+            self.handle.wait()
+            self.tp._timed(self.kind, start)
+            self.handle = None
+        return self.result()
+
+
+def _sequence_first(x):
+    """(B, T, ...) -> contiguous (T, B, ...): MPI blocks are leading blocks (no copy when B = 1)."""
+    return array_module(x).ascontiguousarray(x.swapaxes(0, 1))
+
+
+def _sequence_second(x):
+    return array_module(x).ascontiguousarray(x.swapaxes(0, 1))
+
+
+# ------------------------------------------------------------------------------------- the conjugate operator pairs
+def copy_to_tp_forward(tp: TensorParallel, x):
+    return x
+
+
+def copy_to_tp_backward(tp: TensorParallel, dx):
+    return tp.all_reduce(dx)
+
+
+def reduce_from_tp_forward(tp: TensorParallel, y):
+    return tp.all_reduce(y)
+
+
+def reduce_from_tp_backward(tp: TensorParallel, dy):
+    return dy
+
+
+def gather_from_sp_forward(tp: TensorParallel, x):
+    return tp.gather_sequence(x)
+
+
+def gather_from_sp_backward(tp: TensorParallel, dy):
+    return tp.reduce_scatter_sequence(dy)
+
+
+def scatter_to_sp_forward(tp: TensorParallel, y):
+    return tp.reduce_scatter_sequence(y)
+
+
+def scatter_to_sp_backward(tp: TensorParallel, dx):
+    return tp.gather_sequence(dx)
+
+
+# ------------------------------------------------------------------------------------- linears split over tp
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def column_parallel_backward(tp: TensorParallel, x, weights, output_grads, weight_grads, bias_grads=None):
+    """Backward of column-parallel linears that share the input x (the gathered one under SP): Q/K/V, gate/up.
+
+    Their input gradient sum_i dy_i w_i^T is a partial sum over the tp ranks (each holds some output columns). Its
+    reduction (the backward of `enter`) starts before the weight-gradient matmuls and is waited for after them, so
+    the communication overlaps compute. Returns the reduced input gradient (this rank's sequence chunk under SP).
+    """
+    bias_grads = bias_grads or [None] * len(weights)
+    dx = None
+    for w, dy in zip(weights, output_grads):
+        part = _rows(dy) @ w.T
+        if dx is None:
+            dx = part
+        else:
+            dx += part
+    pending = tp.start_enter_backward(dx.reshape(x.shape))
+    x2 = _rows(x)
+    for dy, dw, db in zip(output_grads, weight_grads, bias_grads):
+        dw += x2.T @ _rows(dy)
+        if db is not None:
+            db += _rows(dy).sum(axis=0)
+    return pending.wait()
+
+
+def row_parallel_forward(tp: TensorParallel, x, w, b=None):
+    """x @ w on this rank's input columns, summed over tp (the region's exit), then the replicated bias once."""
+    y = tp.exit((_rows(x) @ w).reshape(*x.shape[:-1], w.shape[1]))
+    if b is not None:
+        y += b
+    return y
+
+
+def row_parallel_backward(tp: TensorParallel, x, w, dy, dw, db=None):
+    """dy arrives replicated (or as this rank's sequence chunk under SP, then all-gathered): the bias gradient is
+    taken from the full dy, so it is complete and identical on every rank."""
+    dy = tp.exit_backward(dy)
+    dy2 = _rows(dy)
+    if db is not None:
+        db += dy2.sum(axis=0)
+    dw += _rows(x).T @ dy2
+    return (dy2 @ w.T).reshape(*dy.shape[:-1], w.shape[0])
+
+
+class PartialGrads:
+    """Gradients of tp-REPLICATED tensors that each tp rank computes only part of, summed over tp in backward.
+
+    Two cases (both only when tp > 1):
+      - with sequence parallelism, norm weights: each rank saw only its sequence chunk;
+      - K/V projections replicated because n_kv_head is not a multiple of tp: each rank back-propagates only the
+        query heads it owns.
+    The partial gradients go to zeroed temporaries (one flat buffer), are all-reduced once, and are then ADDED to
+    the real gradients: reducing the accumulating buffer itself would multiply earlier micro-batches by t.
+    """
+
+    def __init__(self, tp: TensorParallel, grads: dict, names):
+        self.tp, self.target = tp, grads
+        self.names = [name for name in names if name in grads] if tp.size > 1 else []
+        self.grads = dict(grads)
+        if self.names:
+            first = grads[self.names[0]]
+            xp = array_module(first)
+            self.buffer = xp.zeros(sum(grads[name].size for name in self.names), dtype=first.dtype)
+            position = 0
+            for name in self.names:
+                size = grads[name].size
+                self.grads[name] = self.buffer[position:position + size].reshape(grads[name].shape)
+                position += size
+
+    def reduce(self) -> None:
+        if not self.names:
+            return
+        self.tp.all_reduce(self.buffer)
+        for name in self.names:
+            self.target[name] += self.grads[name]
+
+
+# ------------------------------------------------------------------------------------- vocabulary parallel
+@dataclass(frozen=True)
+class VocabShardSpec(ParamSpec):
+    """A vocabulary shard: ceil(V/t) rows (or columns) per rank, so the last rank's piece may hang over the end of
+    the real vocabulary (`global_shape`). The overhang is zero padding: initialised to zero, never looked up,
+    masked to -inf in the logits; it gets no gradient and stays zero."""
+
+    def piece(self, full: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.shape, dtype=full.dtype)
+        inside = super().piece(full)  # numpy slicing stops at the global tensor's end
+        out[tuple(slice(0, n) for n in inside.shape)] = inside
+        return out
+
+
+def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """(first token id, rows per rank = ceil(V/t), real rows on this rank) of this rank's vocabulary shard."""
+    rows = -(-vocab_size // tp.size)
+    first = tp.rank * rows
+    return first, rows, max(0, min(rows, vocab_size - first))
+
+
+def vocab_parallel_embedding_forward(tp: TensorParallel, table, ids, first: int):
+    """Rows of this rank's table shard for the ids it owns, zeros for the others, summed over tp by the region's
+    exit (all-reduce; under SP a reduce-scatter, so the result is this rank's sequence chunk).
+    Saves the local row of each id, -1 where another rank owns it."""
+    xp = array_module(table)
+    local = ids - first
+    outside = (local < 0) | (local >= table.shape[0])
+    local[outside] = -1
+    x = table[xp.maximum(local, 0)]
+    x[outside] = 0.0
+    return tp.exit(x), local
+
+
+def vocab_parallel_embedding_backward(tp: TensorParallel, local, dx, dtable):
+    """Adds into this rank's table shard; returns the full-sequence gradient (for learned positions)."""
+    dx = tp.exit_backward(dx)
+    mine = local >= 0
+    array_module(dtable).add.at(dtable, local[mine], dx[mine])
+    return dx
+
+
+def mask_vocab_padding(logits, real_columns: int):
+    """Padded vocabulary columns of the local logits -> -inf: zero probability, so the loss is unchanged."""
+    if real_columns < logits.shape[-1]:
+        logits[..., real_columns:] = -np.inf
+    return logits
+
+
+def vocab_parallel_cross_entropy_forward(tp: TensorParallel, logits, targets, first: int):
+    """Sum over tokens of -log softmax(logits)[target] from this rank's vocabulary columns of the logits.
+
+    Never gathers the logits: the row max is all-reduced (max), then the sum of exponentials and the target's
+    shifted logit (nonzero only on the rank that owns the target) are all-reduced together (sum). Saves the
+    probabilities of this rank's columns and each target's local column (-1 where another rank owns it).
+    """
+    xp = array_module(logits)
+    rows = _rows(logits)
+    n, columns = rows.shape
+    row_max = rows.max(axis=-1)
+    tp.all_reduce(row_max, op="max")
+    shifted = rows - row_max[:, None]
+    exp = xp.exp(shifted)
+    local_targets = targets.reshape(-1) - first
+    mine = (local_targets >= 0) & (local_targets < columns)
+    local_targets[~mine] = -1
+    stats = xp.zeros((n, 2), dtype=logits.dtype)  # [sum of exp, shifted target logit]
+    stats[:, 0] = exp.sum(axis=-1)
+    stats[:, 1] = xp.where(mine, shifted[xp.arange(n), xp.maximum(local_targets, 0)], 0.0)
+    tp.all_reduce(stats)
+    loss_sum = (xp.log(stats[:, 0]) - stats[:, 1]).sum()
+    exp /= stats[:, 0:1]
+    return loss_sum, (exp, local_targets, logits.shape)
+
+
+def vocab_parallel_cross_entropy_backward(saved, dloss):
+    """d(dloss * loss_sum)/d(local logits) = dloss (softmax - onehot(target)), on this rank's columns only."""
+    probs, local_targets, shape = saved
+    xp = array_module(probs)
+    dlogits = probs.copy()
+    mine = local_targets >= 0
+    dlogits[xp.arange(len(local_targets))[mine], local_targets[mine]] -= 1.0
+    dlogits *= dloss
+    return dlogits.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------- full tensors from pieces
+def place_piece(full: np.ndarray, spec: ParamSpec, piece: np.ndarray) -> None:
+    """Write a rank's piece into the global tensor at its offset, dropping any overhang (vocabulary padding)."""
+    region = tuple(slice(s, min(s + n, g)) for s, n, g in zip(spec.start, spec.shape, spec.full_shape))
+    full[region] = piece[tuple(slice(0, r.stop - r.start) for r in region)]
+
+
+def gather_full_tensors(tp: TensorParallel, layouts_of_rank, flat) -> dict | None:
+    """The whole model's tensors by name ("blocks.0.wq": global array), on tp rank 0 (None elsewhere).
+
+    `flat`: this rank's FlatBuffer of parameters; `layouts_of_rank(r)`: the UnitLayouts of tp rank r. Every tp
+    rank's buffer has the same geometry (its pieces have the same shapes, only their offsets differ), so the other
+    ranks send theirs whole to rank 0, which places each sharded piece at its offset; replicated tensors are taken
+    from rank 0's buffer.
+    """
+    host = np.ascontiguousarray(to_host(flat.data))
+    if tp.rank != 0:
+        tp.group.send(host, dest=0)
+        return None
+    full: dict[str, np.ndarray] = {}
+    for rank in range(tp.size):
+        data = host
+        if rank > 0:
+            data = np.empty_like(host)
+            tp.group.recv(data, source=rank)
+        for index, layout in enumerate(layouts_of_rank(rank)):
+            position = flat.offsets[index]
+            for spec in layout.specs:
+                piece = data[position:position + spec.size].reshape(spec.shape)
+                position += spec.size
+                if spec.tp_replicated and rank > 0:
+                    continue
+                name = f"{layout.name}.{spec.name}"
+                if name not in full:
+                    full[name] = np.zeros(spec.full_shape, dtype=data.dtype)
+                place_piece(full[name], spec, piece)
+    return full
