@@ -66,8 +66,13 @@ def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_byt
 @SET_OPTION
 @click.option("--out", "run_dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/<config name>).")
-def train(config, overrides, run_dir):
-    """Train (run under mpiexec for several ranks; one process works without it)."""
+@click.option("--resume", default=None, metavar="auto|PATH",
+              help="Continue from a checkpoint: 'auto' = the newest committed one of the run (fresh when none), "
+                   "or a step_* directory. Any parallel layout can resume any other.")
+def train(config, overrides, run_dir, resume):
+    """Train (run under mpiexec for several ranks; one process works without it).
+
+    Exits with status 75 after saving when asked to stop (SIGUSR1/SIGTERM): resume with --resume auto."""
     from mpi4py import MPI
 
     from mpitrain.comm.failure import abort_on_error
@@ -78,7 +83,8 @@ def train(config, overrides, run_dir):
     with abort_on_error(comm):
         cfg = load_config(config, overrides)
         out = Path(run_dir) if run_dir else default_run_dir(config)
-        run_training(cfg, comm, out, echo=lambda text: click.echo(text))
+        status = run_training(cfg, comm, out, echo=lambda text: click.echo(text), resume=resume)
+    sys.exit(status)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -125,20 +131,72 @@ def launch(n_ranks, config, train_args):
 
 # ----------------------------------------------------------------------------- generate
 @main.command()
-@click.argument("weights", type=click.Path(exists=True))
+@click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--prompt", default="def ", show_default=True)
 @click.option("--tokens", "n_tokens", type=int, default=200, show_default=True)
 @click.option("--temperature", type=float, default=0.8, show_default=True)
 @click.option("--top-k", type=int, default=0, help="Sample among the k likeliest tokens (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_user_errors
-def generate(weights, prompt, n_tokens, temperature, top_k, seed):
-    """Sample text from a trained model (a run directory or its final.h5)."""
-    from mpitrain.generate import load_weights, sample
-    _, model, state, tokenizer = load_weights(weights)
+def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed):
+    """Sample text from a trained model: a run directory (its newest checkpoint) or a checkpoint directory."""
+    from mpitrain.generate import load_checkpoint_model, sample
+    model, state, tokenizer, _ = load_checkpoint_model(checkpoint)
     if tokenizer is None:
-        raise MpitrainError(f"{weights} was trained on synthetic data: it has no tokenizer to sample text with")
+        raise MpitrainError(f"{checkpoint} was trained on synthetic data: it has no tokenizer to sample text with")
     click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))
+
+
+# ----------------------------------------------------------------------------- ckpt
+@main.group()
+def ckpt():
+    """Inspect, verify and export sharded checkpoints."""
+
+
+@ckpt.command("inspect")
+@click.argument("path", type=click.Path(exists=True))
+@_user_errors
+def ckpt_inspect(path):
+    """Step, layout, tensors and sizes of a checkpoint (or the newest one of a run)."""
+    from mpitrain.checkpoint.store import Checkpoint
+    from mpitrain.generate import resolve_checkpoint
+    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+    index = checkpoint.index
+    layout = ", ".join(f"{k}={v}" for k, v in index["layout"].items())
+    total = sum(record["bytes"] for record in index["files"])
+    click.echo(f"{checkpoint.path}: step {index['step']}, layout {layout}, {len(index['files'])} files, "
+               f"{total:,} bytes")
+    for name, info in index["tensors"].items():
+        click.echo(f"  {name:<28} {str(tuple(info['global_shape'])):<16} {info['dtype']}")
+
+
+@ckpt.command("verify")
+@click.argument("path", type=click.Path(exists=True))
+@_user_errors
+def ckpt_verify(path):
+    """Checksums of every shard, and every tensor covered exactly once."""
+    from mpitrain.checkpoint.store import Checkpoint
+    from mpitrain.generate import resolve_checkpoint
+    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+    checkpoint.verify_files()
+    checkpoint.verify_coverage()
+    click.echo(f"{checkpoint.path}: OK ({len(checkpoint.index['files'])} files, "
+               f"{len(checkpoint.tensors())} tensors, each covered exactly once)")
+
+
+@ckpt.command("export")
+@click.argument("path", type=click.Path(exists=True))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--optimizer", is_flag=True, help="Also export the Adam moments.")
+@_user_errors
+def ckpt_export(path, out, optimizer):
+    """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/)."""
+    from mpitrain.checkpoint.store import Checkpoint
+    from mpitrain.generate import resolve_checkpoint
+    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+    checkpoint.verify_files()
+    checkpoint.export(Path(out), kinds=("param", "exp_avg", "exp_avg_sq") if optimizer else ("param",))
+    click.echo(f"wrote {out} (step {checkpoint.step})")
 
 
 # ----------------------------------------------------------------------------- memory

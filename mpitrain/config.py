@@ -71,6 +71,7 @@ class TrainConfig:
     eval_batches: int = 4
     sample_tokens: int = 200  # sampled at the end of training; 0 to skip
     sample_prompt: str = "def "
+    stop_at: int = 0  # save and exit (status 75, "resume me") after this step, mid-schedule; 0: run to the end
 
 
 @dataclass
@@ -99,7 +100,9 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "": RUN_DIR/checkpoints
-    every: int = 0  # 0: only the final weights
+    every: int = 0  # save every N steps (and always at the end, and on SIGUSR1/SIGTERM); 0: only those
+    keep: int = 3  # newest committed checkpoints kept (the newest is never deleted); 0: keep all
+    async_: bool = False  # key `checkpoint.async`: write in a background thread while training goes on
 
 
 @dataclass
@@ -128,6 +131,11 @@ ALLOWED = {
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
 NOT_YET = {"parallel.pp": "pipeline parallelism",
            "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+
+
+def _key(field_name: str) -> str:
+    """The TOML key of a field: a trailing underscore only dodges a Python keyword (`async_` is `async`)."""
+    return field_name.rstrip("_")
 
 
 def _section_names() -> list[str]:
@@ -159,12 +167,12 @@ def config_from_dict(raw: dict, source: str = "config") -> Config:
         if not isinstance(section_values, dict):
             raise ConfigError(f"config section [{section_name}] in {source} must be a table of keys")
         section = getattr(cfg, section_name)
-        known = {f.name for f in fields(section)}
+        known = {_key(f.name): f.name for f in fields(section)}
         for key, value in section_values.items():
             full = f"{section_name}.{key}"
             if key not in known:
                 raise ConfigError(f"unknown config key {full} in {source}; allowed in [{section_name}]: {', '.join(sorted(known))}")
-            setattr(section, key, _coerce(full, value, getattr(section, key)))
+            setattr(section, known[key], _coerce(full, value, getattr(section, known[key])))
     return cfg
 
 
@@ -223,7 +231,7 @@ def validate(cfg: Config) -> None:
         _require(getattr(getattr(cfg, section), name) > 0, f"config key {key} must be > 0")
     nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "train.eval_every", "train.sample_tokens",
               "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip",
-              "checkpoint.every", "logging.peak_flops"]
+              "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at"]
     for key in nonneg:
         section, name = key.split(".")
         _require(getattr(getattr(cfg, section), name) >= 0, f"config key {key} must be >= 0")
@@ -285,6 +293,6 @@ def to_toml(cfg: Config) -> str:
     for section_name in _section_names():
         lines.append(f"[{section_name}]")
         for key, value in dataclasses.asdict(getattr(cfg, section_name)).items():
-            lines.append(f"{key} = {literal(value)}")
+            lines.append(f"{_key(key)} = {literal(value)}")
         lines.append("")
     return "\n".join(lines)

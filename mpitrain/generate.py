@@ -1,19 +1,16 @@
-"""Sampling text from a model, and reading/writing the final weights file (until sharded checkpoints land)."""
+"""Sampling text from a model, and loading a whole model from a checkpoint of any layout into one process."""
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from mpitrain.backend import make_backend, to_host
-from mpitrain.config import config_from_dict, to_toml
+from mpitrain.backend import make_backend
+from mpitrain.checkpoint.store import Checkpoint, CheckpointError, committed_checkpoints
+from mpitrain.config import config_from_dict
 from mpitrain.data.tokenizer import tokenizer_from_description
-from mpitrain.errors import DataError
 from mpitrain.model.gpt import GPT
-from mpitrain.model.params import FlatBuffer
 from mpitrain.parallel.data import ReplicatedState
 
 
@@ -26,6 +23,7 @@ def sample(model: GPT, state, tokenizer, prompt: str, max_new_tokens: int, tempe
     for _ in range(max_new_tokens):
         window = np.asarray(ids[-seq_len:], dtype=np.int64)[None, :]
         logits = backend.to_host(model.last_logits(state, backend.from_host(window)))[0].astype(np.float64)
+        logits = logits[:tokenizer.vocab_size]  # ids the tokenizer cannot decode are never sampled
         if temperature <= 0:
             ids.append(int(np.argmax(logits)))
             continue
@@ -37,35 +35,30 @@ def sample(model: GPT, state, tokenizer, prompt: str, max_new_tokens: int, tempe
     return tokenizer.decode(np.asarray(ids))
 
 
-def save_weights(path: Path, params: FlatBuffer, cfg, tokenizer_description: dict | None) -> None:
-    """Full parameters in one HDF5 file, written to a temporary name and renamed, so a crash never leaves half."""
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory from: itself, a checkpoints directory (its newest committed), or a run directory."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with h5py.File(tmp, "w") as f:
-        f.attrs["config"] = to_toml(cfg)
-        f.attrs["tokenizer"] = json.dumps(tokenizer_description or {})
-        group = f.create_group("params")
-        for name, view in params.named_views():
-            group.create_dataset(name, data=to_host(view))
-    tmp.replace(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "COMMITTED").is_file():
+            return candidate
+        committed = committed_checkpoints(candidate)
+        if committed:
+            return committed[-1]
+    raise CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
+                          f"directory)")
 
 
-def load_weights(path, device: str = "cpu"):
-    """(config, model, state holding the weights, tokenizer or None) from a file written by save_weights."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "final.h5"
-    if not path.is_file():
-        raise DataError(f"weights file not found: {path} (train writes RUN_DIR/final.h5)")
-    with h5py.File(path, "r") as f:
-        cfg = config_from_dict(tomllib.loads(f.attrs["config"]), str(path))
-        description = json.loads(f.attrs["tokenizer"])
-        backend = make_backend(device, cfg.precision.compute)
-        model = GPT(cfg.model, backend)
-        state = ReplicatedState(model.layouts, backend, seed=None)
-        for name, view in state.params.named_views():
-            if name not in f["params"]:
-                raise DataError(f"{path} has no tensor {name}: it was written by another model version")
-            view[...] = backend.from_host(f["params"][name][()])
+def load_checkpoint_model(path, device: str = "cpu"):
+    """(model, state, tokenizer or None, config): the whole model in one process (tp = 1), from any layout."""
+    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+    cfg = config_from_dict(tomllib.loads(checkpoint.index["config"]), str(checkpoint.path / "index.json"))
+    backend = make_backend(device, cfg.precision.compute)
+    model = GPT(cfg.model, backend)
+    state = ReplicatedState(model.layouts, backend, seed=None)
+    for layout, views in zip(model.layouts, state.params.views):
+        for spec in layout.specs:
+            full = checkpoint.read_box("param", f"{layout.name}.{spec.name}", spec.start, spec.shape, np.float64)
+            views[spec.name][...] = backend.from_host(full, backend.dtype)
+    description = checkpoint.index.get("tokenizer")
     tokenizer = tokenizer_from_description(description) if description else None
-    return cfg, model, state, tokenizer
+    return model, state, tokenizer, cfg

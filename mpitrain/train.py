@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitrain.backend import make_backend
+from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
+from mpitrain.checkpoint.store import step_dir_name
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
@@ -24,7 +27,6 @@ from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.data import ReplicatedState
-from mpitrain.parallel.tensor import TensorParallel, gather_full_tensors
 from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 
@@ -132,32 +134,6 @@ class Trainer:
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                 "comm_bytes": result.comm_bytes}
 
-    def whole_model(self, full):
-        """A single-process (tp = 1) model and state holding the whole trained model, on world rank 0; None elsewhere.
-
-        `full`: this rank's parameters (full_params()). Under tensor parallelism the tp group of world rank 0 sends
-        its pieces to tp rank 0, which assembles the global tensors (their shapes and offsets are in each tp rank's
-        layout; vocabulary padding is cut)."""
-        if self.mesh.dp_rank != 0:
-            return None
-        tp, cfg = self.model.tp, self.cfg
-        layouts = {tp.rank: self.model.layouts}
-
-        def layouts_of_rank(rank):
-            if rank not in layouts:
-                other = TensorParallel.layout_only(tp.size, rank, tp.sequence_parallel)
-                layouts[rank] = GPT(cfg.model, self.backend, tp=other).layouts
-            return layouts[rank]
-
-        tensors = gather_full_tensors(tp, layouts_of_rank, full)
-        if tensors is None:
-            return None
-        single = GPT(cfg.model, self.backend)
-        state = ReplicatedState(single.layouts, self.backend, None)
-        for name, view in state.params.named_views():
-            view[...] = self.backend.from_host(tensors[name])
-        return single, state
-
 
 def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
@@ -175,51 +151,91 @@ def format_log_line(record: dict, total_steps: int) -> str:
     return line
 
 
-def train(cfg: Config, world_comm, run_dir: Path, echo=print) -> dict:
-    """Run cfg.train.steps steps; rank 0 writes RUN_DIR/{config.toml, metrics.jsonl, final.h5} and prints progress."""
+class StopRequest:
+    """SIGUSR1 / SIGTERM (SLURM's warning before the time limit, or a requeue) ask to stop after this step."""
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None) -> int:
+    """Run the steps from the start or from a checkpoint; returns the exit status (0, or PREEMPTED_EXIT_CODE after a
+    stop request was saved). Rank 0 writes RUN_DIR/{config.toml, metrics.jsonl} and prints progress; every rank
+    writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints)."""
     trainer = Trainer(cfg, world_comm)
     logger = trainer.is_logger
+    say = echo if logger else (lambda text: None)
+    c, t = cfg.checkpoint, cfg.train
+    checkpoints = CheckpointManager(trainer, Path(c.dir) if c.dir else run_dir / "checkpoints", c.keep, say)
+    start = 0
+    if resume:
+        path = checkpoints.find_resume_point(resume)
+        if path is not None:
+            start = checkpoints.restore(path)
+            say(f"checkpoint: resumed from {path} at step {start}")
+        else:
+            say("checkpoint: none to resume from; starting fresh")
     metrics_file = None
     if logger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
-        metrics_file = open(run_dir / "metrics.jsonl", "w")
-        m = trainer.model
-        echo(f"mpitrain: {cfg.model.arch} with {m.n_params:,} parameters on {trainer.mesh.describe()}, "
-             f"{trainer.accumulation} micro-batch(es) of {cfg.train.micro_batch} x {cfg.model.seq_len} tokens per "
-             f"rank per step, {cfg.precision.compute} on {cfg.train.device}; run dir {run_dir}")
-    t = cfg.train
-    last: dict = {}
+        metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
+        echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
+             f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
+             f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
     try:
-        for step in range(t.steps):
-            result = trainer.train_step(step)
-            is_last = step == t.steps - 1
-            evaluate = is_last or (t.eval_every and (step + 1) % t.eval_every == 0)
-            record = trainer.metrics(result)
-            if evaluate:
-                record["val_loss"] = trainer.evaluate()
-            if logger and (evaluate or (step + 1) % t.log_every == 0 or step == 0):
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                echo(format_log_line(record, t.steps))
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(f"loss became {result.loss} at step {step + 1}; lower optim.lr")
-            last = record
+        with StopRequest() as stop:
+            for step in range(start, t.steps):
+                result = trainer.train_step(step)
+                done = step + 1
+                evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
+                record = trainer.metrics(result)
+                if evaluate:
+                    record["val_loss"] = trainer.evaluate()
+                if logger and (evaluate or done % t.log_every == 0 or step == start):
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                    echo(format_log_line(record, t.steps))
+                if not math.isfinite(result.loss):
+                    raise FloatingPointError(f"loss became {result.loss} at step {done}; lower optim.lr")
+                checkpoints.poll()
+                # Every rank must agree to stop, whichever got the signal: one 8-byte all-reduce per step.
+                signalled = trainer.mesh.world.all_reduce_scalar(float(stop.received is not None), op="max")
+                if signalled or done == t.stop_at:
+                    checkpoints.save(done)
+                    why = f"stop requested ({stop.received or 'signal on another rank'})" if signalled else \
+                        f"train.stop_at = {t.stop_at}"
+                    say(f"{why}: saved step {done}; exiting with status {PREEMPTED_EXIT_CODE} "
+                        f"(continue with --resume auto)")
+                    return PREEMPTED_EXIT_CODE
+                if c.every and done % c.every == 0 and done < t.steps:
+                    (checkpoints.save_async if c.async_ else checkpoints.save)(done)
     finally:
         if metrics_file is not None:
             metrics_file.close()
-    full = trainer.state.full_params()  # a collective under ZeRO-3: every rank takes part
-    model = trainer.whole_model(full)  # a collective of the tp group holding world rank 0; None on other ranks
+    checkpoints.save(t.steps)
     if logger:
-        from mpitrain.generate import sample, save_weights
-        single_model, single_state = model
-        save_weights(run_dir / "final.h5", single_state.params, cfg, trainer.tokenizer_description)
+        final = checkpoints.directory / step_dir_name(t.steps)
         if trainer.tokenizer is not None and t.sample_tokens:
-            text = sample(single_model, single_state, trainer.tokenizer, t.sample_prompt, t.sample_tokens,
-                          seed=t.seed)
+            from mpitrain.generate import load_checkpoint_model, sample
+            model, state, tokenizer, _ = load_checkpoint_model(final)
+            text = sample(model, state, tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
             echo(f"--- sample ({t.sample_tokens} tokens after {t.sample_prompt!r}) ---\n{text}\n---")
-        echo(f"final weights: {run_dir / 'final.h5'}  (try: mpitrain generate {run_dir})")
-    return last
+        echo(f"final checkpoint: {final}  (try: mpitrain generate {run_dir})")
+    return 0
 
 
 def default_run_dir(config_path: str | None) -> Path:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
+from mpitrain.checkpoint.store import Checkpoint
 from mpitrain.data.prepare import prepare_dataset
+from mpitrain.generate import resolve_checkpoint
 from tests.mpi_helpers import describe, run_mpi
 
 RTOL = 1e-10
@@ -32,9 +33,14 @@ def train_run(n_ranks, run_dir, dataset, *overrides, config="configs/tiny.toml")
     result = run_mpi(n_ranks, args, timeout=180)
     assert result.returncode == 0, describe(result)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    with h5py.File(run_dir / "final.h5") as f:
-        params = {name: f["params"][name][()] for name in f["params"]}
-    return metrics, params
+    return metrics, final_params(run_dir)
+
+
+def final_params(run_dir):
+    """Every full tensor of the run's newest checkpoint, whatever layout wrote it."""
+    checkpoint = Checkpoint.open(resolve_checkpoint(run_dir))
+    return {name: checkpoint.read_box("param", name, (0,) * len(info["global_shape"]), info["global_shape"],
+                                      np.float64) for name, info in checkpoint.tensors().items()}
 
 
 def assert_same_run(reference, other):
@@ -108,4 +114,4 @@ def test_single_process_works_without_mpiexec(tmp_path, dataset):
                              "--set", f"data.path={dataset}", "--set", "train.steps=2"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "final.h5").is_file()
+    assert (tmp_path / "checkpoints" / "step_00000002" / "COMMITTED").is_file()

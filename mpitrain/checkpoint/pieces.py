@@ -118,3 +118,18 @@ def fill_box(target_offset, target_shape, saved: Piece, values: np.ndarray, out:
     dst = tuple(c[inside] - a for c, a in zip(coords, t_lo))
     out[dst] = values[inside]
     covered[dst] = True
+
+
+def count_coverage(saved: Piece, counts: np.ndarray) -> None:
+    """Add 1 to every element of the global tensor that the saved piece holds (padding outside it is ignored)."""
+    shape = np.asarray(counts.shape)
+    lo = np.asarray(saved.box_offset)
+    if saved.whole_box:
+        hi = np.minimum(lo + np.asarray(saved.box_shape), shape)
+        counts[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
+        return
+    coords = [c + o for c, o in zip(np.unravel_index(np.arange(*saved.flat), saved.box_shape), lo)]
+    inside = np.ones(saved.size, dtype=bool)
+    for c, n in zip(coords, shape):
+        inside &= c < n
+    np.add.at(counts, tuple(c[inside] for c in coords), 1)

@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpitrain.checkpoint.pieces import HeldPiece, Piece, fill_box
+from mpitrain.checkpoint.pieces import KINDS, HeldPiece, Piece, count_coverage, fill_box
 from mpitrain.errors import MpitrainError
 
 MARKER = "COMMITTED"
@@ -166,6 +166,31 @@ class Checkpoint:
 
     def tensors(self) -> dict:
         return self.index["tensors"]
+
+    def verify_coverage(self) -> None:
+        """Every element of every saved tensor is held by exactly one piece, for each kind."""
+        for (kind, tensor), saved in sorted(self._by_tensor.items()):
+            counts = np.zeros(self.tensors()[tensor]["global_shape"], dtype=np.int32)
+            for _, record in saved:
+                count_coverage(Piece.from_dict(record), counts)
+            if not (counts == 1).all():
+                missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
+                raise CheckpointError(f"{self.path}: {kind} {tensor} has {missing} elements in no piece and "
+                                      f"{repeated} in more than one")
+
+    def export(self, out: Path, kinds=("param",)) -> None:
+        """Full tensors in one HDF5 file (groups params/, exp_avg/, exp_avg_sq/), written then renamed."""
+        tmp = out.with_name(f".{out.name}.tmp")
+        with h5py.File(tmp, "w") as f:
+            f.attrs["step"] = self.step
+            f.attrs["config"] = self.index.get("config", "")
+            for kind in kinds:
+                group = f.create_group("params" if kind == "param" else kind)
+                for tensor, info in self.tensors().items():
+                    shape = tuple(info["global_shape"])
+                    group.create_dataset(tensor, data=self.read_box(kind, tensor, (0,) * len(shape), shape,
+                                                                    np.dtype(info["dtype"])))
+        tmp.replace(out)
 
     def read_box(self, kind: str, tensor: str, box_offset, box_shape, dtype) -> np.ndarray:
         """The block [box_offset, box_offset + box_shape) of a saved tensor, assembled from whatever pieces hold it.

@@ -10,10 +10,13 @@ rank failed and why, then calls `comm.Abort`, which makes mpiexec kill every ran
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 
 from mpitrain.errors import MpitrainError
+
+ABORT_GRACE_SECONDS = 1.0
 
 
 def format_failure(exc: BaseException, rank: int, size: int) -> str:
@@ -34,6 +37,9 @@ def report_and_abort(exc: BaseException, comm, code: int = 1):
     sys.stderr.flush()
     sys.stdout.flush()
     if size > 1:
+        # Let the other ranks print too (a bad config or checkpoint fails on every rank at once; the first Abort
+        # would otherwise kill them mid-message) and let mpiexec forward the output, then end the job.
+        time.sleep(ABORT_GRACE_SECONDS)
         comm.Abort(code)
     raise SystemExit(code)
 

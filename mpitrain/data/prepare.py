@@ -27,9 +27,10 @@ def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fr
         raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     paths, source_label = _document_paths(sources)
     documents = _read_documents(paths, max_bytes)
-    if len(documents) < 2:
-        raise DataError(f"found {len(documents)} text document(s) in {source_label}; need at least 2 to hold out "
-                        "a validation split by document (give a folder of several text files)")
+    if not documents:
+        raise DataError(f"found no text (UTF-8) document in {source_label}")
+    if len(documents) < 2:  # one text file: cut it at line breaks into pieces so that val can be held out
+        documents = _cut_at_lines(documents[0], pieces=max(2, round(2 / val_fraction)))
     train_docs, val_docs = split_documents(documents, val_fraction)
     tok = _build_tokenizer(tokenizer, vocab_size, train_docs)
     splits = {"train": _encode_documents(tok, train_docs), "val": _encode_documents(tok, val_docs)}
@@ -40,6 +41,17 @@ def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fr
             "documents": len(documents), "train_documents": len(train_docs), "val_documents": len(val_docs),
             "bytes": sum(len(d.encode("utf-8")) for d in documents),
             "train_tokens": len(splits["train"]), "val_tokens": len(splits["val"])}
+
+
+def _cut_at_lines(text, pieces):
+    """`text` in about `pieces` consecutive parts, each ending at a line break where there is one."""
+    parts, start, target = [], 0, max(1, len(text) // pieces)
+    while start < len(text):
+        end = text.find("\n", start + target)
+        end = len(text) if end < 0 or len(text) - end < target // 2 else end + 1
+        parts.append(text[start:end])
+        start = end
+    return parts if len(parts) >= 2 else [text[:len(text) // 2], text[len(text) // 2:]]
 
 
 def _document_paths(sources):
