@@ -1,0 +1,267 @@
+"""SLURM: slurm/train.sbatch stops on a signal, is requeued, resumes from its checkpoints and ends exactly where an
+uninterrupted run ends (float64, bitwise).
+
+Needs a SLURM cluster that this machine can submit to: skipped when `sbatch` is missing or `sinfo` does not answer.
+CI starts a private one-node cluster first (as root: `bash .ci/slurm/start.sh`; stop: `bash .ci/slurm/stop.sh`) and sets
+MPITRAIN_SLURM_TEST=1, which turns a missing cluster into a failure instead of a skip. SLURM_CONF is taken from the
+environment, else from the cluster that .ci/slurm/start.sh started (SLURM_CI_DIR, default /tmp/mpitrain-slurm).
+
+Each test submits a 2-task job and interrupts it once it is under way:
+- the harness alone, with a stand-in program (MPITRAIN_COMMAND): USR1 to the batch script (what `--signal=B:USR1@120`
+  sends before the time limit) must reach every rank, and the script must requeue the job, which then continues;
+- the real trainer, interrupted right after its first committed checkpoint, either by `scontrol requeue` (SLURM sends
+  TERM to every process and restarts the job itself) through srun, or by USR1 to the batch script (the script
+  requeues) through mpiexec: every logged loss, the final one included, must equal the uninterrupted run's.
+A requeued job is held ~10 s on the CI cluster before it restarts; the module takes about two minutes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpitrain.data.prepare import prepare_dataset
+from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
+
+SBATCH_SCRIPT = REPO_ROOT / "slurm" / "train.sbatch"
+CI_CLUSTER_DIR = Path(os.environ.get("SLURM_CI_DIR", "/tmp/mpitrain-slurm"))
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+STEPS = 40
+# float64 and wide enough (d_model 128: ~0.1 s a step on 2 cores) that an interruption after the first checkpoint
+# (step 5) lands well before the end of the run
+TRAIN_SETTINGS = ["precision.compute=float64", f"train.steps={STEPS}", "checkpoint.every=5", "logging.peak_flops=1e9",
+                  "model.d_model=128", "model.seq_len=64", "train.log_every=1"]
+
+
+# ----------------------------------------------------------------------------- the cluster
+def _slurm_environment() -> dict:
+    """This process's environment for SLURM commands: the CI cluster's SLURM_CONF unless one is set, no SLURM_*/SBATCH_*
+    variables of an enclosing job, and this Python (with its mpiexec) first on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")}
+    ci_conf = CI_CLUSTER_DIR / "etc" / "slurm.conf"
+    if "SLURM_CONF" not in env and (CI_CLUSTER_DIR / "pids").is_file():  # started and not yet stopped
+        env["SLURM_CONF"] = str(ci_conf)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    required = os.environ.get("MPITRAIN_SLURM_TEST") == "1"
+    env = _slurm_environment()
+    reason = None
+    if shutil.which("sbatch", path=env["PATH"]) is None:
+        reason = "no `sbatch` on PATH"
+    else:
+        try:
+            answer = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, timeout=15)
+            states = answer.stdout.split()
+            if answer.returncode != 0 or not states:
+                reason = f"`sinfo` does not answer: {answer.stderr.strip() or 'no nodes'}"
+            elif not any(s.rstrip("*~#") in ("idle", "mix", "alloc", "comp") for s in states):
+                reason = f"no usable SLURM node (states: {' '.join(states)})"
+        except subprocess.TimeoutExpired:
+            reason = "`sinfo` did not answer within 15 s"
+    if reason:
+        message = f"{reason}; as root, `bash .ci/slurm/start.sh` starts a one-node test cluster"
+        if required:
+            pytest.fail(f"MPITRAIN_SLURM_TEST=1 but {message}")
+        pytest.skip(f"no SLURM cluster: {message}")
+    return env
+
+
+class Job:
+    """A batch job of slurm/train.sbatch: submit, watch, interrupt, and always cancelled if a test leaves it."""
+
+    def __init__(self, env: dict, directory: Path, script_args: list[str], job_env: dict):
+        self.env = {**env, **job_env}
+        command = ["sbatch", "--parsable", "--job-name=mpitrain-test", "--nodes=1", "--ntasks=2", "--cpus-per-task=1",
+                   "--time=10", f"--output={directory}/slurm-%j.out", str(SBATCH_SCRIPT), *script_args]
+        submitted = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=60)
+        assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr}"
+        self.id = submitted.stdout.strip().split(";")[0]
+        self.output = directory / f"slurm-{self.id}.out"
+        self.state = "PENDING"
+
+    def slurm(self, *command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)
+
+    def poll(self) -> str:
+        shown = self.slurm("scontrol", "show", "job", "-o", self.id)
+        match = re.search(r"JobState=([A-Z_]+)", shown.stdout)
+        if match:
+            self.state = match.group(1)
+        else:  # the record is gone (MinJobAge after the end): the job-completion log has the final state
+            ended = self.slurm("sacct", "-c", "-n", "-j", self.id, "-o", "State").stdout.split()
+            self.state = ended[-1] if ended else "UNKNOWN"
+        return self.state
+
+    def log(self) -> str:
+        return self.output.read_text() if self.output.exists() else "(no output file yet)"
+
+    def fail(self, why: str):
+        pytest.fail(f"job {self.id} ({self.state}): {why}\n--- job output ---\n{self.log()}")
+
+    def wait_for(self, condition, what: str, timeout: float, interval: float = 0.05):
+        deadline = time.monotonic() + timeout
+        next_poll = 0.0
+        while not condition():
+            now = time.monotonic()
+            if now > deadline:
+                self.fail(f"no {what} within {timeout:.0f} s")
+            if now >= next_poll:  # watch the job less often than the condition
+                if self.poll() in FINISHED:
+                    if condition():
+                        return
+                    self.fail(f"the job ended before {what}")
+                next_poll = now + 1.0
+            time.sleep(interval)
+
+    def wait_until_completed(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while self.poll() not in FINISHED and self.state != "UNKNOWN":
+            if time.monotonic() > deadline:
+                self.fail(f"not finished within {timeout:.0f} s")
+            time.sleep(0.5)
+        if self.state != "COMPLETED":
+            self.fail("did not complete")
+
+    def cancel(self):
+        if self.poll() not in FINISHED:
+            self.slurm("scancel", self.id)
+
+
+@pytest.fixture
+def jobs():
+    submitted: list[Job] = []
+    yield submitted
+    for job in submitted:
+        job.cancel()
+
+
+# ----------------------------------------------------------------------------- the harness, with a stand-in program
+STAND_IN = '''
+"""Stand-in for the trainer: STEPS steps of 0.2 s; progress in DIR/progress; on USR1/TERM stop, save, exit 75."""
+import os, signal, sys, time
+from pathlib import Path
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+state, steps = Path(sys.argv[1]), int(sys.argv[2])
+received = []
+for sig in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(sig, lambda s, f: received.append(signal.Signals(s).name))
+progress = state / "progress"
+start = int(progress.read_text()) if progress.exists() else 0
+if rank == 0:
+    print(f"stand-in: {size} ranks, restart {os.environ.get('SLURM_RESTART_COUNT', 0)}, from step {start}", flush=True)
+for step in range(start, steps):
+    time.sleep(0.2)
+    if rank == 0:
+        (state / "progress.tmp").write_text(str(step + 1))
+        (state / "progress.tmp").replace(progress)
+    if comm.allreduce(len(received), op=MPI.MAX):
+        deadline = time.time() + 5  # the launcher may reach this rank a little later than another
+        while not received and time.time() < deadline:
+            time.sleep(0.05)
+        print(f"stand-in: rank {rank} received {received} and stops after step {step + 1}", flush=True)
+        sys.exit(75)
+if rank == 0:
+    print("stand-in: done", flush=True)
+'''
+
+
+def test_usr1_reaches_every_rank_and_the_job_requeues_itself(slurm_env, jobs, tmp_path):
+    program = tmp_path / "stand_in.py"
+    program.write_text(textwrap.dedent(STAND_IN))
+    progress = tmp_path / "progress"
+    job = Job(slurm_env, tmp_path, [],
+              {"MPITRAIN_COMMAND": f"{sys.executable} {program} {tmp_path} 30", "MPITRAIN_LAUNCHER": "srun"})
+    jobs.append(job)
+    job.wait_for(lambda: progress.exists() and int(progress.read_text() or 0) >= 3, "progress to step 3", 60)
+    signalled = job.slurm("scancel", "--signal=USR1", "--batch", job.id)
+    assert signalled.returncode == 0, signalled.stderr
+    job.wait_until_completed(120)
+    log = job.log()
+    assert "SIGUSR1 received; forwarding it to the training ranks" in log, log
+    for rank in (0, 1):
+        assert re.search(rf"stand-in: rank {rank} received \['SIGUSR1'\] and stops", log), log
+    assert "training exited with status 75" in log and "requeueing" in log, log
+    assert re.search(r"restart 1, from step [1-9]", log), log  # SLURM_RESTART_COUNT=1, continued mid-way
+    assert "stand-in: done" in log and int(progress.read_text()) == 30, log
+
+
+# ----------------------------------------------------------------------------- the trainer
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "stdlib.h5"
+    prepare_dataset("python-stdlib", path, max_bytes=300_000)
+    return path
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Each logged step's loss; a step logged again after a resume keeps its last record (metrics.jsonl is appended)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+def train_settings(dataset) -> list[str]:
+    args = []
+    for setting in [f"data.path={dataset}", *TRAIN_SETTINGS]:
+        args += ["--set", setting]
+    return args
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, dataset):
+    """The uninterrupted run: plain mpiexec, 2 ranks."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = run_mpi(2, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir),
+                         *train_settings(dataset)], timeout=180)
+    assert result.returncode == 0, describe(result)
+    losses = losses_by_step(run_dir)
+    assert max(losses) == STEPS - 1, f"logged steps {sorted(losses)}"
+    return losses
+
+
+@pytest.mark.parametrize("interruption, launcher", [("scontrol-requeue", "srun"), ("usr1-to-batch", "mpiexec")])
+def test_interrupted_job_resumes_exactly(slurm_env, jobs, tmp_path, dataset, reference_losses, interruption,
+                                         launcher):
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset)],
+              {"MPITRAIN_LAUNCHER": launcher, "MPITRAIN_PYTHON": sys.executable})
+    jobs.append(job)
+
+    # interrupt as soon as the first checkpoint is committed: the run is then well short of its end
+    job.wait_for(lambda: any(run_dir.glob("checkpoints/step_*/COMMITTED")), "committed checkpoint", 120)
+    if interruption == "scontrol-requeue":
+        stopped = job.slurm("scontrol", "requeue", job.id)
+    else:
+        stopped = job.slurm("scancel", "--signal=USR1", "--batch", job.id)
+    assert stopped.returncode == 0, stopped.stderr
+    job.wait_until_completed(150)
+
+    log = job.log()
+    assert re.search(r"train\.sbatch: .* restart 1: on ", log), f"the job did not restart:\n{log}"
+    resumed = re.search(r"checkpoint: resumed from \S+ at step (\d+)", log)
+    assert resumed, f"the restarted run did not resume from a checkpoint:\n{log}"
+    assert 0 < int(resumed.group(1)) < STEPS, f"resumed at step {resumed.group(1)}: not mid-run\n{log}"
+    if interruption == "usr1-to-batch":
+        assert "SIGUSR1 received; forwarding it" in log and "requeueing" in log, log
+
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == sorted(reference_losses), f"logged steps differ:\n{log}"
+    for step, loss in reference_losses.items():
+        assert losses[step] == loss, f"step {step}: loss {losses[step]!r} != uninterrupted {loss!r}\n{log}"
+    assert losses[STEPS - 1] == reference_losses[STEPS - 1]  # the final loss, bitwise
