@@ -292,18 +292,22 @@ def bench_step(config, overrides, steps, warmup, real_data):
         overrides.append(f"train.steps={warmup + steps}")
         cfg = load_config(config, overrides)
         trainer = Trainer(cfg, comm)
-        times = []
+        times, tp_seconds = [], []
         for step in range(warmup + steps):
+            trainer.model.tp.reset_timers()
             result = trainer.train_step(step)
             if step >= warmup:
                 times.append(result.seconds)
+                tp_seconds.append(sum(trainer.model.tp.seconds.values()))
         step_time = statistics.median(times)
         tokens_per_s = trainer.tokens_per_step / step_time
         report = {"config": config, "world_size": comm.Get_size(), "step_time_s": step_time,
                   "tokens_per_s": tokens_per_s,
                   "mfu": trainer.model.flops_per_token() * tokens_per_s / trainer.cluster_peak_flops,
                   "peak_flops": trainer.cluster_peak_flops, "model_flops_per_token": trainer.model.flops_per_token(),
-                  "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS")}
+                  "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS"),
+                  "tp_comm_share": statistics.median(tp_seconds) / step_time,
+                  "comm_bytes_per_step": result.comm_bytes}
         if comm.Get_rank() == 0:
             click.echo(json.dumps(report))
 
