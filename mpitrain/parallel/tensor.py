@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpitrain.backend import array_module, to_host
+from mpitrain.backend import array_module
 from mpitrain.model.params import ParamSpec
 
 TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -54,13 +54,6 @@ class TensorParallel:
         self.rank = group.rank if group is not None else 0
         self.sequence_parallel = sequence_parallel
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
-
-    @classmethod
-    def layout_only(cls, size: int, rank: int, sequence_parallel: bool = False) -> "TensorParallel":
-        """Degree and rank without a group: to build the parameter layout of another tp rank (assembling weights)."""
-        tp = cls(None, sequence_parallel)
-        tp.size, tp.rank = size, rank
-        return tp
 
     def reset_timers(self) -> None:
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
@@ -369,42 +362,3 @@ def vocab_parallel_cross_entropy_backward(saved, dloss):
     dlogits[xp.arange(len(local_targets))[mine], local_targets[mine]] -= 1.0
     dlogits *= dloss
     return dlogits.reshape(shape)
-
-
-# ------------------------------------------------------------------------------------- full tensors from pieces
-def place_piece(full: np.ndarray, spec: ParamSpec, piece: np.ndarray) -> None:
-    """Write a rank's piece into the global tensor at its offset, dropping any overhang (vocabulary padding)."""
-    region = tuple(slice(s, min(s + n, g)) for s, n, g in zip(spec.start, spec.shape, spec.full_shape))
-    full[region] = piece[tuple(slice(0, r.stop - r.start) for r in region)]
-
-
-def gather_full_tensors(tp: TensorParallel, layouts_of_rank, flat) -> dict | None:
-    """The whole model's tensors by name ("blocks.0.wq": global array), on tp rank 0 (None elsewhere).
-
-    `flat`: this rank's FlatBuffer of parameters; `layouts_of_rank(r)`: the UnitLayouts of tp rank r. Every tp
-    rank's buffer has the same geometry (its pieces have the same shapes, only their offsets differ), so the other
-    ranks send theirs whole to rank 0, which places each sharded piece at its offset; replicated tensors are taken
-    from rank 0's buffer.
-    """
-    host = np.ascontiguousarray(to_host(flat.data))
-    if tp.rank != 0:
-        tp.group.send(host, dest=0)
-        return None
-    full: dict[str, np.ndarray] = {}
-    for rank in range(tp.size):
-        data = host
-        if rank > 0:
-            data = np.empty_like(host)
-            tp.group.recv(data, source=rank)
-        for index, layout in enumerate(layouts_of_rank(rank)):
-            position = flat.offsets[index]
-            for spec in layout.specs:
-                piece = data[position:position + spec.size].reshape(spec.shape)
-                position += spec.size
-                if spec.tp_replicated and rank > 0:
-                    continue
-                name = f"{layout.name}.{spec.name}"
-                if name not in full:
-                    full[name] = np.zeros(spec.full_shape, dtype=data.dtype)
-                place_piece(full[name], spec, piece)
-    return full
