@@ -207,16 +207,15 @@ def ckpt_export(path, out, optimizer):
 @_user_errors
 def memory(config, overrides, world_size):
     """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
-    from mpitrain.backend import make_backend
     from mpitrain.config import load_config, resolve_layout
-    from mpitrain.model.gpt import GPT
-    from mpitrain.plan.memory import memory_report
+    from mpitrain.plan.memory import memory_report, rank_param_count
 
     cfg = load_config(config, overrides)
     resolve_layout(cfg, world_size)
-    n_params = GPT(cfg.model, make_backend("cpu", cfg.precision.compute)).n_params
+    n_params = rank_param_count(cfg)
     report = memory_report(cfg, n_params)
-    click.echo(f"{config}: {n_params:,} parameters (Psi), ZeRO-{cfg.parallel.zero}, dp N = {cfg.parallel.dp}, "
+    where = f" (this rank's 1/{cfg.parallel.tp} tensor-parallel share)" if cfg.parallel.tp > 1 else ""
+    click.echo(f"{config}: {n_params:,} parameters (Psi){where}, ZeRO-{cfg.parallel.zero}, dp N = {cfg.parallel.dp}, "
                f"{cfg.precision.compute} (e = {report['e']} bytes), micro-batch {cfg.train.micro_batch} x "
                f"{cfg.model.seq_len} tokens; per rank:")
     for kind, value in report["bytes"].items():

@@ -39,24 +39,40 @@ def model_state_bytes(n_params: int, itemsize: int, zero: int, dp: int) -> dict:
 
 
 def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
-    """Saved-state bytes of one micro-batch's forward on one rank (tp = 1), counted array by array."""
-    m = cfg.model
+    """Saved-state bytes of one micro-batch's forward on one rank, counted array by array as units.py saves them
+    (exact at tp = 1, where a test compares it with the saved state; under tensor parallelism the split tensors are
+    divided by t, and with sequence parallelism the norms too, while the inputs of column-parallel linears are kept
+    whole)."""
+    m, p = cfg.model, cfg.parallel
     b, t, c, e = micro_batch or cfg.train.micro_batch, m.seq_len, m.d_model, np.dtype(cfg.precision.compute).itemsize
-    bt, kv, f = b * t, m.kv_heads * m.head_dim, m.ff_dim
+    tp, bt, f = p.tp, b * t, m.ff_dim
+    norm_share = tp if p.sequence_parallel else 1  # the norm regions hold 1/t of the sequence under SP
+    kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else 1  # split, or the one shared head a rank needs
     per_block = (
-        (bt * c + bt)  # norm 1: normalised input, 1/std
-        + bt * c  # its output, the q/k/v projections' input
-        + bt * (c + 2 * kv)  # q, k, v
-        + b * m.n_head * t * t  # attention probabilities
-        + bt * c  # attention output, the output projection's input
-        + (bt * c + bt) + bt * c  # norm 2 and its output
-        + bt * f * (1 if m.arch == "gpt2" else 2)  # MLP up (gpt2) or gate and up (llama)
-        + bt * f  # activation output, the down projection's input
+        2 * (bt * c + bt) // norm_share  # norms 1 and 2: normalised input, 1/std
+        + 2 * bt * c  # their outputs, the column-parallel projections' inputs (whole)
+        + bt * (c // tp + 2 * kv_heads * m.head_dim)  # q, k, v of this rank's heads
+        + b * (m.n_head // tp) * t * t  # attention probabilities
+        + bt * c // tp  # attention output, the output projection's input
+        + bt * (f // tp) * (1 if m.arch == "gpt2" else 2)  # MLP up (gpt2) or gate and up (llama)
+        + bt * f // tp  # activation output, the down projection's input
     )
-    head = (bt * c + bt) + bt * c + bt * m.vocab_size  # final norm, its output, softmax probabilities
+    vocab = -(-m.vocab_size // tp)
+    head = (bt * c + bt) // norm_share + bt * c + bt * vocab  # final norm, its output, softmax probabilities
     rope = t * m.head_dim if m.arch == "llama" else 0  # cos and sin tables, shared by all blocks
     token_ids = 2 * bt * 8  # int64 inputs (embedding) and targets (loss)
     return int(e * (m.n_layer * per_block + head + rope) + token_ids)
+
+
+def rank_param_count(cfg: Config) -> int:
+    """Parameters one tensor-parallel rank holds (tp rank 0's pieces; vocabulary padding included)."""
+    from mpitrain.backend import make_backend
+    from mpitrain.model.gpt import GPT
+    from mpitrain.parallel.tensor import TensorParallel
+    tp = TensorParallel(None, cfg.parallel.sequence_parallel)
+    tp.size = cfg.parallel.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
+    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp)
+    return sum(layout.size for layout in model.layouts)
 
 
 def memory_report(cfg: Config, n_params: int) -> dict:

@@ -1,0 +1,53 @@
+"""`mpitrain memory`: the activation estimate against the saved state a tensor-parallel rank really holds."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpi_helpers import REPO_ROOT, describe, run_python_mpi
+
+JOB = """
+import json, sys
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend, nbytes_of
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import load_config, resolve_layout
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.data import ReplicatedState
+from mpitrain.plan.memory import activation_bytes
+world = MPI.COMM_WORLD
+cfg = load_config("configs/tiny.toml", sys.argv[1:])
+resolve_layout(cfg, world.size)
+backend = make_backend("cpu", cfg.precision.compute)
+mesh = Mesh(world, tp=cfg.parallel.tp, dp=cfg.parallel.dp)
+model = GPT(cfg.model, backend, tp_group=mesh.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+state = ReplicatedState(model.layouts, backend, 0)
+rng = np.random.default_rng(0)
+tokens = rng.integers(0, 256, (cfg.train.micro_batch, cfg.model.seq_len))
+_, saved = model.forward(state, tokens, tokens)
+if world.rank == 0:
+    print(json.dumps({"measured": nbytes_of(saved), "estimated": activation_bytes(cfg)}))
+"""
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ["parallel.tp=2", "model.arch=llama", "model.n_kv_head=2", "parallel.sequence_parallel=true"],
+    ["parallel.tp=4", "model.arch=llama", "model.n_kv_head=2"],
+], ids=["tp2", "tp2-sp", "llama-tp2-sp", "llama-tp4-replicated-kv"])
+def test_activation_estimate_under_tensor_parallelism(overrides):
+    result = run_python_mpi(int(overrides[0][-1]), JOB.replace("sys.argv[1:]", repr(overrides)), timeout=120)
+    assert result.returncode == 0, describe(result)
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert abs(numbers["estimated"] - numbers["measured"]) <= 0.05 * numbers["measured"], numbers
+
+
+def test_memory_command_prints_the_formulas():
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "memory", "configs/tiny.toml", "-n", "2", "--set",
+                          "parallel.zero=3"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "e*Psi/N" in out.stdout and "2e*Psi/N" in out.stdout and "activations" in out.stdout
