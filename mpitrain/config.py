@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from mpitrain.errors import ConfigError
+from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
 
 @dataclass
@@ -50,7 +51,11 @@ class ParallelConfig:
     dp: int = 0  # 0: whatever the world size leaves after tp*pp*cp
     tp: int = 1  # tensor parallelism: every layer split over tp ranks (innermost in the mesh: one node)
     sequence_parallel: bool = False  # tp > 1: norm/residual regions split along the sequence (1/tp activations)
-    pp: int = 1
+    pp: int = 1  # pipeline stages: each pp rank holds a slice of the layers (embedding first, head last)
+    microbatches: int = 0  # pipeline micro-batches per step; 0: global_batch / (dp * micro_batch), the same number
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb1p
+    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
+    stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
     ep: int = 1
     zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
@@ -127,10 +132,10 @@ ALLOWED = {
     "train.device": ("cpu", "cuda"),
     "precision.compute": ("float32", "float64"),
     "parallel.zero": (0, 1, 2, 3),
+    "parallel.schedule": SCHEDULE_KINDS,
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
-NOT_YET = {"parallel.pp": "pipeline parallelism",
-           "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+NOT_YET = {"parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
 
 
 def _key(field_name: str) -> str:
@@ -152,9 +157,13 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif kind is list:  # lists of integers (parallel.stage_layers)
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     else:
         ok = isinstance(value, kind)
     if not ok:
+        if kind is list:
+            raise ConfigError(f"config key {key} must be a list of integers, got {value!r}")
         raise ConfigError(f"config key {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
 
@@ -225,13 +234,13 @@ def validate(cfg: Config) -> None:
         _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
     positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
-                "optim.beta1", "optim.beta2", "parallel.bucket_mb"]
+                "optim.beta1", "optim.beta2", "parallel.bucket_mb", "parallel.pp", "parallel.virtual_stages"]
     for key in positive:
         section, name = key.split(".")
         _require(getattr(getattr(cfg, section), name) > 0, f"config key {key} must be > 0")
-    nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "train.eval_every", "train.sample_tokens",
-              "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip",
-              "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at"]
+    nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "parallel.microbatches", "train.eval_every",
+              "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
+              "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at"]
     for key in nonneg:
         section, name = key.split(".")
         _require(getattr(getattr(cfg, section), name) >= 0, f"config key {key} must be >= 0")
@@ -242,6 +251,7 @@ def validate(cfg: Config) -> None:
     _require(m.arch == "llama" or m.kv_heads == m.n_head,
              "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
     validate_tensor_parallel(cfg)
+    validate_pipeline(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
 
@@ -261,6 +271,29 @@ def validate_tensor_parallel(cfg: Config) -> None:
              f"splits the sequence across the tp ranks)")
 
 
+def validate_pipeline(cfg: Config) -> None:
+    """What the pipeline split needs, before the world size is known (the micro-batch count is checked in
+    resolve_layout, once dp is)."""
+    p, layers = cfg.parallel, cfg.model.n_layer
+    stages = p.pp * p.virtual_stages
+    _require(p.virtual_stages == 1 or p.schedule == "interleaved",
+             f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' (got "
+             f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
+    _require(layers >= stages,
+             f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "
+             f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}): every stage needs a layer; lower parallel.pp "
+             f"or parallel.virtual_stages")
+    if p.stage_layers:
+        _require(len(p.stage_layers) == stages,
+                 f"parallel.stage_layers has {len(p.stage_layers)} entries but there are {stages} pipeline stages "
+                 f"(parallel.pp * parallel.virtual_stages); give one layer count per stage")
+        _require(min(p.stage_layers) >= 1,
+                 f"parallel.stage_layers = {p.stage_layers} leaves a stage without layers; every stage needs one")
+        _require(sum(p.stage_layers) == layers,
+                 f"parallel.stage_layers = {p.stage_layers} sums to {sum(p.stage_layers)}, not model.n_layer = "
+                 f"{layers}")
+
+
 def resolve_layout(cfg: Config, world_size: int) -> None:
     """Fill parallel.dp = 0 from the world size and check the batch splits evenly. No MPI calls: safe before any."""
     p = cfg.parallel
@@ -274,9 +307,20 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
     _require(t.global_batch % per_step == 0,
              f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
              f"{p.dp} * {t.micro_batch} = {per_step}; pick a global batch that is a multiple of {per_step}")
+    micro_batches = t.global_batch // per_step
+    _require(p.microbatches in (0, micro_batches),
+             f"parallel.microbatches = {p.microbatches} does not match train.global_batch / (parallel.dp * "
+             f"train.micro_batch) = {t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro_batches} (pipeline "
+             f"micro-batches are the accumulation micro-batches); set parallel.microbatches = 0 or change "
+             f"train.micro_batch")
+    _require(p.schedule != "interleaved" or p.virtual_stages == 1 or micro_batches % p.pp == 0,
+             f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
+             f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
+             f"train.global_batch or train.micro_batch")
 
 
 def grad_accumulation_steps(cfg: Config) -> int:
+    """Micro-batches per step per rank: the gradient accumulation steps, and the pipeline's micro-batches."""
     return cfg.train.global_batch // (cfg.parallel.dp * cfg.train.micro_batch)
 
 

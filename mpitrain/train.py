@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,11 @@ from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.data import ReplicatedState
+from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
+from mpitrain.parallel.schedule import make_schedule
 from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
+from mpitrain.profile.timeline import bubble_fraction, merge_events
 
 
 @dataclass
@@ -39,6 +43,7 @@ class StepResult:
     grad_norm: float
     seconds: float
     comm_bytes: dict
+    bubble: float | None = None  # measured pipeline bubble (pp > 1, on the logging rank, when asked for)
 
 
 class Trainer:
@@ -68,11 +73,22 @@ class Trainer:
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel)
+        stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
+        self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
+                         stages=stages)
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         o = cfg.optim
         self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
+        program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
+        seq_len = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
+        self.pipeline = PipelineExecutor(self.model, self.state, self.mesh.pp, program, self.accumulation,
+                                         (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
+        if p.zero == 3 and p.pp > 1 and world_rank == 0:
+            print(f"warning: parallel.zero = 3 with parallel.pp = {p.pp} gathers every stage's parameters again for "
+                  f"each of the {self.accumulation} micro-batches' forward and backward; ZeRO-1 or 2 is the usual "
+                  f"choice with a pipeline", file=sys.stderr, flush=True)
         self.rows_per_rank = cfg.train.global_batch // p.dp
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.peak_flops = cfg.logging.peak_flops or measure_matmul_peak(self.backend)
@@ -86,24 +102,19 @@ class Trainer:
         first = self.mesh.dp_rank * self.rows_per_rank + micro * self.cfg.train.micro_batch
         return range(first, first + self.cfg.train.micro_batch)
 
-    def train_step(self, step: int) -> StepResult:
-        cfg, model, state = self.cfg, self.model, self.state
+    def train_step(self, step: int, measure_bubble: bool = False) -> StepResult:
+        """One optimizer step. measure_bubble: gather the pipeline ranks' timelines to the logging rank afterwards
+        (outside the timed step) and measure the bubble from them."""
+        cfg, state = self.cfg, self.state
         groups = self.mesh.all_groups()
         for group in groups:
             group.reset_counters()
         start = time.perf_counter()
         state.zero_grads()
         dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
-        loss_sum = 0.0
-        for micro in range(self.accumulation):
-            inputs, targets = self.train_data.global_batch_rows(step, self._rows(micro))
-            state.begin_micro_batch(last=micro == self.accumulation - 1)
-            micro_loss, saved = model.forward(state, self.backend.from_host(inputs), self.backend.from_host(targets))
-            loss_sum += float(micro_loss)
-            model.backward(state, saved, dloss)
-        state.finish()
-        tp_sharded, tp_replicated = state.grad_sq_sums()
-        grad_norm = math.sqrt(self.mesh.tp.all_reduce_scalar(tp_sharded) + tp_replicated)
+        loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(step, self._rows(micro)),
+                                          dloss)
+        grad_norm = self.global_grad_norm()
         scale = clip_scale(grad_norm, cfg.optim.clip)
         if scale != 1.0:
             for segment in self.optimizer.segments:
@@ -112,27 +123,46 @@ class Trainer:
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
         self.optimizer.step(lr)
         state.after_step()
-        loss = self.mesh.dp.all_reduce_scalar(loss_sum) / self.tokens_per_step
+        loss = self._total(loss_sum) / self.tokens_per_step
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        return StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups))
+        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups))
+        if measure_bubble and self.mesh.pp.size > 1:
+            gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
+            if gathered is not None:
+                result.bubble = bubble_fraction(merge_events(gathered))
+        return result
+
+    def global_grad_norm(self) -> float:
+        """The norm of the whole model's gradient: squares summed over tp (sharded tensors), then over the pipeline
+        stages; the tied embedding's copy on the last stage is left out (counted once, on the first)."""
+        tp_sharded, tp_replicated = self.state.grad_sq_sums()
+        copy_sharded, copy_replicated = self.pipeline.tied_copy_grad_squares()
+        stage = self.mesh.tp.all_reduce_scalar(tp_sharded - copy_sharded) + (tp_replicated - copy_replicated)
+        return math.sqrt(self.mesh.pp.all_reduce_scalar(stage))
+
+    def _total(self, loss_sum: float) -> float:
+        """The loss sum of the whole global batch on every rank: the last stage's, summed over dp, then over pp
+        (the other stages add zeros)."""
+        return self.mesh.pp.all_reduce_scalar(self.mesh.dp.all_reduce_scalar(loss_sum))
 
     def evaluate(self) -> float:
+        """Mean validation loss over train.eval_batches global batches, forward-only through the pipeline."""
         loss_sum = 0.0
         for batch in range(self.cfg.train.eval_batches):
-            for micro in range(self.accumulation):
-                inputs, targets = self.val_data.global_batch_rows(batch, self._rows(micro))
-                micro_loss, _ = self.model.forward(self.state, self.backend.from_host(inputs),
-                                                   self.backend.from_host(targets))
-                loss_sum += float(micro_loss)
-        return self.mesh.dp.all_reduce_scalar(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
+            loss_sum += self.pipeline.forward_only(
+                lambda micro: self.val_data.global_batch_rows(batch, self._rows(micro)), self.accumulation)
+        return self._total(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 
     def metrics(self, result: StepResult) -> dict:
         tokens_per_s = self.tokens_per_step / result.seconds
         mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
-        return {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
-                "comm_bytes": result.comm_bytes}
+        record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
+                  "comm_bytes": result.comm_bytes}
+        if result.bubble is not None:
+            record["bubble"] = result.bubble
+        return record
 
 
 def make_state(cfg: Config, model: GPT, backend, mesh):
@@ -146,6 +176,8 @@ def make_state(cfg: Config, model: GPT, backend, mesh):
 def format_log_line(record: dict, total_steps: int) -> str:
     line = (f"step {record['step'] + 1:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
+    if "bubble" in record:
+        line += f" | bubble {100 * record['bubble']:.1f}%"
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.4f}"
     return line
@@ -196,16 +228,22 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
              f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+        p = cfg.parallel
+        if p.pp > 1 or p.virtual_stages > 1:
+            layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
+            echo(f"pipeline: {p.schedule} schedule over {p.pp} stages" + (f" x {p.virtual_stages} chunks" if
+                 p.virtual_stages > 1 else "") + f", layers per stage {layers}")
     try:
         with StopRequest() as stop:
             for step in range(start, t.steps):
-                result = trainer.train_step(step)
                 done = step + 1
                 evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
+                logged = evaluate or done % t.log_every == 0 or step == start
+                result = trainer.train_step(step, measure_bubble=logged)
                 record = trainer.metrics(result)
                 if evaluate:
                     record["val_loss"] = trainer.evaluate()
-                if logger and (evaluate or done % t.log_every == 0 or step == start):
+                if logger and logged:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                     echo(format_log_line(record, t.steps))

@@ -131,6 +131,16 @@ RESHARD_PAIRS = [
     ((4, ["parallel.zero=2"]), (2, ["parallel.zero=3"])),
     ((2, ["parallel.tp=2", "model.arch=llama", "model.n_kv_head=2"]), (4, ["parallel.zero=3", "model.arch=llama",
                                                                           "model.n_kv_head=2"])),
+    # pipelines: each stage holds its units' tensors; gpt2's last stage loads its copy of the tied embedding
+    ((2, ["parallel.tp=2", "model.n_layer=4"]), (2, ["parallel.pp=2", "model.n_layer=4"])),
+    ((2, ["parallel.pp=2", "model.n_layer=4"]), (2, ["parallel.zero=3", "model.n_layer=4"])),
+    ((4, ["parallel.pp=4", "model.n_layer=4"]), (1, ["model.n_layer=4"])),
+    ((8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=2", "parallel.schedule=interleaved",
+          "parallel.virtual_stages=2", "model.n_layer=4"]),
+     (4, ["parallel.pp=4", "parallel.schedule=zb1p", "model.n_layer=4"])),
+    ((4, ["parallel.pp=2", "parallel.zero=1", "model.arch=llama", "model.n_kv_head=2", "model.n_layer=4"]),
+     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.stage_layers=[3, 1]", "model.arch=llama", "model.n_kv_head=2",
+          "model.n_layer=4"])),
 ]
 
 

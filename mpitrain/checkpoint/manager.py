@@ -35,14 +35,15 @@ class CheckpointManager:
         layout = trainer.state.checkpoint_layout()
         mesh = trainer.mesh
         dp, tp = (mesh.dp.size, mesh.dp.rank), (mesh.tp.size, mesh.tp.rank)
-        skip = getattr(trainer.model, "checkpoint_skip", ())
+        # a tied copy (gpt2's embedding on the last pipeline stage) is read back from the first stage's tensors
+        load_only = getattr(trainer.model, "tied_copies", ())
         held = held_pieces("param", layout["geometry"], layout["param_windows"], layout["params_dp_replicated"],
-                           dp, tp, skip)
+                           dp, tp, load_only)
         optimizer = trainer.optimizer
         for kind, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout["segment_windows"],
                                                                               optimizer.bounds)]
-            held += held_pieces(kind, layout["geometry"], windows, layout["moments_dp_replicated"], dp, tp, skip)
+            held += held_pieces(kind, layout["geometry"], windows, layout["moments_dp_replicated"], dp, tp, load_only)
         return held
 
     def _index(self, step: int, records: list[dict]) -> dict:

@@ -66,11 +66,12 @@ def _replica_writer(kind: str, tensor: str, replicas: int, replica_index: int) -
 
 
 def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int, int], tp: tuple[int, int],
-                skip=()) -> list[HeldPiece]:
+                load_only=()) -> list[HeldPiece]:
     """Pieces in `windows` ((geometry start, end, array, array offset) ranges of the flat geometry).
 
     dp, tp: (size, rank) of this rank's data- and tensor-parallel groups, for deciding who writes replicated copies.
-    skip: tensor names not to report (a tied copy that another stage owns)."""
+    load_only: tensor names this rank holds as a copy of another rank's (gpt2's tied embedding on the last pipeline
+    stage): filled on restore from the tensor of that name, never written (the owner writes it)."""
     held = []
     for unit, layout in enumerate(geometry.layouts):
         offset = geometry.offsets[unit]
@@ -78,7 +79,7 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
             name = f"{layout.name}.{spec.name}"
             for g0, g1, array, a0 in windows:
                 lo, hi = max(offset, g0), min(offset + spec.size, g1)
-                if lo >= hi or name in skip:
+                if lo >= hi:
                     continue
                 replicas, index = 1, 0
                 if dp_replicated:
@@ -87,7 +88,8 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
                     replicas, index = replicas * tp[0], index * tp[0] + tp[1]
                 piece = Piece(kind, name, tuple(spec.full_shape), tuple(spec.start), tuple(spec.shape),
                               (lo - offset, hi - offset))
-                held.append(HeldPiece(piece, array, a0 + lo - g0, _replica_writer(kind, name, replicas, index)))
+                writer = name not in load_only and _replica_writer(kind, name, replicas, index)
+                held.append(HeldPiece(piece, array, a0 + lo - g0, writer))
             offset += spec.size
     return held
 

@@ -1,4 +1,4 @@
-"""A decoder-only transformer (or one pipeline stage of it): a list of units and the loops that run them.
+"""A decoder-only transformer (or one pipeline rank's part of it): a list of units and the loops that run them.
 
 The model holds no parameters: `forward`/`backward` ask a *state* object for each unit's parameter and gradient
 views. The state decides where they live: one full flat buffer (data parallelism, ZeRO-1/2) or a shard that is
@@ -11,6 +11,17 @@ all-gathered just before use and freed after (ZeRO-3). See `mpitrain/parallel/da
 
 Most units read only their own parameters; the gpt2 head also reads the embedding's `wte` (tied weights), so
 "last reader" is tracked per unit and phase.
+
+Pipeline parallelism. The global units are 0 (embedding), 1..n_layer (blocks "blocks.0".. ) and n_layer + 1 (head);
+a pipeline rank holds one contiguous range of them per model chunk (`stages`, v ranges under the interleaved
+schedule) and runs `forward`/`backward` one chunk at a time. Unit names stay global, so checkpoints reshard across
+pp. A gpt2 head on a rank without the embedding reads a COPY of the embedding unit (the last local unit, same layout
+and name "embed"): the pipeline sums the two copies' gradients after each step so that they get the same update;
+`tied_copies` names its tensors, which checkpoints load but never write.
+
+zb1p splits a chunk's backward in two: `backward(..., deferred=work)` computes the input gradient (B) and the cheap
+gradients at once and leaves the weight-gradient matmuls in `work`; `backward_weight(state, work, chunk)` (W) runs
+them. The state hears `unit_done` only after W.
 """
 from __future__ import annotations
 
@@ -24,19 +35,37 @@ from mpitrain.parallel.tensor import TensorParallel
 
 class GPT:
     def __init__(self, cfg: ModelConfig, backend, *, tp_group=None, sequence_parallel: bool = False,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, stages: list[tuple[int, int]] | None = None):
         """`tp_group`: the tensor-parallel group (None: one rank), handed to every unit together with the mode
-        (`sequence_parallel`) as one TensorParallel; or pass that object itself as `tp`."""
+        (`sequence_parallel`) as one TensorParallel; or pass that object itself as `tp`.
+        `stages`: the [first, end) global unit ranges of this rank's model chunks, in the order the data visits them
+        (None: the whole model, one chunk)."""
         self.cfg, self.backend = cfg, backend
         self.tp = tp or TensorParallel(tp_group, sequence_parallel)
-        self.units = ([Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)]
-                      + [Head(cfg, self.tp)])
-        self.layouts = [u.layout for u in self.units]
-        head = len(self.units) - 1
+        every = ([Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)]
+                 + [Head(cfg, self.tp)])  # layouts only, no arrays: cheap to build whole
+        self.n_params = sum(math.prod(spec.full_shape) for unit in every for spec in unit.layout.specs)
+        stages = stages or [(0, len(every))]
+        self.units, self.chunks = [], []  # chunks[c]: local indices of chunk c's units, in data order
+        for first, end in stages:
+            self.chunks.append(list(range(len(self.units), len(self.units) + end - first)))
+            self.units += every[first:end]
         # reads[i]: the units whose parameters unit i uses
         self.reads = {i: [i] for i in range(len(self.units))}
-        if self.units[head].tied:
-            self.reads[head].append(0)
+        self.tied_copies: tuple[str, ...] = ()  # tensor names this rank holds as a copy of another rank's
+        self.tied_unit: int | None = None  # local index of an embedding whose gradient another rank also has
+        head = next((i for i, unit in enumerate(self.units) if isinstance(unit, Head)), None)
+        embed = next((i for i, unit in enumerate(self.units) if isinstance(unit, Embedding)), None)
+        if head is not None and self.units[head].tied and embed is None:
+            self.units.append(Embedding(cfg, self.tp))  # the copy: read by the head only, never run
+            embed = self.tied_unit = len(self.units) - 1
+            self.reads[embed] = [embed]
+            self.tied_copies = tuple(f"embed.{spec.name}" for spec in self.units[embed].layout.specs)
+        elif embed is not None and head is None and every[-1].tied:
+            self.tied_unit = embed  # the first stage: the last one holds the copy
+        if head is not None and self.units[head].tied:
+            self.reads[head].append(embed)
+        self.layouts = [u.layout for u in self.units]
         self.last_reader = {"forward": {}, "backward": {}}
         for i in range(len(self.units)):  # forward runs units in ascending order, backward in descending
             for j in self.reads[i]:
@@ -44,13 +73,9 @@ class GPT:
                 self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
 
-    @property
-    def n_params(self) -> int:
-        """Parameters of the whole model (under tensor parallelism too: global shapes, vocabulary padding excluded)."""
-        return sum(math.prod(spec.full_shape) for layout in self.layouts for spec in layout.specs)
-
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus attention's 12*L*d*T.
+        """Training FLOPs per token of the whole model: 6 per matmul weight (forward 2, backward 4) plus attention's
+        12*L*d*T.
 
         The weights counted are all but the input embedding tables (a lookup is no matmul); the output projection
         counts, tied or not, since the head's matmul is real work."""
@@ -70,6 +95,12 @@ class GPT:
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
 
+    def _sequence_length(self, x) -> int:
+        """Token ids are (batch, T); activations between units are (batch, T/t, C) under sequence parallelism."""
+        if x.ndim == 2 or not self.tp.sequence_parallel:
+            return x.shape[1]
+        return x.shape[1] * self.tp.size
+
     # -- parameter access through the state
     def _params(self, state, unit: int, phase: str) -> dict:
         views = {}
@@ -85,38 +116,57 @@ class GPT:
             views.update(own if j == unit else {"wte": own["wte"]})
         return views
 
-    def _after(self, state, unit: int, phase: str) -> None:
+    def _release(self, state, unit: int, phase: str) -> None:
         for j in self.reads[unit]:
             if self.last_reader[phase][j] == unit:
-                if phase == "backward":
-                    state.unit_done(j)
                 state.release(j, phase)
 
-    # -- one micro-batch
-    def forward(self, state, tokens, targets):
-        """Returns (sum of token losses, saved state per unit)."""
-        ctx = self.context(tokens.shape[1])
-        x, saved = tokens, []
-        head = len(self.units) - 1
-        for i, unit in enumerate(self.units):
+    def _done(self, state, unit: int) -> None:
+        """The gradients of the units whose last backward reader is `unit` are complete for this micro-batch."""
+        for j in self.reads[unit]:
+            if self.last_reader["backward"][j] == unit:
+                state.unit_done(j)
+
+    # -- one micro-batch through one chunk
+    def forward(self, state, x, targets=None, chunk: int = 0):
+        """x: token ids when the chunk starts with the embedding, else the previous stage's output. Returns
+        (output, saved state per unit of the chunk): the sum of token losses when the chunk ends with the head
+        (`targets` needed), else the activation for the next stage."""
+        ctx = self.context(self._sequence_length(x))
+        saved = []
+        for i in self.chunks[chunk]:
+            unit = self.units[i]
             p = self._params(state, i, "forward")
-            if i == head:
-                x, s = unit.forward(p, x, targets)
-            else:
-                x, s = unit.forward(p, x, ctx)
-            self._after(state, i, "forward")
+            x, s = unit.forward(p, x, targets) if isinstance(unit, Head) else unit.forward(p, x, ctx)
+            self._release(state, i, "forward")
             saved.append(s)
         return x, saved
 
-    def backward(self, state, saved, dloss: float) -> None:
-        dx = dloss
-        for i in reversed(range(len(self.units))):
-            dx = self.units[i].backward(self._params(state, i, "backward"), self._grads(state, i), saved[i], dx)
-            saved[i] = None  # free this unit's activations as soon as they are used
-            self._after(state, i, "backward")
+    def backward(self, state, saved, dy, chunk: int = 0, deferred: dict | None = None):
+        """dy: d(loss)/d(output), or the loss scale (1 / tokens of the global batch) when the chunk ends with the
+        head. Returns d(loss)/d(input) (None when the chunk starts with the embedding). Each unit's saved state is
+        freed as soon as it is used. With `deferred` (a dict, zb1p's B) the weight-gradient matmuls are left in it,
+        per unit, for `backward_weight`, and the state is not told the gradients are done."""
+        dx = dy
+        units = self.chunks[chunk]
+        for k in reversed(range(len(units))):
+            i = units[k]
+            work = None if deferred is None else deferred.setdefault(i, [])
+            dx = self.units[i].backward(self._params(state, i, "backward"), self._grads(state, i), saved[k], dx, work)
+            saved[k] = None
+            if deferred is None:
+                self._done(state, i)
+            self._release(state, i, "backward")
+        return dx
+
+    def backward_weight(self, state, deferred: dict, chunk: int = 0) -> None:
+        """zb1p's W: the weight-gradient matmuls a `backward(..., deferred=...)` of this chunk left, unit by unit."""
+        for i in reversed(self.chunks[chunk]):
+            self.units[i].backward_weight(self._grads(state, i), deferred.pop(i, []))
+            self._done(state, i)
 
     def last_logits(self, state, tokens):
-        """Logits of the last position (generation; a tp = 1 model, see Head.logits)."""
+        """Logits of the last position (generation; a whole tp = 1 model, see Head.logits)."""
         ctx = self.context(tokens.shape[1])
         x, head = tokens, len(self.units) - 1
         for i, unit in enumerate(self.units):
@@ -125,5 +175,5 @@ class GPT:
                 x = unit.logits(p, x[:, -1:])[:, 0]
             else:
                 x, _ = unit.forward(p, x, ctx)
-            self._after(state, i, "forward")
+            self._release(state, i, "forward")
         return x

@@ -28,6 +28,12 @@ holds a block of each split weight, and the unit's `layout` says which (ParamSpe
               saved gathered (the whole sequence), which keeps the traffic at 8 b s h (t-1)/t per block; Megatron
               instead saves them split and gathers them again in backward (1/t memory, one more all-gather each).
 With one rank every split is the whole tensor and every collective a no-op: the same code is the serial model.
+
+Split backward (zb1p). `backward(p, g, saved, dy, deferred)` with a list `deferred` computes the input gradient and
+the cheap gradients (biases, norm gains, the embedding's rows) at once, and appends each weight-gradient matmul
+dW += x^T dy as (weight name, x, dy) instead of running it; `backward_weight(g, deferred)` runs them later. The
+gradient views are looked up again then (under ZeRO-2/3 a unit's full gradient is a fresh buffer after each
+reduce-scatter), and x and dy stay alive until then: they are the activation memory a deferred W costs.
 """
 from __future__ import annotations
 
@@ -39,6 +45,50 @@ from mpitrain.model import ops
 from mpitrain.model.params import ParamSpec, UnitLayout
 from mpitrain.parallel import tensor
 from mpitrain.parallel.tensor import TensorParallel, VocabShardSpec
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _add_bias_grad(db, dy) -> None:
+    if db is not None:
+        db += _rows(dy).sum(axis=0)
+
+
+def column_backward(tp: TensorParallel, x, weights, output_grads, weight_grads, bias_grads, deferred, names):
+    """tensor.column_parallel_backward, or with a `deferred` list its input gradient alone: the bias gradients are
+    added now, and each weight's x^T dy is appended to `deferred` as (names[i], x, dy) for backward_weight."""
+    if deferred is None:
+        return tensor.column_parallel_backward(tp, x, weights, output_grads, weight_grads, bias_grads)
+    dx = _rows(output_grads[0]) @ weights[0].T
+    for w, dy in zip(weights[1:], output_grads[1:]):
+        dx += _rows(dy) @ w.T
+    pending = tp.start_enter_backward(dx.reshape(x.shape))
+    for name, dy, db in zip(names, output_grads, bias_grads or [None] * len(weights)):
+        _add_bias_grad(db, dy)
+        deferred.append((name, x, dy))
+    return pending.wait()
+
+
+def row_backward(tp: TensorParallel, x, w, dy, dw, db, deferred, name):
+    """tensor.row_parallel_backward, or with a `deferred` list its input gradient and bias gradient alone."""
+    if deferred is None:
+        return tensor.row_parallel_backward(tp, x, w, dy, dw, db)
+    dy = tp.exit_backward(dy)
+    _add_bias_grad(db, dy)
+    deferred.append((name, x, dy))
+    return (_rows(dy) @ w.T).reshape(*dy.shape[:-1], w.shape[0])
+
+
+DEFERRED_PARTIALS = ("wk", "wv")  # tp-partial gradients that are weight matmuls (replicated K/V heads): reduced in W
+
+
+def run_weight_grads(deferred, grad_of) -> None:
+    """The W pass: dW += x^T dy for every (name, x, dy) a split backward deferred; grad_of(name) is the view."""
+    for name, x, dy in deferred:
+        dw = grad_of(name)
+        dw += _rows(x).T @ _rows(dy)
 
 
 def _matrix(name, rows, cols, std):
@@ -75,11 +125,15 @@ class Embedding:
             x += p["wpe"][ctx["positions"][self.tp.sequence_chunk(tokens.shape[1])]]
         return x, ids
 
-    def backward(self, p, g, ids, dx):
+    def backward(self, p, g, ids, dx, deferred=None):
+        """Adds the rows' gradients (a scatter, not a matmul: done at once even in a split backward)."""
         dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, g["wte"])  # dx: the whole sequence now
         if "wpe" in g:
             g["wpe"][: dx.shape[1]] += dx.sum(axis=0)  # positions are 0..T-1 without context parallelism
         return None
+
+    def backward_weight(self, g, deferred) -> None:
+        assert not deferred, "the embedding defers nothing"
 
 
 class Block:
@@ -184,35 +238,48 @@ class Block:
             saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
         return y, saved
 
-    def backward(self, p, g, s, dy):
+    def _grad(self, g, name):
+        """The gradient view a weight or bias name writes into (this rank's K/V columns when they are shared)."""
+        return self._kv(g, name) if name in ("wk", "wv", "bk", "bv") else g.get(name)
+
+    def backward(self, p, g, s, dy, deferred=None):
         xp, tp = array_module(dy), self.tp
-        partial = tensor.PartialGrads(tp, g, self.partial_grads)
+        # A split backward reduces the partial gradients it computes now; the deferred K/V weights reduce in W.
+        partial = tensor.PartialGrads(tp, g, [n for n in self.partial_grads
+                                              if deferred is None or n not in DEFERRED_PARTIALS])
         g = partial.grads  # the partial ones are zeroed temporaries until partial.reduce()
         # MLP branch
         w_out = "w_proj" if self.gpt2 else "w_down"
-        d_act = tensor.row_parallel_backward(tp, s["act"], p[w_out], dy, g[w_out], g.get("b_proj"))
+        d_act = row_backward(tp, s["act"], p[w_out], dy, g[w_out], g.get("b_proj"), deferred, w_out)
         if self.gpt2:
             d_up = ops.gelu_backward(s["mlp"][0], d_act)
-            d_h2 = tensor.column_parallel_backward(tp, s["h2"], [p["w_fc"]], [d_up], [g["w_fc"]], [g["b_fc"]])
+            d_h2 = column_backward(tp, s["h2"], [p["w_fc"]], [d_up], [g["w_fc"]], [g["b_fc"]], deferred, ["w_fc"])
         else:
             d_gate, d_up = ops.swiglu_backward(s["mlp"], d_act)
-            d_h2 = tensor.column_parallel_backward(tp, s["h2"], [p["w_gate"], p["w_up"]], [d_gate, d_up],
-                                                   [g["w_gate"], g["w_up"]])
+            d_h2 = column_backward(tp, s["h2"], [p["w_gate"], p["w_up"]], [d_gate, d_up], [g["w_gate"], g["w_up"]],
+                                   None, deferred, ["w_gate", "w_up"])
         dx1 = dy + self._norm_backward(p, g, s["norm2"], d_h2, 2)
         # attention branch
-        d_attn = tensor.row_parallel_backward(tp, s["attn"], p["wo"], dx1, g["wo"], g.get("bo"))
+        d_attn = row_backward(tp, s["attn"], p["wo"], dx1, g["wo"], g.get("bo"), deferred, "wo")
         dq, dk, dv = ops.attention_backward(s["attention"], self._split_heads(d_attn, self.heads, xp))
         if not self.gpt2:
             cos, sin = s["rope"]
             dq = ops.rope_backward(dq, cos, sin)
             dk = ops.rope_backward(dk, cos, sin)
-        d_h1 = tensor.column_parallel_backward(
+        names = ["wq", "wk", "wv"]
+        d_h1 = column_backward(
             tp, s["h1"], [p["wq"], self._kv(p, "wk"), self._kv(p, "wv")],
             [self._merge_heads(dq, xp), self._merge_heads(dk, xp), self._merge_heads(dv, xp)],
-            [g["wq"], self._kv(g, "wk"), self._kv(g, "wv")], [g.get("bq"), self._kv(g, "bk"), self._kv(g, "bv")])
+            [self._grad(g, name) for name in names], [g.get("bq"), self._kv(g, "bk"), self._kv(g, "bv")],
+            deferred, names)
         dx = dx1 + self._norm_backward(p, g, s["norm1"], d_h1, 1)
         partial.reduce()
         return dx
+
+    def backward_weight(self, g, deferred) -> None:
+        partial = tensor.PartialGrads(self.tp, g, [n for n in self.partial_grads if n in DEFERRED_PARTIALS])
+        run_weight_grads(deferred, lambda name: self._grad(partial.grads, name))
+        partial.reduce()
 
 
 class Head:
@@ -258,14 +325,18 @@ class Head:
         loss_sum, loss = tensor.vocab_parallel_cross_entropy_forward(self.tp, logits, targets, self.vocab_first)
         return loss_sum, {"norm": norm, "h": h, "loss": loss}
 
-    def backward(self, p, g, s, dloss):
+    def backward(self, p, g, s, dloss, deferred=None):
         partial = tensor.PartialGrads(self.tp, g, self.partial_grads)
         g = partial.grads
         dlogits = tensor.vocab_parallel_cross_entropy_backward(s["loss"], dloss)
-        dh = tensor.column_parallel_backward(self.tp, s["h"], [self._weight(p)], [dlogits], [self._weight(g)])
+        dh = column_backward(self.tp, s["h"], [self._weight(p)], [dlogits], [self._weight(g)], None, deferred,
+                             ["projection"])
         if self.tied:
             dx = ops.layernorm_backward(s["norm"], p["norm_w"], dh, g["norm_w"], g["norm_b"])
         else:
             dx = ops.rmsnorm_backward(s["norm"], p["norm_w"], dh, g["norm_w"])
         partial.reduce()
         return dx
+
+    def backward_weight(self, g, deferred) -> None:
+        run_weight_grads(deferred, lambda name: self._weight(g))  # the one deferred weight: the projection

@@ -1,0 +1,329 @@
+"""Pipeline parallelism: which layers each pipeline rank holds, and the executor that runs its instruction list.
+
+When each rank forwards or backwards which micro-batch is decided by a pure function (mpitrain/parallel/schedule.py,
+printable and tested without MPI). This module turns one rank's instruction list into work, over the pp group:
+
+    recv_forward / recv_backward   wait for the activation / gradient a neighbouring stage sent. Receives are posted
+                                   early (Irecv, one ahead per (peer, direction)), in the order the schedule's
+                                   messages are proven to arrive (FIFO per channel, one MPI tag per direction)
+    forward                        GPT.forward of one chunk. Stage 0 embeds the micro-batch's tokens; the last stage
+                                   returns the loss sum and keeps the loss scale as its backward's dy
+    send_forward / send_backward   Isend. The executor drops the array at once: the request holds it until it is
+                                   delivered, and finished requests are tested away after every instruction, so a
+                                   stage's output lives only until it is sent
+    backward                       GPT.backward of one chunk
+    backward_input                 zb1p's B: the same with the weight-gradient matmuls deferred...
+    backward_weight                ... which zb1p's W runs (GPT.backward_weight)
+    reduce_grads                   wait for the sends; the state's finish() (DP all-reduce or ZeRO reduce-scatter over
+                                   this stage's dp group, started by the state's hooks during the last backwards);
+                                   then, for gpt2's tied embedding, the gradient sum between the first and last stage
+    optimizer_step                 back to the trainer: clipping needs the global norm over every stage (train.py)
+
+Every instruction is recorded into a Timeline (compute, or waiting on a peer), so the bubble is measured from what
+each rank did rather than assumed; `activation_peak_bytes` is the most saved state (and deferred W work) held at once.
+With pp = 1 the 1f1b schedule is the plain accumulation loop (F0 B0 F1 B1 ...) and nothing is sent: the trainer runs
+every degree through this executor.
+
+Which layers: virtual stage s (chunk c of rank r is s = c*pp + r) holds parallel.stage_layers[s] blocks (default: an
+even split, the remainder on the first stages, since the last also holds the head); stage 0 also holds the embedding
+and the last stage the final norm, head and loss.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict, deque
+
+import numpy as np
+
+from mpitrain.backend import nbytes_of
+from mpitrain.model.params import intersect
+from mpitrain.parallel.data import squared_sum
+from mpitrain.parallel.schedule import Instruction
+from mpitrain.profile.timeline import Timeline
+
+TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
+
+
+# ------------------------------------------------------------------------------------------------ the layer split
+
+def stage_layer_counts(n_layer: int, stages: int, override=()) -> list[int]:
+    """Blocks per virtual stage: `override` (parallel.stage_layers, checked by the config) or an even split, the
+    remainder going to the first stages (the last one also runs the head, often the costliest unit)."""
+    if override:
+        return list(override)
+    base, extra = divmod(n_layer, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
+def rank_stages(n_layer: int, pp: int, virtual_stages: int, pp_rank: int, override=()) -> list[tuple[int, int]]:
+    """[first, end) global unit ranges of the chunks of pipeline rank `pp_rank`, chunk c being virtual stage
+    c*pp + pp_rank. Global units: 0 the embedding, 1..n_layer the blocks, n_layer + 1 the head."""
+    stages = pp * virtual_stages
+    bounds = np.cumsum([0] + stage_layer_counts(n_layer, stages, override)).tolist()
+    chunks = []
+    for chunk in range(virtual_stages):
+        stage = chunk * pp + pp_rank
+        first = 0 if stage == 0 else 1 + bounds[stage]
+        end = n_layer + 2 if stage == stages - 1 else 1 + bounds[stage + 1]
+        chunks.append((first, end))
+    return chunks
+
+
+def forward_only_program(rank: int, p: int, v: int, m: int) -> list[Instruction]:
+    """Validation: every micro-batch through each chunk in turn, no backward. Sends never block, so this cannot
+    deadlock, and each channel carries its micro-batches in order."""
+    program = []
+    for chunk in range(v):
+        stage = chunk * p + rank
+        for micro in range(m):
+            if stage > 0:
+                program.append(Instruction("recv_forward", micro, chunk, peer=(rank - 1) % p))
+            program.append(Instruction("forward", micro, chunk))
+            if stage < v * p - 1:
+                program.append(Instruction("send_forward", micro, chunk, peer=(rank + 1) % p))
+    return program
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+
+class StepGradients:
+    """The state as the model sees it during a pipelined step.
+
+    Data parallelism and ZeRO-1 reduce a unit's gradient once per step, after its last backward. With micro-batches
+    of several chunks interleaved, "the last micro-batch" differs from unit to unit, so the state is told once, at the
+    start of the step, that it is in its last micro-batch, and `unit_done` reaches it only at a unit's m-th backward.
+    ZeRO-2/3 reduce-scatter every micro-batch's gradient (and free it), so they hear every `unit_done`."""
+
+    def __init__(self, state, micro_batches: int):
+        self.state, self.micro_batches = state, micro_batches
+        self.every_micro_batch = getattr(state, "stage", 0) >= 2
+        self.backwards: Counter = Counter()
+
+    def begin_step(self) -> None:
+        self.backwards.clear()
+        self.state.begin_micro_batch(last=True)
+
+    def acquire(self, unit: int, phase: str) -> dict:
+        return self.state.acquire(unit, phase)
+
+    def release(self, unit: int, phase: str) -> None:
+        self.state.release(unit, phase)
+
+    def grad_views(self, unit: int) -> dict:
+        return self.state.grad_views(unit)
+
+    def unit_done(self, unit: int) -> None:
+        self.backwards[unit] += 1
+        if self.every_micro_batch or self.backwards[unit] == self.micro_batches:
+            self.state.unit_done(unit)
+
+
+def _gradient_window(state, unit: int):
+    """(geometry, (start, end) in it, values): the reduced gradient of `unit` that this rank holds after finish():
+    all of it (data parallelism) or its ZeRO shard. Equal layouts give equal windows on every stage."""
+    if state.sharded:
+        start = state.geometry.unit_range(unit)[0] + state.group.rank * state.shard_sizes[unit]
+        values = state.grad_shard[state.shard_offsets[unit]:state.shard_offsets[unit + 1]]
+        return state.geometry, (start, start + state.shard_sizes[unit]), values
+    start, end = state.grads.unit_range(unit)
+    return state.grads, (start, end), state.grads.data[start:end]
+
+
+def unit_grad_squares(state, unit: int) -> tuple[float, float]:
+    """The (tensor-parallel-sharded, replicated) sums of squares of `unit`'s gradient that state.grad_sq_sums()
+    counts for it (summed over the dp group under ZeRO, as there)."""
+    geometry, window, values = _gradient_window(state, unit)
+    sums = []
+    for replicated in (False, True):
+        ranges = intersect(geometry.ranges(lambda spec, r=replicated: spec.tp_replicated == r), *window)
+        local = squared_sum(values, ranges)
+        sums.append(state.group.all_reduce_scalar(local) if state.sharded else local)
+    return sums[0], sums[1]
+
+
+# ------------------------------------------------------------------------------------------------ the executor
+
+class PipelineExecutor:
+    """Runs this rank's instruction list for one step (`run_step`) or a forward-only pass (`forward_only`).
+
+    model: the rank's GPT (its chunks); state: its parameter/gradient state; group: the pp group; program: this
+    rank's instructions (schedule.make_schedule(...)[rank]); activation_shape: (micro_batch, T, d_model) of what
+    stages send each other (T / tp under sequence parallelism)."""
+
+    def __init__(self, model, state, group, program: list[Instruction], micro_batches: int, activation_shape,
+                 backend):
+        self.model, self.state, self.group, self.program = model, state, group, program
+        self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
+        self.last_stage = self.p * self.v - 1
+        self.shape, self.backend = tuple(activation_shape), backend
+        self.gradients = StepGradients(state, micro_batches)
+        self.timeline = Timeline(rank=self.rank)
+        self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
+        self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
+        self.tied_peer = None
+        if model.tied_unit is not None:
+            self.tied_peer = self.p - 1 if self.rank == 0 else 0
+        self._dispatch = {op: getattr(self, "_" + op) for op in
+                          ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_input",
+                           "backward_weight", "send_backward", "reduce_grads")}
+
+    # -- entry points
+    def run_step(self, batch, loss_scale: float) -> float:
+        """Forward and backward every micro-batch through this rank's chunks, then reduce the gradients.
+        batch(micro) -> (input ids, targets) as host arrays; loss_scale: d(loss)/d(loss sum), 1 / tokens of the
+        global batch. Returns this rank's sum of token losses (0 unless it holds the last stage)."""
+        self.gradients.begin_step()
+        self.activation_peak_bytes = 0
+        if self.p > 1:
+            self.group.barrier()  # a common time origin for the pp ranks' timelines
+        self.timeline.reset()
+        return self._run(self.program, batch, loss_scale, self.timeline)
+
+    def forward_only(self, batch, micro_batches: int) -> float:
+        """Validation: forward every micro-batch, keep nothing for backward; returns the loss sum (last stage).
+        Its timeline is thrown away: `timeline` keeps the last training step's."""
+        program = forward_only_program(self.rank, self.p, self.v, micro_batches)
+        return self._run(program, batch, None, Timeline(rank=self.rank))
+
+    # -- the loop
+    def _run(self, program, batch, loss_scale, timeline) -> float:
+        self.batch, self.loss_scale, self.training = batch, loss_scale, loss_scale is not None
+        self._timeline = timeline
+        self.loss_sum = 0.0
+        self._inputs, self._outputs, self._saved, self._output_grads, self._input_grads = {}, {}, {}, {}, {}
+        self._deferred: dict = {}
+        self._held_bytes: dict = {}
+        self._sends: list = []
+        self._receives: dict = defaultdict(deque)
+        for ins in program:
+            if ins.op.startswith("recv"):
+                self._receives[ins.op, ins.peer].append(ins)
+        self._posted: dict = {}
+        for channel in self._receives:
+            self._post_receive(channel)
+        for ins in program:
+            if ins.op == "optimizer_step":
+                break
+            self._dispatch[ins.op](ins)
+            if self._sends:
+                self._sends = [handle for handle in self._sends if not handle.test()]
+        for handle in self._sends:  # forward-only runs have no reduce_grads
+            handle.wait()
+        assert not (self._saved or self._deferred or self._posted), "the program left work undone"
+        return self.loss_sum
+
+    def _stage(self, ins: Instruction) -> int:
+        return ins.chunk * self.p + self.rank
+
+    def _hold(self, key, tree) -> int:
+        """Account the activations (micro, chunk) now holds: its saved state, then its deferred W work; None when
+        they are gone. Counted per (micro, chunk), so the running total costs nothing however many are in flight."""
+        if tree is None:
+            self._held_bytes.pop(key, None)
+            return 0
+        nbytes = self._held_bytes[key] = nbytes_of(tree)
+        self.activation_peak_bytes = max(self.activation_peak_bytes, sum(self._held_bytes.values()))
+        return nbytes
+
+    # -- point to point
+    def _post_receive(self, channel) -> None:
+        queue = self._receives[channel]
+        if queue:
+            ins = queue.popleft()
+            buffer = np.empty(self.shape, dtype=self.backend.dtype)
+            direction = "forward" if ins.op == "recv_forward" else "backward"
+            self._posted[channel] = (ins, buffer, self.group.irecv(buffer, source=ins.peer, tag=TAGS[direction]))
+
+    def _receive(self, ins: Instruction):
+        channel = (ins.op, ins.peer)
+        posted, buffer, handle = self._posted.pop(channel)
+        assert (posted.micro, posted.chunk) == (ins.micro, ins.chunk), (posted, ins)
+        with self._timeline.record(ins.op, ins.micro, ins.chunk):  # waiting on a peer
+            handle.wait()
+        self._post_receive(channel)
+        return self.backend.from_host(buffer)
+
+    def _send(self, ins: Instruction, array, direction: str) -> None:
+        with self._timeline.record(ins.op, ins.micro, ins.chunk):
+            host = np.ascontiguousarray(self.backend.to_host(array))
+            self._sends.append(self.group.isend(host, dest=ins.peer, tag=TAGS[direction]))
+
+    def _recv_forward(self, ins):
+        self._inputs[ins.micro, ins.chunk] = self._receive(ins)
+
+    def _recv_backward(self, ins):
+        self._output_grads[ins.micro, ins.chunk] = self._receive(ins)
+
+    def _send_forward(self, ins):
+        self._send(ins, self._outputs.pop((ins.micro, ins.chunk)), "forward")  # ours is dropped here
+
+    def _send_backward(self, ins):
+        self._send(ins, self._input_grads.pop((ins.micro, ins.chunk)), "backward")
+
+    # -- compute
+    def _forward(self, ins):
+        key, stage = (ins.micro, ins.chunk), self._stage(ins)
+        inputs = targets = None
+        if stage == 0 or stage == self.last_stage:
+            inputs, targets = self.batch(ins.micro)
+        with self._timeline.record("forward", *key):
+            x = self.backend.from_host(inputs) if stage == 0 else self._inputs.pop(key)
+            targets = self.backend.from_host(targets) if stage == self.last_stage else None
+            output, saved = self.model.forward(self.gradients, x, targets, ins.chunk)
+        if stage < self.last_stage:
+            self._outputs[key] = output
+        else:
+            self.loss_sum += float(output)
+        if self.training:
+            if stage == self.last_stage:
+                self._output_grads[key] = self.loss_scale  # the last stage's backward starts from the loss scale
+            self._saved[key] = saved
+            self.saved_bytes_per_micro_batch[ins.chunk] = self._hold(key, saved)
+
+    def _backward(self, ins, split: bool = False):
+        key = (ins.micro, ins.chunk)
+        deferred = {} if split else None
+        with self._timeline.record(ins.op, *key):
+            input_grad = self.model.backward(self.gradients, self._saved.pop(key), self._output_grads.pop(key),
+                                             ins.chunk, deferred)
+        if self._stage(ins) > 0:
+            self._input_grads[key] = input_grad
+        self._hold(key, deferred)  # None after a full backward: nothing left
+        if split:
+            self._deferred[key] = deferred
+
+    def _backward_input(self, ins):
+        self._backward(ins, split=True)
+
+    def _backward_weight(self, ins):
+        with self._timeline.record("backward_weight", ins.micro, ins.chunk):
+            self.model.backward_weight(self.gradients, self._deferred.pop((ins.micro, ins.chunk)), ins.chunk)
+        self._hold((ins.micro, ins.chunk), None)
+
+    # -- gradients
+    def _reduce_grads(self, ins):
+        with self._timeline.record("reduce_grads"):
+            for handle in self._sends:
+                handle.wait()
+            self._sends = []
+            self.state.finish()
+            self._sum_tied_grads()
+
+    def _sum_tied_grads(self) -> None:
+        """gpt2's head (last stage) reads the embedding (first stage): each holds a copy and a part of its gradient.
+        Both ranks swap their part and add: a + b == b + a exactly, so the copies get the same gradient, and the
+        same update. Bytes: the embedding unit's gradient (this rank's ZeRO shard of it), each way."""
+        if self.tied_peer is None:
+            return
+        _, _, mine = _gradient_window(self.state, self.model.tied_unit)
+        theirs = np.empty_like(mine)
+        receive = self.group.irecv(theirs, source=self.tied_peer, tag=TAGS["tied"])
+        self.group.send(np.ascontiguousarray(mine), dest=self.tied_peer, tag=TAGS["tied"])
+        receive.wait()
+        mine += theirs
+
+    def tied_copy_grad_squares(self) -> tuple[float, float]:
+        """What the tied copy adds to state.grad_sq_sums() on this rank (zero where there is none): the global
+        norm counts the tied embedding once, on the first stage."""
+        if not self.model.tied_copies:
+            return 0.0, 0.0
+        return unit_grad_squares(self.state, self.model.tied_unit)

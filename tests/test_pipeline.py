@@ -1,0 +1,336 @@
+"""Pipeline parallelism is exact, holds the activations its schedule says, and its measured bubble is the formula's.
+
+Parity runs the real `mpitrain train` under mpiexec (float64, 10 steps) at pp = 2 and 4 with every schedule, and at
+pp = 2 x tp = 2 x dp = 2 with ZeRO-1, for gpt2 (tied head: the last stage holds a copy of the embedding) and llama,
+and compares every step's loss and gradient norm, the validation loss and the final weights (read from the final
+checkpoint) with the single process. Activation memory and the bubble are measured in-process under MPI from the
+executor's own accounting and recorded timeline. The layer split, the split backward (zb1p's B and W) and the
+config errors are tested without MPI.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mpitrain.backend import make_backend
+from mpitrain.checkpoint.store import Checkpoint, committed_checkpoints
+from mpitrain.config import load_config, resolve_layout
+from mpitrain.errors import ConfigError
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.data import ReplicatedState
+from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
+from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi
+from tests.test_checkpoint import PREEMPTED, losses, saved_state, train
+from tests.test_tensor_parallel import assert_exact
+from tests.test_train_parity import dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
+
+FAST = ["logging.peak_flops=1e9"]
+BASE = ["model.n_layer=8", "train.micro_batch=2"]  # 8 layers: pp 4 x 2 chunks; m = 4 micro-batches at dp = 1
+FLAVOURS = {
+    "gpt2": ["model.vocab_size=258"],  # tied head; tp 2: 129 vocabulary rows each
+    "llama": ["model.arch=llama", "model.n_kv_head=2", "model.vocab_size=257"],
+}
+LAYOUTS = {  # name: (ranks, overrides)
+    **{f"pp{p}-{kind}": (p, [f"parallel.pp={p}", f"parallel.schedule={kind}"]
+                         + (["parallel.virtual_stages=2"] if kind == "interleaved" else []))
+       for p in (2, 4) for kind in ("gpipe", "1f1b", "interleaved", "zb1p")},
+    "pp2-tp2-dp2-zero1": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, dataset):  # noqa: F811
+    root = tmp_path_factory.mktemp("pp-reference")
+    return {name: train_run(1, root / name, dataset, *FAST, *BASE, *extra) for name, extra in FLAVOURS.items()}
+
+
+def activation_bytes(micro_batch=2, seq_len=32, d_model=32, itemsize=8) -> int:
+    return micro_batch * seq_len * d_model * itemsize
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_pipeline_matches_single_process(tmp_path, dataset, references, flavour, layout):  # noqa: F811
+    ranks, overrides = LAYOUTS[layout]
+    metrics, params = run = train_run(ranks, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], *overrides)
+    assert_exact(references[flavour], run, f"{flavour} {layout}")
+    assert all(0 < record["bubble"] < 1 for record in metrics), "every logged step measures its bubble"
+    # rank 0 sends each micro-batch's activation forward from each of its chunks (and, interleaved, the input
+    # gradient backward from its chunk 1, a middle stage), and (gpt2) swaps the tied embedding's gradient with the
+    # last stage: the whole embedding unit, its vocabulary rows under tp, its shard under ZeRO
+    p = int(overrides[0].split("=")[1])
+    dp, tp, v = (2, 2, 1) if "tp2" in layout else (1, 1, 2 if "interleaved" in layout else 1)
+    stages = [chunk * p for chunk in range(v)]  # rank 0's virtual stages
+    messages = (8 // (dp * 2)) * sum((stage < p * v - 1) + (stage > 0) for stage in stages)
+    embedding = (-(-258 // tp) * 32 + 32 * 32) // dp * 8 if flavour == "gpt2" else 0
+    for record in metrics:
+        assert record["comm_bytes"]["send"] == messages * activation_bytes() + embedding, record["comm_bytes"]
+
+
+COMPOSITIONS = {  # ZeRO-2 and 3 with split backwards and interleaving; replicated K/V heads reduced in W
+    "pp2-zero2-zb1p": (4, ["parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb1p"], "gpt2"),
+    "pp2-zero3-interleaved": (4, ["parallel.pp=2", "parallel.zero=3", "parallel.schedule=interleaved",
+                                  "parallel.virtual_stages=2"], "gpt2"),
+    "pp2-tp4-sp-zb1p-mqa": (8, ["parallel.pp=2", "parallel.tp=4", "parallel.sequence_parallel=true",
+                                "parallel.schedule=zb1p"], "llama"),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITIONS)
+def test_pipeline_composes_with_zero_and_tensor_parallelism(tmp_path, dataset, references, name):  # noqa: F811
+    ranks, overrides, flavour = COMPOSITIONS[name]
+    run = train_run(ranks, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], *overrides)
+    assert_exact(references[flavour], run, name)
+
+
+def test_zero3_with_a_pipeline_warns_once(tmp_path, dataset):  # noqa: F811
+    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path)]
+    for setting in [f"data.path={dataset}", *FAST, "train.steps=1", "parallel.pp=2", "parallel.zero=3"]:
+        args += ["--set", setting]
+    result = run_mpi(4, args, timeout=120)
+    assert result.returncode == 0, describe(result)
+    assert result.stderr.count("warning: parallel.zero = 3 with parallel.pp = 2") == 1, describe(result)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_stop_and_resume_under_a_pipeline_is_bitwise_the_same_run(tmp_path, dataset, asynchronous):  # noqa: F811
+    settings = ["checkpoint.every=2", "model.n_layer=4", "train.micro_batch=2", "parallel.pp=2",
+                "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                f"checkpoint.async={str(asynchronous).lower()}"]
+    train(2, tmp_path / "straight", dataset, *settings)
+    train(2, tmp_path / "resumed", dataset, *settings, "train.stop_at=4", expect=PREEMPTED)
+    out = train(2, tmp_path / "resumed", dataset, *settings, resume="auto")
+    assert "checkpoint: resumed from" in out.stdout
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+    a, b = saved_state(tmp_path / "straight"), saved_state(tmp_path / "resumed")
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+    # the last stage's copy of the tied embedding is never written: every tensor is saved exactly once
+    Checkpoint.open(committed_checkpoints(tmp_path / "resumed" / "checkpoints")[-1]).verify_coverage()
+
+
+def test_a_pipelined_run_continues_under_another_layout(tmp_path, dataset):  # noqa: F811
+    settings = ["precision.compute=float64", "model.n_layer=4", "train.micro_batch=2"]
+    train(1, tmp_path / "straight", dataset, *settings)
+    train(4, tmp_path / "moved", dataset, *settings, "parallel.pp=4", "parallel.schedule=zb1p", "train.stop_at=4",
+          expect=PREEMPTED)
+    train(4, tmp_path / "moved", dataset, *settings, "parallel.pp=2", "parallel.tp=2", resume="auto")
+    straight, moved = losses(tmp_path / "straight"), losses(tmp_path / "moved")
+    assert straight.keys() == moved.keys()
+    for step, loss in straight.items():
+        assert abs(moved[step] - loss) <= 1e-10 * abs(loss), step
+
+
+# ---- activation memory -------------------------------------------------------------------------------------------
+MEMORY_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.config import load_config
+from mpitrain.parallel.schedule import make_schedule, peak_activations
+from mpitrain.train import Trainer
+
+world = MPI.COMM_WORLD
+results = {}
+for kind in ("gpipe", "1f1b", "zb1p", "interleaved"):
+    cfg = load_config("configs/tiny.toml", ["data.synthetic=true", "logging.peak_flops=1e9", "model.n_layer=8",
+                                            "precision.compute=float64", "train.micro_batch=1", "train.global_batch=8",
+                                            f"parallel.pp={world.size}", f"parallel.schedule={kind}",
+                                            f"parallel.virtual_stages={2 if kind == 'interleaved' else 1}"])
+    trainer = Trainer(cfg, world)
+    trainer.train_step(0)
+    pipeline = trainer.pipeline
+    gathered = world.gather([pipeline.activation_peak_bytes, pipeline.saved_bytes_per_micro_batch], root=0)
+    if world.rank == 0:
+        results[kind] = {"peak": [g[0] for g in gathered], "per_chunk": [g[1] for g in gathered],
+                         "schedule": peak_activations(make_schedule(kind, world.size, 8, pipeline.v))}
+if world.rank == 0:
+    print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def memory():
+    result = run_python_mpi(4, MEMORY_JOB, timeout=120)
+    assert result.returncode == 0, describe(result)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_1f1b_holds_p_micro_batches_on_the_first_stage_where_gpipe_holds_m(memory):
+    p, m = 4, 8
+    for rank in range(p):
+        gpipe, one_f_one_b = memory["gpipe"], memory["1f1b"]
+        micro_batch = gpipe["per_chunk"][rank][0]  # one micro-batch's saved state on this stage
+        assert gpipe["peak"][rank] == m * micro_batch, (rank, gpipe)
+        assert one_f_one_b["peak"][rank] == (p - rank) * micro_batch, (rank, one_f_one_b)
+    first = memory["1f1b"]["per_chunk"][0][0]
+    assert memory["1f1b"]["peak"][0] / first == p and memory["gpipe"]["peak"][0] / first == m
+
+
+def test_zb1p_holds_what_1f1b_does_counting_the_deferred_weight_gradients(memory):
+    """W keeps its matmuls' inputs and output gradients until it runs: counted. On the first stage B and W run
+    back to back (peak p micro-batches, as 1F1B); the last stage, whose W's lag p-1 steps, stays below p."""
+    p, zb1p = 4, memory["zb1p"]
+    for rank in range(p):
+        micro_batch = zb1p["per_chunk"][rank][0]
+        assert zb1p["peak"][rank] <= p * micro_batch, (rank, zb1p)
+    assert zb1p["peak"][0] == memory["1f1b"]["peak"][0]
+    assert zb1p["peak"][p - 1] > memory["1f1b"]["peak"][p - 1]  # the deferred W's really are counted
+
+
+def test_interleaved_holds_what_its_schedule_says(memory):
+    """(micro-batch, chunk) pairs in flight, each half a stage's worth: the schedule's count, measured."""
+    interleaved = memory["interleaved"]
+    for rank in (1, 2):  # middle ranks: both chunks hold blocks only, so every pair weighs the same
+        per_pair = interleaved["per_chunk"][rank][0]
+        assert interleaved["per_chunk"][rank][1] == per_pair
+        assert interleaved["peak"][rank] == interleaved["schedule"][rank] * per_pair, (rank, interleaved)
+
+
+# ---- the bubble, measured ----------------------------------------------------------------------------------------
+BUBBLE_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.config import load_config
+from mpitrain.train import Trainer
+
+world = MPI.COMM_WORLD
+results = []
+for kind, m in (("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("zb1p", 4), ("interleaved", 4)):
+    # compute-dominated: 4 blocks of width 384 per stage, a tiny vocabulary (a light head: balanced stages), float32
+    cfg = load_config("configs/tiny.toml", [
+        "data.synthetic=true", "logging.peak_flops=1e9", "model.n_layer=8", "model.d_model=384", "model.n_head=6",
+        "model.vocab_size=32", "model.seq_len=64", "train.micro_batch=4", f"train.global_batch={4 * m}",
+        "parallel.pp=2", f"parallel.schedule={kind}", f"parallel.virtual_stages={2 if kind == 'interleaved' else 1}"])
+    trainer = Trainer(cfg, world)
+    bubbles = [trainer.train_step(step, measure_bubble=True).bubble for step in range(5)]
+    if world.rank == 0:  # the best step after the first: noise (a core busy elsewhere) only adds idle time
+        results.append({"kind": kind, "m": m, "bubble": min(bubbles[1:]), "steps": bubbles})
+if world.rank == 0:
+    print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bubbles():
+    result = run_python_mpi(2, BUBBLE_JOB, timeout=180)
+    assert result.returncode == 0, describe(result)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    return {(r["kind"], r["m"]): r["bubble"] for r in json.loads(line[len("RESULTS "):])}
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_measured_1f1b_bubble_is_the_formula(bubbles, m):
+    """Idle time within the step over p x the step (from the first compute to the last, all ranks), measured."""
+    p = 2
+    theory = (p - 1) / (m + p - 1)
+    assert abs(bubbles["1f1b", m] - theory) <= 0.15 * theory, (m, bubbles["1f1b", m], theory)
+
+
+@pytest.mark.parametrize("kind", ["zb1p", "interleaved"])
+def test_zb1p_and_interleaved_bubbles_are_measurably_smaller(bubbles, kind):
+    assert bubbles[kind, 4] < 0.8 * bubbles["1f1b", 4], bubbles
+
+
+# ---- without MPI: the layer split, the split backward, the model's units, the errors ------------------------------
+def test_every_unit_lands_on_exactly_one_stage():
+    for n_layer, p, v, override in [(8, 2, 1, ()), (7, 2, 1, ()), (8, 4, 2, ()), (5, 1, 3, ()), (6, 2, 1, (1, 5))]:
+        seen = []
+        for rank in range(p):
+            chunks = rank_stages(n_layer, p, v, rank, override)
+            assert len(chunks) == v
+            seen += [(chunk * p + rank, first, end) for chunk, (first, end) in enumerate(chunks)]
+        seen.sort()
+        assert seen[0][1] == 0 and seen[-1][2] == n_layer + 2  # embedding first, head last
+        assert all(a[2] == b[1] for a, b in zip(seen, seen[1:])), seen  # contiguous, no gaps, no overlap
+        layers = [end - first - (s == 0) - (s == p * v - 1) for s, first, end in seen]
+        assert layers == stage_layer_counts(n_layer, p * v, override)
+    assert stage_layer_counts(7, 2) == [4, 3]  # the remainder on the first stages (the last holds the head)
+
+
+def test_stage_models_hold_their_units_and_the_tied_copy():
+    backend = make_backend("cpu", "float64")
+    for arch in ("gpt2", "llama"):
+        cfg = load_config(REPO_ROOT / "configs/tiny.toml", ["model.n_layer=4", f"model.arch={arch}"]).model
+        whole = GPT(cfg, backend)
+        names = []
+        for rank in range(2):
+            stage = GPT(cfg, backend, stages=rank_stages(4, 2, 1, rank))
+            assert stage.n_params == whole.n_params
+            names += [layout.name for layout in stage.layouts]
+            if arch == "gpt2" and rank == 1:
+                assert stage.layouts[-1].name == "embed" and stage.tied_copies == ("embed.wte", "embed.wpe")
+            else:
+                assert stage.tied_copies == ()
+        copies = 1 if arch == "gpt2" else 0
+        assert sorted(names) == sorted([layout.name for layout in whole.layouts] + ["embed"] * copies)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_split_backward_gives_the_full_backward(arch):
+    """B then W (zb1p) computes the same input and weight gradients as one backward; B alone leaves the matmuls."""
+    backend = make_backend("cpu", "float64")
+    extra = ["model.n_kv_head=2"] if arch == "llama" else []
+    cfg = load_config(REPO_ROOT / "configs/tiny.toml", [f"model.arch={arch}", *extra]).model
+    model = GPT(cfg, backend)
+    rng = np.random.default_rng(0)
+    tokens, targets = rng.integers(0, 256, (2, 32)), rng.integers(0, 256, (2, 32))
+    grads = []
+    for split in (False, True):
+        state = ReplicatedState(model.layouts, backend, seed=3)
+        _, saved = model.forward(state, tokens.copy(), targets)
+        deferred = {} if split else None
+        model.backward(state, saved, 1.0 / tokens.size, deferred=deferred)
+        if split:
+            assert sum(len(work) for work in deferred.values()) == cfg.n_layer * (6 if arch == "gpt2" else 7) + 1
+            assert not np.any(state.grads.views[1]["wq"])  # not computed yet
+            model.backward_weight(state, deferred)
+        grads.append(state.grads.data.copy())
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-12, atol=1e-15)
+
+
+def one_line_error(overrides, world_size=1):
+    with pytest.raises(ConfigError) as info:
+        resolve_layout(load_config(REPO_ROOT / "configs/tiny.toml", overrides), world_size)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.pp=4"], 4, "model.n_layer = 2 is fewer than the 4 pipeline stages"),
+    (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"], 2,
+     "model.n_layer = 2 is fewer than the 4 pipeline stages (parallel.pp * parallel.virtual_stages = 2 * 2)"),
+    (["model.n_layer=8", "parallel.pp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"], 4,
+     "the interleaved schedule needs the micro-batches per step (2 = train.global_batch / (parallel.dp * "
+     "train.micro_batch)) to be a multiple of parallel.pp = 4"),
+    (["model.n_layer=4", "parallel.pp=2", "parallel.virtual_stages=2"], 2,
+     "parallel.virtual_stages = 2 needs parallel.schedule = 'interleaved'"),
+    (["model.n_layer=4", "parallel.pp=2", "parallel.stage_layers=[1, 2]"], 2,
+     "parallel.stage_layers = [1, 2] sums to 3"),
+    (["model.n_layer=4", "parallel.pp=2", "parallel.stage_layers=[4]"], 2, "parallel.stage_layers has 1 entries"),
+    (["model.n_layer=4", "parallel.pp=2", "parallel.stage_layers=[4, 0]"], 2,
+     "parallel.stage_layers = [4, 0] leaves a stage without layers"),
+    (["parallel.stage_layers=[1.5, 0.5]"], 1, "config key parallel.stage_layers must be a list of integers"),
+    (["parallel.pp=2", "parallel.microbatches=3"], 2, "parallel.microbatches = 3 does not match"),
+    (["parallel.schedule=pipedream"], 1, "config key parallel.schedule = 'pipedream' is not allowed"),
+])
+def test_pipeline_errors_are_one_clear_line(overrides, world, message):
+    assert one_line_error(overrides, world).startswith(message)
+
+
+def test_agreeing_microbatches_and_uneven_stages_are_accepted():
+    cfg = load_config(REPO_ROOT / "configs/tiny.toml", ["model.n_layer=4", "parallel.pp=2", "parallel.microbatches=2",
+                                                         "parallel.stage_layers=[1, 3]"])
+    resolve_layout(cfg, 2)
+    assert rank_stages(4, 2, 1, 1, cfg.parallel.stage_layers) == [(2, 6)]
+
+
+def test_a_bad_pipeline_fails_fast_on_every_rank(tmp_path):
+    result = run_mpi(2, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path), "--set",
+                         "parallel.pp=2", "--set", "model.n_layer=1"], timeout=60)
+    assert result.returncode != 0, describe(result)
+    assert "model.n_layer = 1 is fewer than the 2 pipeline stages" in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr, describe(result)
