@@ -209,6 +209,10 @@ def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes
         os.kill(rng.choice(pids), signal.SIGKILL)
         try:
             process.wait(timeout=60)
+            deadline = time.time() + 30  # mpiexec may return while the other rank is still being taken down
+            while _rank_pids(str(run_dir)) and time.time() < deadline:
+                time.sleep(0.1)
+            assert not _rank_pids(str(run_dir)), f"attempt {attempt}: ranks outlived the job"
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             pytest.fail(f"attempt {attempt}: the job hung after a rank was killed")

@@ -82,12 +82,15 @@ def test_commit_makes_it_visible_and_latest_points_to_it(tmp_path):
 def test_uncommitted_directories_are_ignored_and_cleaned(tmp_path):
     final = save(tmp_path, split_layout(1, 1, 1))
     (tmp_path / "step_00000009.partial").mkdir()
+    deleting = tmp_path / "step_00000005.deleting"  # a pruning interrupted half-way: marker still inside
+    deleting.mkdir()
+    (deleting / "COMMITTED").write_text("step 5\n")
     (tmp_path / "step_00000010").mkdir()  # a step directory without its marker is not a checkpoint either
     assert committed_checkpoints(tmp_path) == [final]
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         Checkpoint.open(tmp_path / "step_00000010")
     removed = clean(tmp_path, keep=3)
-    assert {p.name for p in removed} == {"step_00000009.partial", "step_00000010"}
+    assert {p.name for p in removed} == {"step_00000009.partial", "step_00000010", "step_00000005.deleting"}
 
 
 def test_clean_keeps_the_newest_committed(tmp_path):

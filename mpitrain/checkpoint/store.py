@@ -107,18 +107,24 @@ def committed_checkpoints(directory: Path) -> list[Path]:
 
 def clean(directory: Path, keep: int) -> list[Path]:
     """Remove leftover uncommitted directories and all but the `keep` newest committed checkpoints (never the
-    newest). Returns what was removed."""
+    newest). Returns what was removed.
+
+    A committed checkpoint is first renamed to `step_X.deleting` (atomic), then deleted: a crash in the middle of
+    the deletion must not leave a directory that still looks committed but misses files."""
     removed = []
     if not directory.is_dir():
         return removed
     for path in directory.iterdir():
-        if path.is_dir() and (path.name.endswith(".partial") or (STEP_DIR.match(path.name) and
-                                                               not (path / MARKER).is_file())):
+        leftover = path.name.endswith((".partial", ".deleting")) or (STEP_DIR.match(path.name) and
+                                                                      not (path / MARKER).is_file())
+        if path.is_dir() and leftover:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     committed = committed_checkpoints(directory)
     for path in committed[:-max(1, keep)] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path.with_name(path.name + ".deleting")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
 
