@@ -214,7 +214,9 @@ def memory(config, overrides, world_size):
     resolve_layout(cfg, world_size)
     n_params = rank_param_count(cfg)
     report = memory_report(cfg, n_params)
-    where = f" (this rank's 1/{cfg.parallel.tp} tensor-parallel share)" if cfg.parallel.tp > 1 else ""
+    shares = [f"its 1/{cfg.parallel.tp} tensor-parallel share"] if cfg.parallel.tp > 1 else []
+    shares += ["of the first pipeline stage"] if cfg.parallel.pp > 1 else []
+    where = f" (this rank's: {', '.join(shares)})" if shares else ""
     click.echo(f"{config}: {n_params:,} parameters (Psi){where}, ZeRO-{cfg.parallel.zero}, dp N = {cfg.parallel.dp}, "
                f"{cfg.precision.compute} (e = {report['e']} bytes), micro-batch {cfg.train.micro_batch} x "
                f"{cfg.model.seq_len} tokens; per rank:")
@@ -291,13 +293,14 @@ def bench_step(config, overrides, steps, warmup, real_data):
         overrides.append(f"train.steps={warmup + steps}")
         cfg = load_config(config, overrides)
         trainer = Trainer(cfg, comm)
-        times, tp_seconds = [], []
+        times, tp_seconds, bubbles = [], [], []
         for step in range(warmup + steps):
             trainer.model.tp.reset_timers()
-            result = trainer.train_step(step)
+            result = trainer.train_step(step, measure_bubble=step >= warmup)
             if step >= warmup:
                 times.append(result.seconds)
                 tp_seconds.append(sum(trainer.model.tp.seconds.values()))
+                bubbles.append(result.bubble)
         step_time = statistics.median(times)
         tokens_per_s = trainer.tokens_per_step / step_time
         report = {"config": config, "world_size": comm.Get_size(), "step_time_s": step_time,
@@ -306,6 +309,7 @@ def bench_step(config, overrides, steps, warmup, real_data):
                   "peak_flops": trainer.cluster_peak_flops, "model_flops_per_token": trainer.model.flops_per_token(),
                   "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS"),
                   "tp_comm_share": statistics.median(tp_seconds) / step_time,
+                  "pipeline_bubble": statistics.median(bubbles) if None not in bubbles else None,
                   "comm_bytes_per_step": result.comm_bytes}
         if comm.Get_rank() == 0:
             click.echo(json.dumps(report))

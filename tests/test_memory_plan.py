@@ -51,3 +51,27 @@ def test_memory_command_prints_the_formulas():
                           "parallel.zero=3"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     assert "e*Psi/N" in out.stdout and "2e*Psi/N" in out.stdout and "activations" in out.stdout
+
+
+PIPELINE_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.config import load_config
+from mpitrain.plan.memory import activation_bytes
+from mpitrain.train import Trainer
+cfg = load_config("configs/tiny.toml", OVERRIDES)
+trainer = Trainer(cfg, MPI.COMM_WORLD)
+trainer.train_step(0)
+if MPI.COMM_WORLD.rank == 0:
+    print(json.dumps({"measured": trainer.pipeline.activation_peak_bytes, "estimated": activation_bytes(cfg)}))
+"""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_activation_estimate_is_the_first_stage_peak(schedule):
+    overrides = ["data.synthetic=true", "logging.peak_flops=1e9", "parallel.pp=2", "model.n_layer=4",
+                 "train.micro_batch=1", f"parallel.schedule={schedule}"]
+    result = run_python_mpi(2, PIPELINE_JOB.replace("OVERRIDES", repr(overrides)), timeout=120)
+    assert result.returncode == 0, describe(result)
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert abs(numbers["estimated"] - numbers["measured"]) <= 0.05 * numbers["measured"], numbers

@@ -108,6 +108,11 @@ class ReplicatedState:
         return tuple(squared_sum(self.grads.data, self.grads.ranges(lambda spec, r=replicated: spec.tp_replicated == r))
                      for replicated in (False, True))
 
+    def reduced_grad_window(self, unit: int):
+        """(geometry, (start, end) in it, values): the reduced gradient of `unit` this rank holds after finish()."""
+        start, end = self.grads.unit_range(unit)
+        return self.grads, (start, end), self.grads.data[start:end]
+
     def optimizer_segments(self) -> list[Segment]:
         return [Segment(self.params.data, self.grads.data, self.params.ranges(lambda spec: spec.decay))]
 

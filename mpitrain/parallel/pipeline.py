@@ -117,21 +117,10 @@ class StepGradients:
             self.state.unit_done(unit)
 
 
-def _gradient_window(state, unit: int):
-    """(geometry, (start, end) in it, values): the reduced gradient of `unit` that this rank holds after finish():
-    all of it (data parallelism) or its ZeRO shard. Equal layouts give equal windows on every stage."""
-    if state.sharded:
-        start = state.geometry.unit_range(unit)[0] + state.group.rank * state.shard_sizes[unit]
-        values = state.grad_shard[state.shard_offsets[unit]:state.shard_offsets[unit + 1]]
-        return state.geometry, (start, start + state.shard_sizes[unit]), values
-    start, end = state.grads.unit_range(unit)
-    return state.grads, (start, end), state.grads.data[start:end]
-
-
 def unit_grad_squares(state, unit: int) -> tuple[float, float]:
     """The (tensor-parallel-sharded, replicated) sums of squares of `unit`'s gradient that state.grad_sq_sums()
     counts for it (summed over the dp group under ZeRO, as there)."""
-    geometry, window, values = _gradient_window(state, unit)
+    geometry, window, values = state.reduced_grad_window(unit)
     sums = []
     for replicated in (False, True):
         ranges = intersect(geometry.ranges(lambda spec, r=replicated: spec.tp_replicated == r), *window)
@@ -314,7 +303,7 @@ class PipelineExecutor:
         same update. Bytes: the embedding unit's gradient (this rank's ZeRO shard of it), each way."""
         if self.tied_peer is None:
             return
-        _, _, mine = _gradient_window(self.state, self.model.tied_unit)
+        _, _, mine = self.state.reduced_grad_window(self.model.tied_unit)
         theirs = np.empty_like(mine)
         receive = self.group.irecv(theirs, source=self.tied_peer, tag=TAGS["tied"])
         self.group.send(np.ascontiguousarray(mine), dest=self.tied_peer, tag=TAGS["tied"])

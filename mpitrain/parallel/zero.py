@@ -158,6 +158,10 @@ class ZeroState:
             sums.append(self.group.all_reduce_scalar(local))
         return tuple(sums)
 
+    def reduced_grad_window(self, unit: int):
+        """(geometry, (start, end) in it, values): this rank's reduced shard of `unit`'s gradient after finish()."""
+        return self.geometry, self._window(unit), self._shard(self.grad_shard, unit)
+
     def optimizer_segments(self) -> list[Segment]:
         decay = self.geometry.ranges(lambda spec: spec.decay)
         return [Segment(self._param_shard(u), self._shard(self.grad_shard, u), intersect(decay, *self._window(u)))

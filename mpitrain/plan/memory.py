@@ -60,18 +60,31 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
     vocab = -(-m.vocab_size // tp)
     head = (bt * c + bt) // norm_share + bt * c + bt * vocab  # final norm, its output, softmax probabilities
     rope = t * m.head_dim if m.arch == "llama" else 0  # cos and sin tables, shared by all blocks
-    token_ids = 2 * bt * 8  # int64 inputs (embedding) and targets (loss)
-    return int(e * (m.n_layer * per_block + head + rope) + token_ids)
+    if p.pp == 1:
+        return int(e * (m.n_layer * per_block + head + rope) + 2 * bt * 8)  # + int64 token ids and targets
+    # with a pipeline: the first stage, which holds the most micro-batches at once (1F1B: p; GPipe: m)
+    from mpitrain.parallel.pipeline import rank_stages
+    from mpitrain.parallel.schedule import make_schedule, peak_activations
+    chunks = rank_stages(m.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
+    blocks = sum(min(end, m.n_layer + 1) - max(first, 1) for first, end in chunks)
+    has_head = any(end == m.n_layer + 2 for _, end in chunks)
+    per_micro_batch = e * (blocks * per_block + has_head * head) + bt * 8 * (1 + has_head)
+    micro_batches = cfg.train.global_batch // (p.dp * b)
+    in_flight = peak_activations(make_schedule(p.schedule, p.pp, micro_batches, p.virtual_stages))[0]
+    return int(per_micro_batch * in_flight / p.virtual_stages + e * rope)
 
 
 def rank_param_count(cfg: Config) -> int:
-    """Parameters one tensor-parallel rank holds (tp rank 0's pieces; vocabulary padding included)."""
+    """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
     from mpitrain.backend import make_backend
     from mpitrain.model.gpt import GPT
+    from mpitrain.parallel.pipeline import rank_stages
     from mpitrain.parallel.tensor import TensorParallel
-    tp = TensorParallel(None, cfg.parallel.sequence_parallel)
-    tp.size = cfg.parallel.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
-    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp)
+    p = cfg.parallel
+    tp = TensorParallel(None, p.sequence_parallel)
+    tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
+    stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
+    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
     return sum(layout.size for layout in model.layouts)
 
 
@@ -82,7 +95,8 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     state = model_state_bytes(n_params, itemsize, p.zero, p.dp)
     activations = activation_bytes(cfg)
     formulas = dict(zip(("params", "grads", "optimizer"), STAGE_FORMULAS[p.zero]))
-    formulas["activations"] = "saved state of one micro-batch (see mpitrain/plan/memory.py)"
+    formulas["activations"] = ("saved state of one micro-batch" if p.pp == 1 else
+                               f"first stage, micro-batches in flight under {p.schedule}") + " (mpitrain/plan/memory.py)"
     rows = {**state, "activations": activations}
     return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
             "total": sum(rows.values())}
