@@ -37,7 +37,7 @@ import numpy as np
 from mpitrain.backend import nbytes_of
 from mpitrain.model.params import intersect
 from mpitrain.parallel.data import squared_sum
-from mpitrain.parallel.schedule import Instruction
+from mpitrain.parallel.schedule import Instruction, forward_only_program
 from mpitrain.profile.timeline import Timeline
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
@@ -66,21 +66,6 @@ def rank_stages(n_layer: int, pp: int, virtual_stages: int, pp_rank: int, overri
         end = n_layer + 2 if stage == stages - 1 else 1 + bounds[stage + 1]
         chunks.append((first, end))
     return chunks
-
-
-def forward_only_program(rank: int, p: int, v: int, m: int) -> list[Instruction]:
-    """Validation: every micro-batch through each chunk in turn, no backward. Sends never block, so this cannot
-    deadlock, and each channel carries its micro-batches in order."""
-    program = []
-    for chunk in range(v):
-        stage = chunk * p + rank
-        for micro in range(m):
-            if stage > 0:
-                program.append(Instruction("recv_forward", micro, chunk, peer=(rank - 1) % p))
-            program.append(Instruction("forward", micro, chunk))
-            if stage < v * p - 1:
-                program.append(Instruction("send_forward", micro, chunk, peer=(rank + 1) % p))
-    return program
 
 
 # ------------------------------------------------------------------------------------------------ gradients

@@ -112,6 +112,12 @@ def _forward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0) -> list[
     return steps
 
 
+def forward_only_program(rank: int, p: int, v: int, m: int) -> list[Instruction]:
+    """Validation: every micro-batch through each chunk in turn, no backward. Sends never block, so this cannot
+    deadlock, and each channel carries its micro-batches in order."""
+    return [step for chunk in range(v) for micro in range(m) for step in _forward(rank, micro, p, v, chunk)]
+
+
 def _backward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0, op: str = "backward") -> list[Instruction]:
     """Full backward, or with op="backward_input" the B of zb1p: both receive dy and send dx."""
     stage = chunk * p + rank
