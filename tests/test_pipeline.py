@@ -206,8 +206,9 @@ for kind, m in (("1f1b", 2), ("1f1b", 4), ("1f1b", 8), ("zb1p", 4), ("interleave
         "model.vocab_size=32", "model.seq_len=64", "train.micro_batch=4", f"train.global_batch={4 * m}",
         "parallel.pp=2", f"parallel.schedule={kind}", f"parallel.virtual_stages={2 if kind == 'interleaved' else 1}"])
     trainer = Trainer(cfg, world)
-    bubbles = [trainer.train_step(step, measure_bubble=True).bubble for step in range(5)]
-    if world.rank == 0:  # the best step after the first: noise (a core busy elsewhere) only adds idle time
+    bubbles = [trainer.train_step(step, measure_bubble=True).bubble for step in range(8)]
+    if world.rank == 0:  # the best step after the first: noise (a core busy elsewhere) only adds idle time, and on
+        # 2 shared cores one disturbed step in four was seen to push m = 8 past the 15% bound (0.129 vs 0.111)
         results.append({"kind": kind, "m": m, "bubble": min(bubbles[1:]), "steps": bubbles})
 if world.rank == 0:
     print("RESULTS " + json.dumps(results))

@@ -78,16 +78,19 @@ class StepGradients:
     start of the step, that it is in its last micro-batch, and `unit_done` reaches it only at a unit's m-th backward.
     ZeRO-2/3 reduce-scatter every micro-batch's gradient (and free it), so they hear every `unit_done`."""
 
-    def __init__(self, state, micro_batches: int):
+    def __init__(self, state, micro_batches: int, progress=None):
         self.state, self.micro_batches = state, micro_batches
         self.every_micro_batch = getattr(state, "stage", 0) >= 2
         self.backwards: Counter = Counter()
+        self.progress = progress  # called at every unit: drives MPI progress of the pipeline's transfers
 
     def begin_step(self) -> None:
         self.backwards.clear()
         self.state.begin_micro_batch(last=True)
 
     def acquire(self, unit: int, phase: str) -> dict:
+        if self.progress is not None:
+            self.progress()
         return self.state.acquire(unit, phase)
 
     def release(self, unit: int, phase: str) -> None:
@@ -129,7 +132,7 @@ class PipelineExecutor:
         self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
         self.last_stage = self.p * self.v - 1
         self.shape, self.backend = tuple(activation_shape), backend
-        self.gradients = StepGradients(state, micro_batches)
+        self.gradients = StepGradients(state, micro_batches, progress=self._progress)
         self.timeline = Timeline(rank=self.rank)
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
         self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
@@ -199,6 +202,14 @@ class PipelineExecutor:
         return nbytes
 
     # -- point to point
+    def _progress(self) -> None:
+        """Test the transfers in flight. Large messages move in pieces that need both sides inside MPI; without
+        this, a transfer waits until the peer finishes its whole forward or backward (measured at pp = 2, m = 8: steps 0.12-0.14 bubble before, 0.114-0.125 after; formula 0.111)."""
+        for _, _, handle in getattr(self, "_posted", {}).values():
+            handle.test()
+        for handle in getattr(self, "_sends", ()):
+            handle.test()
+
     def _post_receive(self, channel) -> None:
         queue = self._receives[channel]
         if queue:
