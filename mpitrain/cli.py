@@ -83,8 +83,28 @@ def train(config, overrides, run_dir, resume):
     with abort_on_error(comm):
         cfg = load_config(config, overrides)
         out = Path(run_dir) if run_dir else default_run_dir(config)
+        warn_unset_threads(comm)
         status = run_training(cfg, comm, out, echo=lambda text: click.echo(text), resume=resume)
     sys.exit(status)
+
+
+def warn_unset_threads(comm) -> None:
+    """Several ranks on one machine each start as many BLAS threads as there are cores unless told otherwise:
+    N ranks then fight over the cores (often several times slower). `mpitrain launch` sets the threads; say so."""
+    local = comm.Split_type(split_type=_mpi_shared_type(), key=comm.Get_rank()) if comm.Get_size() > 1 else None
+    ranks_here = local.Get_size() if local is not None else 1
+    if local is not None:
+        local.Free()
+    if comm.Get_rank() == 0 and ranks_here > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        click.echo(f"warning: OMP_NUM_THREADS is not set, so each of the {ranks_here} ranks on this machine may use "
+                   f"all {cores} cores for BLAS; export OMP_NUM_THREADS={max(1, cores // ranks_here)} or start with "
+                   f"`mpitrain launch -n N`", err=True)
+
+
+def _mpi_shared_type():
+    from mpi4py import MPI
+    return MPI.COMM_TYPE_SHARED
 
 
 # ----------------------------------------------------------------------------- launch

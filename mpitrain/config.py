@@ -172,7 +172,8 @@ def config_from_dict(raw: dict, source: str = "config") -> Config:
     cfg = Config()
     for section_name, section_values in raw.items():
         if section_name not in _section_names():
-            raise ConfigError(f"unknown config section [{section_name}] in {source}; allowed: {', '.join(_section_names())}")
+            raise ConfigError(f"unknown config section [{section_name}] in {source}; "
+                              f"allowed: {', '.join(_section_names())}")
         if not isinstance(section_values, dict):
             raise ConfigError(f"config section [{section_name}] in {source} must be a table of keys")
         section = getattr(cfg, section_name)
@@ -180,7 +181,8 @@ def config_from_dict(raw: dict, source: str = "config") -> Config:
         for key, value in section_values.items():
             full = f"{section_name}.{key}"
             if key not in known:
-                raise ConfigError(f"unknown config key {full} in {source}; allowed in [{section_name}]: {', '.join(sorted(known))}")
+                raise ConfigError(f"unknown config key {full} in {source}; "
+                                  f"allowed in [{section_name}]: {', '.join(sorted(known))}")
             setattr(section, known[key], _coerce(full, value, getattr(section, known[key])))
     return cfg
 
@@ -210,9 +212,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
         source = str(path)
+    given: dict = {}
     for text in overrides:
         section, key, value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+        given.setdefault(section, {})[key] = value
+    config_from_dict(given, "--set")  # a bad override is reported as one, not as the file's
+    for section, values in given.items():
+        raw.setdefault(section, {}).update(values)
     cfg = config_from_dict(raw, source)
     validate(cfg)
     return cfg
@@ -228,7 +234,8 @@ def validate(cfg: Config) -> None:
     for key, allowed in ALLOWED.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        _require(value in allowed, f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+        _require(value in allowed,
+                 f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
     for key, what in NOT_YET.items():
         value = getattr(cfg.parallel, key.split(".")[1])
         _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
@@ -247,7 +254,8 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     _require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     _require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
-    _require(m.n_head % m.kv_heads == 0, f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
+    _require(m.n_head % m.kv_heads == 0,
+             f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
     _require(m.arch == "llama" or m.kv_heads == m.n_head,
              "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
     validate_tensor_parallel(cfg)

@@ -175,7 +175,8 @@ def make_state(cfg: Config, model: GPT, backend, mesh):
 
 def format_log_line(record: dict, total_steps: int) -> str:
     line = (f"step {record['step'] + 1:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"MFU {100 * record['mfu']:.1f}%")
     if "bubble" in record:
         line += f" | bubble {100 * record['bubble']:.1f}%"
     if "val_loss" in record:

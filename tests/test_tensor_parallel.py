@@ -2,8 +2,9 @@
 
 Parity runs the real `mpitrain train` under mpiexec (float64, 10 steps) at tp = 2, 4 and tp = 2 x dp = 2 with every
 ZeRO stage, sequence parallelism on and off, and compares every step's loss and gradient norm and the final weights
-(read from the final checkpoint, assembled from the pieces) with the single process. The vocabularies are not multiples of every t (258,
-257, 259: padded), llama's K/V heads are split (n_kv_head = 2, tp = 2) or replicated (tp = 4; n_kv_head = 1).
+(read from the final checkpoint, assembled from the pieces) with the single process. The vocabularies are not
+multiples of every t (258, 257, 259: padded), llama's K/V heads are split (n_kv_head = 2, tp = 2) or replicated
+(tp = 4; n_kv_head = 1).
 Communication and activation memory are measured on one block in-process under MPI.
 """
 from __future__ import annotations

@@ -115,3 +115,20 @@ def test_single_process_works_without_mpiexec(tmp_path, dataset):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
+
+
+def test_ranks_without_blas_thread_settings_are_warned_about(tmp_path, dataset):
+    import os
+    import subprocess
+
+    from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, find_mpiexec
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside the Python interpreter or on PATH (install the `mpich` wheel)")
+    env = {k: v for k, v in {**os.environ, **OVERSUBSCRIBED_ENV}.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "train", "configs/tiny.toml",
+                             "--out", str(tmp_path), "--set", f"data.path={dataset}", "--set", "train.steps=1"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("OMP_NUM_THREADS is not set") == 1  # once, from rank 0

@@ -95,8 +95,8 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     state = model_state_bytes(n_params, itemsize, p.zero, p.dp)
     activations = activation_bytes(cfg)
     formulas = dict(zip(("params", "grads", "optimizer"), STAGE_FORMULAS[p.zero]))
-    formulas["activations"] = ("saved state of one micro-batch" if p.pp == 1 else
-                               f"first stage, micro-batches in flight under {p.schedule}") + " (mpitrain/plan/memory.py)"
+    in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
+    formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
     rows = {**state, "activations": activations}
     return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
             "total": sum(rows.values())}

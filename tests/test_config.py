@@ -1,0 +1,63 @@
+"""Config loading: defaults, overrides, errors that name the key and where it came from, round trip."""
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from mpitrain.config import config_from_dict, load_config, resolve_layout, to_toml
+from mpitrain.errors import ConfigError
+
+
+def test_overrides_of_one_section_all_apply_and_values_are_toml_literals():
+    cfg = load_config("configs/tiny.toml", ["train.steps=3", "train.log_every=2", "model.arch=llama",
+                                            "optim.lr=1", "checkpoint.async=true", 'train.sample_prompt="x = "'])
+    assert (cfg.train.steps, cfg.train.log_every, cfg.model.arch) == (3, 2, "llama")
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)  # an int where a float is expected
+    assert cfg.checkpoint.async_ is True  # the TOML key is `async`, a Python keyword
+    assert cfg.train.sample_prompt == "x = "
+    assert cfg.model.n_layer == 2  # from the file
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.colour=3"], "unknown config key model.colour in --set"),
+    (["modle.arch=gpt2"], "unknown config section [modle] in --set"),
+    (["train.steps=ten"], "config key train.steps must be int, got str 'ten'"),
+    (["train.steps=true"], "config key train.steps must be int, got bool"),
+    (["model.arch=bert"], "model.arch = 'bert' is not allowed; allowed: 'gpt2', 'llama'"),
+    (["model.n_head=3"], "model.d_model = 32 must be divisible by model.n_head = 3"),
+    (["parallel.cp=2"], "parallel.cp = 2: context parallelism is not implemented yet"),
+    (["optim.lr=-1"], "config key optim.lr must be >= 0"),
+    (["train.steps"], "expected section.key=value"),
+])
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        load_config("configs/tiny.toml", overrides)
+
+
+def test_a_bad_key_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(ConfigError, match=f"unknown config key train.stepz in {path}"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+    path.write_text("[train\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(path)
+
+
+def test_layout_resolution_and_batch_divisibility():
+    cfg = load_config("configs/tiny.toml", ["parallel.tp=2"])
+    resolve_layout(cfg, 4)
+    assert cfg.parallel.dp == 2
+    cfg = load_config("configs/tiny.toml", ["train.global_batch=6"])
+    with pytest.raises(ConfigError, match="train.global_batch = 6 is not divisible"):
+        resolve_layout(cfg, 2)
+
+
+def test_the_resolved_config_round_trips_through_toml():
+    cfg = load_config("configs/quickstart.toml", ["checkpoint.async=true", "parallel.stage_layers=[1, 3]",
+                                                  "parallel.pp=2"])
+    again = config_from_dict(tomllib.loads(to_toml(cfg)))
+    assert again == cfg
