@@ -72,6 +72,16 @@ def run_python_mpi(n: int, code: str, timeout: float = 120, env: dict | None = N
         return run_mpi(n, [str(script)], timeout=timeout, env=env)
 
 
+def run_python_mpi_results(n: int, code: str, timeout: float = 120, env: dict | None = None):
+    """Run `code` on n ranks; it must exit 0 and print one line 'RESULTS <json>' (from one rank). Returns the json."""
+    import json
+    result = run_python_mpi(n, code, timeout=timeout, env=env)
+    assert result.returncode == 0, describe(result)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert len(lines) == 1, describe(result)
+    return json.loads(lines[0][len("RESULTS "):])
+
+
 def describe(result: subprocess.CompletedProcess) -> str:
     """The exit code and output of a job, for assertion messages."""
     return f"exit code {result.returncode}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"

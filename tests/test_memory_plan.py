@@ -1,13 +1,12 @@
 """`mpitrain memory`: the activation estimate against the saved state a tensor-parallel rank really holds."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.mpi_helpers import REPO_ROOT, describe, run_python_mpi
+from tests.mpi_helpers import REPO_ROOT, run_python_mpi_results
 
 JOB = """
 import json, sys
@@ -30,7 +29,7 @@ rng = np.random.default_rng(0)
 tokens = rng.integers(0, 256, (cfg.train.micro_batch, cfg.model.seq_len))
 _, saved = model.forward(state, tokens, tokens)
 if world.rank == 0:
-    print(json.dumps({"measured": nbytes_of(saved), "estimated": activation_bytes(cfg)}))
+    print("RESULTS " + json.dumps({"measured": nbytes_of(saved), "estimated": activation_bytes(cfg)}))
 """
 
 
@@ -40,9 +39,7 @@ if world.rank == 0:
     ["parallel.tp=4", "model.arch=llama", "model.n_kv_head=2"],
 ], ids=["tp2", "tp2-sp", "llama-tp2-sp", "llama-tp4-replicated-kv"])
 def test_activation_estimate_under_tensor_parallelism(overrides):
-    result = run_python_mpi(int(overrides[0][-1]), JOB.replace("sys.argv[1:]", repr(overrides)), timeout=120)
-    assert result.returncode == 0, describe(result)
-    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    numbers = run_python_mpi_results(int(overrides[0][-1]), JOB.replace("sys.argv[1:]", repr(overrides)))
     assert abs(numbers["estimated"] - numbers["measured"]) <= 0.05 * numbers["measured"], numbers
 
 
@@ -63,7 +60,8 @@ cfg = load_config("configs/tiny.toml", OVERRIDES)
 trainer = Trainer(cfg, MPI.COMM_WORLD)
 trainer.train_step(0)
 if MPI.COMM_WORLD.rank == 0:
-    print(json.dumps({"measured": trainer.pipeline.activation_peak_bytes, "estimated": activation_bytes(cfg)}))
+    numbers = {"measured": trainer.pipeline.activation_peak_bytes, "estimated": activation_bytes(cfg)}
+    print("RESULTS " + json.dumps(numbers))
 """
 
 
@@ -71,7 +69,5 @@ if MPI.COMM_WORLD.rank == 0:
 def test_pipeline_activation_estimate_is_the_first_stage_peak(schedule):
     overrides = ["data.synthetic=true", "logging.peak_flops=1e9", "parallel.pp=2", "model.n_layer=4",
                  "train.micro_batch=1", f"parallel.schedule={schedule}"]
-    result = run_python_mpi(2, PIPELINE_JOB.replace("OVERRIDES", repr(overrides)), timeout=120)
-    assert result.returncode == 0, describe(result)
-    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    numbers = run_python_mpi_results(2, PIPELINE_JOB.replace("OVERRIDES", repr(overrides)))
     assert abs(numbers["estimated"] - numbers["measured"]) <= 0.05 * numbers["measured"], numbers

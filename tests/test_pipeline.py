@@ -9,8 +9,6 @@ config errors are tested without MPI.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,7 @@ from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.parallel.data import ReplicatedState
 from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
-from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi
+from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
 from tests.test_checkpoint import PREEMPTED, losses, saved_state, train
 from tests.test_tensor_parallel import assert_exact
 from tests.test_train_parity import dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
@@ -153,10 +151,7 @@ if world.rank == 0:
 
 @pytest.fixture(scope="module")
 def memory():
-    result = run_python_mpi(4, MEMORY_JOB, timeout=120)
-    assert result.returncode == 0, describe(result)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_python_mpi_results(4, MEMORY_JOB, timeout=120)
 
 
 def test_1f1b_holds_p_micro_batches_on_the_first_stage_where_gpipe_holds_m(memory):
@@ -217,10 +212,7 @@ if world.rank == 0:
 
 @pytest.fixture(scope="module")
 def bubbles():
-    result = run_python_mpi(2, BUBBLE_JOB, timeout=180)
-    assert result.returncode == 0, describe(result)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
-    return {(r["kind"], r["m"]): r["bubble"] for r in json.loads(line[len("RESULTS "):])}
+    return {(r["kind"], r["m"]): r["bubble"] for r in run_python_mpi_results(2, BUBBLE_JOB, timeout=180)}
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])

@@ -9,14 +9,12 @@ Communication and activation memory are measured on one block in-process under M
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi
+from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
 from tests.test_train_parity import dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
 
 RTOL = 1e-10
@@ -126,10 +124,7 @@ if world.rank == 0:
 
 @pytest.fixture(scope="module")
 def block_results():
-    result = run_python_mpi(4, BLOCK_JOB, timeout=120)
-    assert result.returncode == 0, describe(result)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_python_mpi_results(4, BLOCK_JOB, timeout=120)
 
 
 def test_block_communication_is_four_all_reduces_of_the_activations(block_results):

@@ -1,8 +1,6 @@
 """ZeRO-1/2/3: exact against one process, and state memory and traffic as the formulas say."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -11,7 +9,7 @@ from mpitrain.config import load_config
 from mpitrain.model.gpt import GPT
 from mpitrain.parallel.data import ReplicatedState
 from mpitrain.plan.memory import activation_bytes
-from tests.mpi_helpers import describe, run_python_mpi
+from tests.mpi_helpers import run_python_mpi_results
 from tests.test_train_parity import assert_same_run, dataset, train_run  # noqa: F401 (fixture)
 
 # 3 heads of 10 and a 259-token vocabulary: a parameter count that neither 4 nor (for some units) 4 divides.
@@ -78,7 +76,7 @@ for stage in (0, 1, 2, 3):
     held = state.memory()
     out[stage] = {**held, "optimizer": optimizer.state_nbytes(), "psi": model.n_params}
 if world.rank == world.size - 1:
-    print(json.dumps(out))
+    print("RESULTS " + json.dumps(out))
 """
 
 
@@ -86,9 +84,7 @@ if world.rank == world.size - 1:
 def test_state_memory_per_rank_falls_as_the_formulas_say(n):
     """Bytes of the arrays a rank really holds, against 16 Psi (ZeRO-0), 8 Psi + 12 Psi/N (ZeRO-1: params, full and
     sharded grads, moments), 4 Psi + 12 Psi/N (ZeRO-2) and 16 Psi/N (ZeRO-3) at float32."""
-    result = run_python_mpi(n, MEMORY_JOB, timeout=120)
-    assert result.returncode == 0, describe(result)
-    measured = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    measured = {int(k): v for k, v in run_python_mpi_results(n, MEMORY_JOB, timeout=120).items()}
     psi = measured[0]["psi"]
     expected_total = {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
     padding = 4 * 4 * n * (4 + 2)  # at most n-1 padding elements per unit, 6 units, in 4 arrays of 4 bytes
