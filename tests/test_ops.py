@@ -1,4 +1,6 @@
-"""Gradient checks of every forward/backward pair in mpitrain.model.ops, against central finite differences.
+"""Gradient checks of every forward/backward pair the model runs, against central finite differences: the ops of
+mpitrain.model.ops and, with one rank (their serial form), the linear, embedding and loss ops of
+mpitrain.parallel.tensor.
 
 Each case is an op with its differentiable inputs (whose gradients backward returns) and its parameters (whose
 gradients backward ADDS into given arrays). The scalar checked is a random projection of the outputs,
@@ -15,6 +17,9 @@ import pytest
 
 from mpitrain.backend import nbytes_of
 from mpitrain.model import ops
+from mpitrain.parallel import tensor
+
+ONE_RANK = tensor.TensorParallel(None)
 
 FD_STEP = 1e-5
 RTOL = 1e-6
@@ -41,7 +46,18 @@ def linear_case(rng, bias, lead):
     return OpCase(
         {"x": rng.normal(size=(*lead, 5))}, params,
         lambda i, p: _one(ops.linear_forward(i["x"], p["w"], p.get("b"))),
-        lambda s, i, p, dys, g: (ops.linear_backward(s, p["w"], dys[0], g["w"], g.get("b")),))
+        lambda s, i, p, dys, g: (tensor.column_parallel_backward(ONE_RANK, s, [p["w"]], [dys[0]], [g["w"]],
+                                                                 [g.get("b")]),))
+
+
+def row_parallel_case(rng, bias):
+    params = {"w": rng.normal(size=(5, 4))}
+    if bias:
+        params["b"] = rng.normal(size=4)
+    return OpCase(
+        {"x": rng.normal(size=(2, 3, 5))}, params,
+        lambda i, p: ((tensor.row_parallel_forward(ONE_RANK, i["x"], p["w"], p.get("b")),), i["x"]),
+        lambda s, i, p, dys, g: (tensor.row_parallel_backward(ONE_RANK, s, p["w"], dys[0], g["w"], g.get("b")),))
 
 
 def layernorm_case(rng):
@@ -78,11 +94,12 @@ def embedding_case(rng):
     ids = np.array([[0, 3, 3, 6], [6, 1, 3, 0]])  # repeated ids: their gradients must add up, not overwrite
 
     def backward(saved, inputs, params, dys, grads):
-        assert ops.embedding_backward(saved, dys[0], grads["table"]) is None
+        tensor.vocab_parallel_embedding_backward(ONE_RANK, saved, dys[0], grads["table"])
         return ()  # token ids have no gradient
 
     return OpCase({}, {"table": rng.normal(size=(7, 5))},
-                  lambda i, p: _one(ops.embedding_forward(p["table"], ids)), backward)
+                  lambda i, p: _one(tensor.vocab_parallel_embedding_forward(ONE_RANK, p["table"], ids.copy(), 0)),
+                  backward)
 
 
 def rope_case(rng, positions):
@@ -110,8 +127,8 @@ def cross_entropy_case(rng):
     targets = rng.integers(0, 6, size=(2, 3))
     return OpCase(
         {"logits": 2.0 * rng.normal(size=(2, 3, 6))}, {},
-        lambda i, p: _one(ops.cross_entropy_forward(i["logits"], targets)),
-        lambda s, i, p, dys, g: (ops.cross_entropy_backward(s, dys[0]),))
+        lambda i, p: _one(tensor.vocab_parallel_cross_entropy_forward(ONE_RANK, i["logits"], targets, 0)),
+        lambda s, i, p, dys, g: (tensor.vocab_parallel_cross_entropy_backward(s, dys[0]),))
 
 
 def _one(result):
@@ -124,6 +141,8 @@ CASES = {
     "linear-bias-3d": lambda rng: linear_case(rng, True, (2, 3)),
     "linear-bias-2d": lambda rng: linear_case(rng, True, (4,)),
     "linear-nobias-3d": lambda rng: linear_case(rng, False, (2, 3)),
+    "row-parallel-linear-bias": lambda rng: row_parallel_case(rng, True),
+    "row-parallel-linear-nobias": lambda rng: row_parallel_case(rng, False),
     "layernorm": layernorm_case,
     "rmsnorm": rmsnorm_case,
     "gelu": gelu_case,
@@ -305,7 +324,7 @@ def test_rope_is_the_rotate_half_rotation():
 def test_cross_entropy_forward_is_summed_negative_log_likelihood():
     rng = np.random.default_rng(5)
     logits, targets = 30.0 * rng.normal(size=(2, 3, 7)), rng.integers(0, 7, size=(2, 3))
-    loss_sum, _ = ops.cross_entropy_forward(logits, targets)
+    loss_sum, _ = tensor.vocab_parallel_cross_entropy_forward(ONE_RANK, logits, targets, 0)
     rows = logits.reshape(-1, 7)
     m = rows.max(axis=1)
     logz = m + np.log(np.exp(rows - m[:, None]).sum(axis=1))

@@ -3,7 +3,9 @@
 Convention (design decision 1): `y, saved = op_forward(..., x)` returns the output and exactly what backward needs;
 `dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the given arrays in
 place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what `saved` holds.
-Linear weights are stored (in_features, out_features), so forward is `x @ w`.
+Linear weights are stored (in_features, out_features), so forward is `x @ w`. The ops that talk to other ranks when
+a layer is split (linear backward, embedding, loss) live in mpitrain/parallel/tensor.py, one code path for every tp
+degree; with one rank they are the plain ops.
 """
 from __future__ import annotations
 
@@ -24,14 +26,6 @@ def linear_forward(x, w, b=None):
     if b is not None:
         y += b
     return y.reshape(*x.shape[:-1], w.shape[1]), x
-
-
-def linear_backward(x, w, dy, dw, db=None):
-    dy2 = _rows(dy)
-    dw += _rows(x).T @ dy2
-    if db is not None:
-        db += dy2.sum(axis=0)
-    return (dy2 @ w.T).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -131,15 +125,6 @@ def swiglu_backward(saved, dy):
     return d_gate, d_up
 
 
-# ----------------------------------------------------------------------------- embeddings
-def embedding_forward(table, ids):
-    return table[ids], ids
-
-
-def embedding_backward(ids, dy, dtable):
-    _xp(dtable).add.at(dtable, ids.reshape(-1), _rows(dy))
-
-
 # ----------------------------------------------------------------------------- rotary positions (llama)
 def rope_tables(positions, head_dim, theta, xp, dtype):
     """cos/sin of shape (T, head_dim/2) for the given absolute positions (context parallelism passes its chunk's)."""
@@ -214,28 +199,3 @@ def attention_backward(saved, dout):
     dq = (dscores @ k).reshape(b, h, t, d)
     dk = dscores.swapaxes(-1, -2) @ q.reshape(b, hkv, -1, d)
     return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------- loss
-def cross_entropy_forward(logits, targets):
-    """Sum over tokens of -log softmax(logits)[target]; saves the probabilities. Returns (loss_sum, saved)."""
-    xp = _xp(logits)
-    logits2 = _rows(logits)
-    flat_targets = targets.reshape(-1)
-    shifted = logits2 - logits2.max(axis=-1, keepdims=True)
-    probs = xp.exp(shifted)
-    sums = probs.sum(axis=-1, keepdims=True)
-    rows = xp.arange(len(flat_targets))
-    loss_sum = (xp.log(sums[:, 0]) - shifted[rows, flat_targets]).sum()
-    probs /= sums
-    return loss_sum, (probs, flat_targets, logits.shape)
-
-
-def cross_entropy_backward(saved, dloss):
-    """Gradient of dloss * loss_sum w.r.t. the logits (dloss = 1 / tokens in the global batch for a mean loss)."""
-    probs, flat_targets, shape = saved
-    xp = _xp(probs)
-    dlogits = probs.copy()
-    dlogits[xp.arange(len(flat_targets)), flat_targets] -= 1.0
-    dlogits *= dloss
-    return dlogits.reshape(shape)

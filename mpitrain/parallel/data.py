@@ -48,11 +48,12 @@ class ReplicatedState:
     sharded = False
 
     def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
-                 overlap: bool = True, params: FlatBuffer | None = None):
+                 overlap: bool = True):
+        """seed None: parameters left at zero, for the caller to fill (generation from a checkpoint)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
-        self.params = params or FlatBuffer.allocate(layouts, xp, dtype)
-        if params is None and seed is not None:
+        self.params = FlatBuffer.allocate(layouts, xp, dtype)
+        if seed is not None:
             initialise(self.params, seed, backend)
         self.grads = FlatBuffer.allocate(layouts, xp, dtype)
         self.buckets = make_buckets(self.grads, bucket_bytes)
@@ -118,10 +119,6 @@ class ReplicatedState:
 
     def after_step(self) -> None:
         pass
-
-    def full_params(self) -> FlatBuffer:
-        """The whole model's parameters (a collective under ZeRO-3; here they are simply ours)."""
-        return self.params
 
     def checkpoint_layout(self) -> dict:
         """Where this rank's state sits in the flat geometry (see mpitrain/checkpoint/pieces.py)."""

@@ -179,15 +179,6 @@ class ZeroState:
         for handle in handles:
             handle.wait()
 
-    def full_params(self) -> FlatBuffer:
-        """The whole model's parameters on every rank (a collective for stage 3)."""
-        if self.stage < 3:
-            return self.params
-        full = FlatBuffer.allocate(self.layouts, self.backend.xp, self.backend.dtype, align=self.group.size)
-        for unit in range(len(self.layouts)):
-            self.group.all_gather(self._param_shard(unit), full.data[slice(*full.unit_range(unit))])
-        return full
-
     def checkpoint_layout(self) -> dict:
         """Where this rank's state sits in the padded flat geometry (see mpitrain/checkpoint/pieces.py)."""
         units = range(len(self.layouts))
