@@ -403,7 +403,7 @@ def main(argv=None) -> int:
 
     # ---- table
     print()
-    print(f"matmul peak (float32, 1024^3, best of 0.3 s):")
+    print("matmul peak (float32, 1024^3, best of 0.3 s):")
     for threads, p in peaks.items():
         print(f"  {threads} thread(s): numpy {_human(p['numpy'])}   torch {_human(p['torch'])}")
     print()

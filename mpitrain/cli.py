@@ -77,14 +77,15 @@ def train(config, overrides, run_dir, resume):
 
     from mpitrain.comm.failure import abort_on_error
     from mpitrain.config import load_config
-    from mpitrain.train import default_run_dir, train as run_training
+    from mpitrain.train import default_run_dir
+    from mpitrain.train import train as run_training
 
     comm = MPI.COMM_WORLD
     with abort_on_error(comm):
         cfg = load_config(config, overrides)
         out = Path(run_dir) if run_dir else default_run_dir(config)
         warn_unset_threads(comm)
-        status = run_training(cfg, comm, out, echo=lambda text: click.echo(text), resume=resume)
+        status = run_training(cfg, comm, out, echo=click.echo, resume=resume)
     sys.exit(status)
 
 
@@ -187,7 +188,7 @@ def ckpt_inspect(path):
     click.echo(f"{checkpoint.path}: step {index['step']}, layout {layout}, {len(index['files'])} files, "
                f"{total:,} bytes")
     for name, info in index["tensors"].items():
-        click.echo(f"  {name:<28} {str(tuple(info['global_shape'])):<16} {info['dtype']}")
+        click.echo(f"  {name:<28} {tuple(info['global_shape'])!s:<16} {info['dtype']}")
 
 
 @ckpt.command("verify")
@@ -260,8 +261,15 @@ def memory(config, overrides, world_size):
 @_user_errors
 def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, instructions):
     """Simulate a pipeline schedule: timeline, bubble (theoretical and simulated), peak activations per rank."""
-    from mpitrain.parallel.schedule import (bubble_fraction, format_schedule, make_schedule, peak_activations,
-                                            simulate, theoretical_bubble, validate)
+    from mpitrain.parallel.schedule import (
+        bubble_fraction,
+        format_schedule,
+        make_schedule,
+        peak_activations,
+        simulate,
+        theoretical_bubble,
+        validate,
+    )
     from mpitrain.profile.timeline import render_png, render_text
 
     v = virtual_stages

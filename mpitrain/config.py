@@ -9,7 +9,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from mpitrain.errors import ConfigError
 from mpitrain.parallel.schedule import SCHEDULE_KINDS

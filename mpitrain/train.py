@@ -151,7 +151,8 @@ class Trainer:
         loss_sum = 0.0
         for batch in range(self.cfg.train.eval_batches):
             loss_sum += self.pipeline.forward_only(
-                lambda micro: self.val_data.global_batch_rows(batch, self._rows(micro)), self.accumulation)
+                lambda micro, batch=batch: self.val_data.global_batch_rows(batch, self._rows(micro)),
+                self.accumulation)
         return self._total(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 
     def metrics(self, result: StepResult) -> dict:
@@ -225,7 +226,7 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
     if logger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
-        metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
+        metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115 -- closed in finally
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
              f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")

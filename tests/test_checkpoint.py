@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mpitrain.checkpoint.store import Checkpoint, committed_checkpoints
 from mpitrain.data.prepare import prepare_dataset
-from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, describe, find_mpiexec, run_mpi, run_python_mpi
+from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, describe, find_mpiexec, run_mpi
 from tests.test_train_parity import dataset  # noqa: F401 (fixture)
 
 FAST = ["logging.peak_flops=1e9", "train.log_every=1"]
@@ -160,7 +161,7 @@ def test_state_saved_under_one_layout_lands_exactly_under_another(tmp_path, save
     assert "RESHARD OK" in result.stdout
 
 
-def test_a_run_resumed_under_another_layout_continues_with_the_same_losses(tmp_path, dataset):  # noqa: F811
+def test_a_run_resumed_under_another_layout_continues_with_the_same_losses(tmp_path, dataset):
     settings = ["precision.compute=float64", "train.micro_batch=2"]
     train(1, tmp_path / "straight", dataset, *settings)
     train(4, tmp_path / "moved", dataset, *settings, "parallel.tp=2", "parallel.zero=1", "train.stop_at=4",
@@ -178,7 +179,7 @@ def _rank_pids(marker: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             if any(marker.encode() in part for part in cmdline) and b"mpitrain" in b" ".join(cmdline) and \
@@ -187,7 +188,7 @@ def _rank_pids(marker: str) -> list[int]:
     return pids
 
 
-def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes(tmp_path, dataset):  # noqa: F811
+def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes(tmp_path, dataset):
     mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec")
@@ -223,7 +224,7 @@ def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes
     assert committed_checkpoints(run_dir / "checkpoints"), "no save completed in the attempts"
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset):  # noqa: F811
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset):
     run_dir = tmp_path / "run"
     train(2, run_dir, dataset, "checkpoint.every=2", "train.stop_at=6", expect=PREEMPTED)
     newest = committed_checkpoints(run_dir / "checkpoints")[-1]
@@ -237,7 +238,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     assert "resumed from" in result.stdout and "step_00000004" in result.stdout, describe(result)
 
 
-def test_resume_from_a_broken_path_fails_on_every_rank_naming_the_file(tmp_path, dataset):  # noqa: F811
+def test_resume_from_a_broken_path_fails_on_every_rank_naming_the_file(tmp_path, dataset):
     run_dir = tmp_path / "run"
     train(2, run_dir, dataset, "train.stop_at=2", expect=PREEMPTED)
     newest = committed_checkpoints(run_dir / "checkpoints")[-1]
@@ -246,7 +247,7 @@ def test_resume_from_a_broken_path_fails_on_every_rank_naming_the_file(tmp_path,
     assert result.stderr.count("checkpoint shard missing") == 2 and "rank_00000.h5" in result.stderr, describe(result)
 
 
-def test_ckpt_tools_inspect_verify_export(tmp_path, dataset):  # noqa: F811
+def test_ckpt_tools_inspect_verify_export(tmp_path, dataset):
     run_dir = tmp_path / "run"
     train(2, run_dir, dataset, "parallel.zero=3", "train.steps=2")
     cli = [sys.executable, "-m", "mpitrain", "ckpt"]

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from mpitrain.checkpoint.pieces import Piece
-from mpitrain.checkpoint.store import (Checkpoint, CheckpointError, clean, commit, committed_checkpoints,
-                                       write_rank_file)
+from mpitrain.checkpoint.store import Checkpoint, CheckpointError, clean, commit, committed_checkpoints, write_rank_file
 
 SHAPE = (6, 10)
 
@@ -29,7 +28,7 @@ def split_layout(row_parts, col_parts, flat_parts):
         box_offset, box_shape = (int(r[0]), int(c[0])), (len(r), len(c))
         block = full[r[0]:r[-1] + 1, c[0]:c[-1] + 1].reshape(-1)
         bounds = np.linspace(0, block.size, flat_parts + 1).astype(int)
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             pieces.append((Piece("param", "w", SHAPE, box_offset, box_shape, (int(start), int(end))),
                            block[start:end].copy()))
     return pieces

@@ -149,18 +149,16 @@ def test_user_errors_are_one_line_and_others_keep_the_traceback():
 
 def test_single_process_failure_exits_1_without_abort(capsys):
     comm = FakeComm(0, 1)
-    with pytest.raises(SystemExit) as info:
-        with abort_on_error(comm):
-            raise LayoutError("dp does not fit")
+    with pytest.raises(SystemExit) as info, abort_on_error(comm):
+        raise LayoutError("dp does not fit")
     assert info.value.code == 1 and comm.aborted_with is None
     assert capsys.readouterr().err == "[rank 0/1] ERROR: dp does not fit\n"
 
 
 def test_multi_process_failure_aborts(capsys):
     comm = FakeComm(3, 4)
-    with pytest.raises(SystemExit):  # a real Abort never returns; the fake one does
-        with abort_on_error(comm):
-            raise ValueError("bad")
+    with pytest.raises(SystemExit), abort_on_error(comm):  # a real Abort never returns; the fake one does
+        raise ValueError("bad")
     assert comm.aborted_with == 1
     assert capsys.readouterr().err.startswith("[rank 3/4] ERROR: ValueError: bad\n")
 

@@ -7,8 +7,14 @@ import h5py
 import numpy as np
 import pytest
 
-from mpitrain.data import (BatchSampler, ByteTokenizer, TokenDataset, prepare_dataset, tokenizer_from_description,
-                           train_and_val_samplers)
+from mpitrain.data import (
+    BatchSampler,
+    ByteTokenizer,
+    TokenDataset,
+    prepare_dataset,
+    tokenizer_from_description,
+    train_and_val_samplers,
+)
 from mpitrain.errors import DataError
 
 # ---------------------------------------------------------------- tokenizers

@@ -9,8 +9,8 @@ L = sum(y * R) with a fixed random R, so every output element contributes; float
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -238,8 +238,8 @@ def test_parameter_grads_accumulate(name):
     _, saved = case.forward(case.inputs, case.params)
     for calls in (1, 2):
         dxs = case.backward(saved, case.inputs, case.params, projs, grads)
-        for k in grads:
-            np.testing.assert_allclose(grads[k], start[k] + calls * fresh[k], rtol=1e-12, atol=1e-12, err_msg=k)
+        for k, grad in grads.items():
+            np.testing.assert_allclose(grad, start[k] + calls * fresh[k], rtol=1e-12, atol=1e-12, err_msg=k)
         for dx, dx_ref in zip(dxs, dxs_ref):
             np.testing.assert_array_equal(dx, dx_ref)
 

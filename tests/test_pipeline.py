@@ -9,6 +9,8 @@ config errors are tested without MPI.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -39,7 +41,7 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, dataset):  # noqa: F811
+def references(tmp_path_factory, dataset):
     root = tmp_path_factory.mktemp("pp-reference")
     return {name: train_run(1, root / name, dataset, *FAST, *BASE, *extra) for name, extra in FLAVOURS.items()}
 
@@ -50,9 +52,9 @@ def activation_bytes(micro_batch=2, seq_len=32, d_model=32, itemsize=8) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_pipeline_matches_single_process(tmp_path, dataset, references, flavour, layout):  # noqa: F811
+def test_pipeline_matches_single_process(tmp_path, dataset, references, flavour, layout):
     ranks, overrides = LAYOUTS[layout]
-    metrics, params = run = train_run(ranks, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], *overrides)
+    metrics, _params = run = train_run(ranks, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], *overrides)
     assert_exact(references[flavour], run, f"{flavour} {layout}")
     assert all(0 < record["bubble"] < 1 for record in metrics), "every logged step measures its bubble"
     # rank 0 sends each micro-batch's activation forward from each of its chunks (and, interleaved, the input
@@ -77,13 +79,13 @@ COMPOSITIONS = {  # ZeRO-2 and 3 with split backwards and interleaving; replicat
 
 
 @pytest.mark.parametrize("name", COMPOSITIONS)
-def test_pipeline_composes_with_zero_and_tensor_parallelism(tmp_path, dataset, references, name):  # noqa: F811
+def test_pipeline_composes_with_zero_and_tensor_parallelism(tmp_path, dataset, references, name):
     ranks, overrides, flavour = COMPOSITIONS[name]
     run = train_run(ranks, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], *overrides)
     assert_exact(references[flavour], run, name)
 
 
-def test_zero3_with_a_pipeline_warns_once(tmp_path, dataset):  # noqa: F811
+def test_zero3_with_a_pipeline_warns_once(tmp_path, dataset):
     args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path)]
     for setting in [f"data.path={dataset}", *FAST, "train.steps=1", "parallel.pp=2", "parallel.zero=3"]:
         args += ["--set", setting]
@@ -94,7 +96,7 @@ def test_zero3_with_a_pipeline_warns_once(tmp_path, dataset):  # noqa: F811
 
 # ---- checkpoints -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_stop_and_resume_under_a_pipeline_is_bitwise_the_same_run(tmp_path, dataset, asynchronous):  # noqa: F811
+def test_stop_and_resume_under_a_pipeline_is_bitwise_the_same_run(tmp_path, dataset, asynchronous):
     settings = ["checkpoint.every=2", "model.n_layer=4", "train.micro_batch=2", "parallel.pp=2",
                 "parallel.schedule=interleaved", "parallel.virtual_stages=2",
                 f"checkpoint.async={str(asynchronous).lower()}"]
@@ -110,7 +112,7 @@ def test_stop_and_resume_under_a_pipeline_is_bitwise_the_same_run(tmp_path, data
     Checkpoint.open(committed_checkpoints(tmp_path / "resumed" / "checkpoints")[-1]).verify_coverage()
 
 
-def test_a_pipelined_run_continues_under_another_layout(tmp_path, dataset):  # noqa: F811
+def test_a_pipelined_run_continues_under_another_layout(tmp_path, dataset):
     settings = ["precision.compute=float64", "model.n_layer=4", "train.micro_batch=2"]
     train(1, tmp_path / "straight", dataset, *settings)
     train(4, tmp_path / "moved", dataset, *settings, "parallel.pp=4", "parallel.schedule=zb1p", "train.stop_at=4",
@@ -238,7 +240,7 @@ def test_every_unit_lands_on_exactly_one_stage():
             seen += [(chunk * p + rank, first, end) for chunk, (first, end) in enumerate(chunks)]
         seen.sort()
         assert seen[0][1] == 0 and seen[-1][2] == n_layer + 2  # embedding first, head last
-        assert all(a[2] == b[1] for a, b in zip(seen, seen[1:])), seen  # contiguous, no gaps, no overlap
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(seen)), seen  # contiguous, no gaps, no overlap
         layers = [end - first - (s == 0) - (s == p * v - 1) for s, first, end in seen]
         assert layers == stage_layer_counts(n_layer, p * v, override)
     assert stage_layer_counts(7, 2) == [4, 3]  # the remainder on the first stages (the last holds the head)
@@ -297,8 +299,8 @@ def one_line_error(overrides, world_size=1):
     (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"], 2,
      "model.n_layer = 2 is fewer than the 4 pipeline stages (parallel.pp * parallel.virtual_stages = 2 * 2)"),
     (["model.n_layer=8", "parallel.pp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"], 4,
-     "the interleaved schedule needs the micro-batches per step (2 = train.global_batch / (parallel.dp * "
-     "train.micro_batch)) to be a multiple of parallel.pp = 4"),
+     ("the interleaved schedule needs the micro-batches per step (2 = train.global_batch / (parallel.dp * "
+     "train.micro_batch)) to be a multiple of parallel.pp = 4")),
     (["model.n_layer=4", "parallel.pp=2", "parallel.virtual_stages=2"], 2,
      "parallel.virtual_stages = 2 needs parallel.schedule = 'interleaved'"),
     (["model.n_layer=4", "parallel.pp=2", "parallel.stage_layers=[1, 2]"], 2,

@@ -8,10 +8,25 @@ from click.testing import CliRunner
 
 from mpitrain.cli import main
 from mpitrain.errors import MpitrainError
-from mpitrain.parallel.schedule import (COMPUTE_OPS, SCHEDULE_KINDS, Event, Instruction, ScheduleArgumentError,
-                                        ScheduleError, bubble_fraction, format_schedule, gpipe, interleaved,
-                                        make_schedule, one_f_one_b, peak_activations, simulate, theoretical_bubble,
-                                        validate, zb1p)
+from mpitrain.parallel.schedule import (
+    COMPUTE_OPS,
+    SCHEDULE_KINDS,
+    Event,
+    Instruction,
+    ScheduleArgumentError,
+    ScheduleError,
+    bubble_fraction,
+    format_schedule,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+    peak_activations,
+    simulate,
+    theoretical_bubble,
+    validate,
+    zb1p,
+)
 from mpitrain.profile.timeline import Timeline, merge_events, render_png, render_text
 
 
@@ -60,8 +75,8 @@ def test_functions_match_the_dispatcher():
 
 def test_one_f_one_b_is_warm_up_steady_cool_down():
     schedule = one_f_one_b(4, 6)
-    assert compute_order(schedule[0]) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
-    assert compute_order(schedule[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
+    assert compute_order(schedule[0]) == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    assert compute_order(schedule[3]) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
     rank1 = schedule[1]
     assert rank1[:3] == [Instruction("recv_forward", 0, 0, peer=0), Instruction("forward", 0),
                          Instruction("send_forward", 0, 0, peer=2)]
@@ -70,9 +85,12 @@ def test_one_f_one_b_is_warm_up_steady_cool_down():
 def test_zb1p_follows_zb_h1_ordering():
     """Step x of rank r: F(x), B(x-(p-1-r)), W(x-(p-1)) (Qi et al. 2024, ZB-H1)."""
     schedule = zb1p(4, 6)
-    assert compute_order(schedule[0]) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5".split()
-    assert compute_order(schedule[1]) == "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5".split()
-    assert compute_order(schedule[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5".split()
+    assert compute_order(schedule[0]) == ["F0", "F1", "F2", "F3", "B0", "W0", "F4", "B1", "W1",
+                                          "F5", "B2", "W2", "B3", "W3", "B4", "W4", "B5", "W5"]
+    assert compute_order(schedule[1]) == ["F0", "F1", "F2", "B0", "F3", "B1", "W0", "F4", "B2",
+                                          "W1", "F5", "B3", "W2", "B4", "W3", "B5", "W4", "W5"]
+    assert compute_order(schedule[3]) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "W0",
+                                          "F4", "B4", "W1", "F5", "B5", "W2", "W3", "W4", "W5"]
     ops = {ins.op for program in schedule for ins in program}
     assert "backward" not in ops and {"backward_input", "backward_weight"} <= ops
 
@@ -86,7 +104,7 @@ def test_interleaved_places_chunk_c_of_rank_r_at_virtual_stage_c_p_plus_r():
     recvs = [ins for ins in schedule[0] if ins.op == "recv_forward"]
     assert {ins.chunk for ins in recvs} == {1} and {ins.peer for ins in recvs} == {1}
     # Megatron's order: micro-batches in groups of p, chunk by chunk
-    assert compute_order(schedule[0])[:6] == "F0 F1 f0 f1 F2 b0".split()  # warm-up 2(p-1) + (v-1)p = 4
+    assert compute_order(schedule[0])[:6] == ["F0", "F1", "f0", "f1", "F2", "b0"]  # warm-up 2(p-1) + (v-1)p = 4
 
 
 def test_single_rank_interleaving_sends_to_itself():
@@ -363,8 +381,8 @@ def test_schedule_command_errors_are_one_line():
                                        "--virtual-stages", "2"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        "Error: interleaved schedule needs parallel.microbatches (6) divisible by parallel.pp (4); "
-        "use a multiple of 4, e.g. 8"]
+        ("Error: interleaved schedule needs parallel.microbatches (6) divisible by parallel.pp (4); "
+        "use a multiple of 4, e.g. 8")]
 
 
 def test_schedule_command_choices_are_the_schedule_kinds():

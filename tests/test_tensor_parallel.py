@@ -52,7 +52,7 @@ def assert_exact(reference, other, what):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, dataset):  # noqa: F811
+def references(tmp_path_factory, dataset):
     root = tmp_path_factory.mktemp("tp-reference")
     return {name: train_run(1, root / name, dataset, *FAST, *extra) for name, extra in FLAVOURS.items()}
 
@@ -60,14 +60,14 @@ def references(tmp_path_factory, dataset):  # noqa: F811
 @pytest.mark.parametrize("sp", ["false", "true"], ids=["plain", "sequence-parallel"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_tensor_parallel_matches_single_process(tmp_path, dataset, references, flavour, layout, sp):  # noqa: F811
+def test_tensor_parallel_matches_single_process(tmp_path, dataset, references, flavour, layout, sp):
     ranks, overrides = LAYOUTS[layout]
     run = train_run(ranks, tmp_path / "run", dataset, *FAST, *FLAVOURS[flavour], *overrides,
                     f"parallel.sequence_parallel={sp}")
     assert_exact(references[flavour], run, f"{flavour} {layout} sequence_parallel={sp}")
 
 
-def test_multi_query_attention_replicates_the_kv_head(tmp_path, dataset):  # noqa: F811
+def test_multi_query_attention_replicates_the_kv_head(tmp_path, dataset):
     """n_kv_head = 1: every tp rank computes the one K/V head; its weight gradients are all-reduced."""
     extra = [*FAST, "model.arch=llama", "model.n_kv_head=1", "model.vocab_size=259"]
     reference = train_run(1, tmp_path / "ref", dataset, *extra)

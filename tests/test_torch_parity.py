@@ -19,7 +19,7 @@ except ImportError:  # tests/ imported as a package
 LOSS_RTOL = 1e-10
 GRAD_RTOL = 1e-10
 BATCH = 3
-TINY = dict(n_layer=2, d_model=32, n_head=4, vocab_size=61, seq_len=12)
+TINY = {"n_layer": 2, "d_model": 32, "n_head": 4, "vocab_size": 61, "seq_len": 12}
 CONFIGS = {
     "gpt2": ModelConfig(arch="gpt2", **TINY),
     "llama-gqa": ModelConfig(arch="llama", n_kv_head=2, **TINY),

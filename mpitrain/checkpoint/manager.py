@@ -16,8 +16,17 @@ import numpy as np
 
 from mpitrain.backend import to_host
 from mpitrain.checkpoint.pieces import HeldPiece, held_pieces
-from mpitrain.checkpoint.store import (FORMAT_VERSION, Checkpoint, CheckpointError, clean, commit,
-                                       committed_checkpoints, rank_file_name, step_dir_name, write_rank_file)
+from mpitrain.checkpoint.store import (
+    FORMAT_VERSION,
+    Checkpoint,
+    CheckpointError,
+    clean,
+    commit,
+    committed_checkpoints,
+    rank_file_name,
+    step_dir_name,
+    write_rank_file,
+)
 from mpitrain.config import to_toml
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request after saving; resume me"
@@ -124,7 +133,7 @@ class CheckpointManager:
         def write():
             try:
                 result["record"] = write_rank_file(partial / rank_file_name(self.world.rank), pieces)
-            except Exception as exc:  # reported to every rank at the next poll
+            except Exception as exc:  # noqa: BLE001 -- reported to every rank at the next poll
                 result["error"] = f"{type(exc).__name__}: {exc}"
 
         thread = threading.Thread(target=write, name=f"checkpoint-writer-{step}", daemon=True)

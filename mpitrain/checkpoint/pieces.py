@@ -43,7 +43,7 @@ class Piece:
                 "box_offset": list(self.box_offset), "box_shape": list(self.box_shape), "flat": list(self.flat)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Piece":
+    def from_dict(cls, d: dict) -> Piece:
         return cls(d["kind"], d["tensor"], tuple(d["global_shape"]), tuple(d["box_offset"]), tuple(d["box_shape"]),
                    tuple(d["flat"]))
 

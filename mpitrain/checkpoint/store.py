@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpitrain.checkpoint.pieces import KINDS, HeldPiece, Piece, count_coverage, fill_box
+from mpitrain.checkpoint.pieces import HeldPiece, Piece, count_coverage, fill_box
 from mpitrain.errors import MpitrainError
 
 MARKER = "COMMITTED"
@@ -137,7 +137,7 @@ class Checkpoint:
     _by_tensor: dict = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: Path) -> "Checkpoint":
+    def open(cls, path: Path) -> Checkpoint:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint not found: {path}")

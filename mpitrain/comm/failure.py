@@ -53,7 +53,7 @@ def abort_on_error(comm=None, code: int = 1):
         if exc.code in (None, 0):
             raise
         report_and_abort(exc, comm or _comm_world(), code)
-    except BaseException as exc:  # KeyboardInterrupt too: the other ranks would hang all the same
+    except BaseException as exc:  # noqa: BLE001 -- KeyboardInterrupt too: the other ranks would hang all the same
         report_and_abort(exc, comm or _comm_world(), code)
 
 

@@ -13,8 +13,9 @@ The layout is pure functions of (world_rank, degrees), testable without MPI; `Me
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 from mpitrain.comm.group import Group
 from mpitrain.errors import LayoutError

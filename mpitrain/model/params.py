@@ -86,12 +86,12 @@ class FlatBuffer:
     views: list[dict] = field(default_factory=list)
 
     @classmethod
-    def geometry(cls, layouts: list[UnitLayout], align: int = 1) -> "FlatBuffer":
+    def geometry(cls, layouts: list[UnitLayout], align: int = 1) -> FlatBuffer:
         """Offsets and ranges only, no array: for code that needs to know where tensors sit (ZeRO-3 shards)."""
         return cls(layouts, None, np.cumsum([0] + [padded(u.size, align) for u in layouts]).tolist())
 
     @classmethod
-    def allocate(cls, layouts: list[UnitLayout], xp, dtype, align: int = 1) -> "FlatBuffer":
+    def allocate(cls, layouts: list[UnitLayout], xp, dtype, align: int = 1) -> FlatBuffer:
         buf = cls.geometry(layouts, align)
         buf.data = xp.zeros(buf.offsets[-1], dtype=dtype)
         buf.views = [buf._unit_views(i) for i in range(len(layouts))]

@@ -130,7 +130,7 @@ class Embedding:
         dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, g["wte"])  # dx: the whole sequence now
         if "wpe" in g:
             g["wpe"][: dx.shape[1]] += dx.sum(axis=0)  # positions are 0..T-1 without context parallelism
-        return None
+        return
 
     def backward_weight(self, g, deferred) -> None:
         assert not deferred, "the embedding defers nothing"

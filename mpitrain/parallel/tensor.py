@@ -73,7 +73,7 @@ class TensorParallel:
             self._timed("all_reduce", start)
         return buf
 
-    def start_all_reduce(self, buf) -> "Pending":
+    def start_all_reduce(self, buf) -> Pending:
         if self.size == 1:
             return Pending.done(buf)
         start = time.perf_counter()
@@ -92,7 +92,7 @@ class TensorParallel:
         self._timed("all_gather", start)
         return _sequence_second(recv)
 
-    def start_reduce_scatter_sequence(self, x) -> "Pending":
+    def start_reduce_scatter_sequence(self, x) -> Pending:
         """(B, T, ...) partial sums -> this rank's (B, T/t, ...) chunk of their sum; non-blocking."""
         if self.size == 1:
             return Pending.done(x)
@@ -121,7 +121,7 @@ class TensorParallel:
         """Before column-parallel linears: replicated input (copy_to_tp) or the all-gathered sequence."""
         return gather_from_sp_forward(self, x) if self.sequence_parallel else copy_to_tp_forward(self, x)
 
-    def start_enter_backward(self, dx) -> "Pending":
+    def start_enter_backward(self, dx) -> Pending:
         """Gradient of `enter`, started without waiting (the non-blocking form of copy_to_tp_backward or
         gather_from_sp_backward): all-reduce, or reduce-scatter to this rank's sequence chunk."""
         if self.sequence_parallel:
@@ -143,7 +143,7 @@ class Pending:
         self.tp, self.kind, self.handle, self.result = tp, kind, handle, result
 
     @classmethod
-    def done(cls, value) -> "Pending":
+    def done(cls, value) -> Pending:
         return cls(None, None, None, lambda: value)
 
     def wait(self):

@@ -21,13 +21,13 @@ origins agree to within the barrier's skew (microseconds), far below a forward's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from typing import Callable, Iterable
 
 from mpitrain.errors import MpitrainError
 from mpitrain.parallel.schedule import COMPUTE_OPS, OPS, Event, Instruction, PerRankEvents, bubble_fraction
 
-__all__ = ["Timeline", "merge_events", "render_text", "render_png", "bubble_fraction"]
+__all__ = ["Timeline", "bubble_fraction", "merge_events", "render_png", "render_text"]
 
 LETTERS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 LEGEND = ("F forward, B backward (zb1p: input gradient only), W weight gradient, each followed by its micro-batch;\n"
@@ -124,8 +124,8 @@ def render_text(timeline: PerRankEvents, width: int = 100) -> str:
         for event in events:
             if event.instruction.op not in COMPUTE_OPS:
                 continue
-            first = min(width - 1, int(round((event.start - start) * scale)))
-            last = max(first + 1, min(width, int(round((event.end - start) * scale))))
+            first = min(width - 1, round((event.start - start) * scale))
+            last = max(first + 1, min(width, round((event.end - start) * scale)))
             letter = _label(event.instruction)
             text = f"{letter}{event.instruction.micro}" if event.instruction.micro is not None else letter
             if len(text) > last - first:
