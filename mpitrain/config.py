@@ -116,6 +116,20 @@ class LoggingConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Surviving faults: hung or slow ranks, bad steps, silent data corruption (mpitrain/resilience/)."""
+    timeout_s: float = 300.0  # a collective or transfer not done after this long aborts the job, naming it; 0: off
+    heartbeat: bool = True  # each rank rewrites RUN_DIR/heartbeat/rank_NNNNN.json (step, time, host) every step
+    straggler_factor: float = 1.5  # a rank slower than the median step time by this factor is reported; 0: off
+    straggler_steps: int = 3  # ... when it is that slow on this many logged steps in a row
+    spike_zscore: float = 0.0  # skip the update when the loss exceeds the window's mean by this many std; 0: off
+    spike_window: int = 20  # steps of loss history for the spike test
+    max_bad_steps: int = 3  # this many bad (skipped) steps in a row roll back to the last committed checkpoint
+    sdc_every: int = 0  # every N steps compare a hash of the parameters across data-parallel replicas; 0: off
+    mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -125,6 +139,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 ALLOWED = {
@@ -241,13 +256,16 @@ def validate(cfg: Config) -> None:
         _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
     positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
-                "optim.beta1", "optim.beta2", "parallel.bucket_mb", "parallel.pp", "parallel.virtual_stages"]
+                "optim.beta1", "optim.beta2", "parallel.bucket_mb", "parallel.pp", "parallel.virtual_stages",
+                "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps"]
     for key in positive:
         section, name = key.split(".")
         _require(getattr(getattr(cfg, section), name) > 0, f"config key {key} must be > 0")
     nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "parallel.microbatches", "train.eval_every",
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
-              "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at"]
+              "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
+              "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
+              "fault.mtbf_hours"]
     for key in nonneg:
         section, name = key.split(".")
         _require(getattr(getattr(cfg, section), name) >= 0, f"config key {key} must be >= 0")
