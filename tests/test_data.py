@@ -216,3 +216,107 @@ def test_file_without_splits_is_a_data_error(tmp_path):
         f["train"] = np.arange(10, dtype=np.uint16)
     with pytest.raises(DataError, match=r"empty\.h5 has no val split"):
         TokenDataset(path)
+
+
+# ---------------------------------------------------------------- bad files are refused when opened, in one line
+
+def _write_tokens(path, train, val=None, **attrs):
+    """A dataset file with the given token arrays and attributes (defaults: byte tokenizer, vocabulary 256)."""
+    with h5py.File(path, "w") as f:
+        f["train"] = train
+        f["val"] = np.arange(50, dtype=np.uint16) if val is None else val
+        f.attrs.update({"tokenizer": json.dumps(ByteTokenizer().description()), "vocab_size": 256, **attrs})
+    return path
+
+
+def _open_error(path) -> str:
+    with pytest.raises(DataError) as info:
+        TokenDataset(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
+
+
+@pytest.mark.parametrize("train, split, problem", [
+    (np.array([1, 2, 300, 4], dtype=np.uint16), "train", "max id 300 >= vocabulary 256"),
+    (np.array([1, -1, 3], dtype=np.int32), "train", "min id -1 < 0"),
+    (np.arange(40, dtype=np.float32), "train", "token ids must be integers, got dtype float32"),
+    (np.arange(40, dtype=np.float64), "train", "token ids must be integers, got dtype float64"),
+    (np.ones(40, dtype=bool), "train", "token ids must be integers, got dtype bool"),
+    (np.zeros((4, 10), dtype=np.uint16), "train", "token ids must be 1-D, got shape (4, 10)"),
+    (np.zeros(0, dtype=np.uint16), "train", "is empty (no tokens)"),
+])
+def test_bad_token_arrays_are_refused_naming_file_split_and_problem(tmp_path, train, split, problem):
+    message = _open_error(_write_tokens(tmp_path / "bad.h5", train))
+    assert f"split {split!r}: {problem}" in message, message
+
+
+def test_bad_ids_in_the_val_split_are_named_as_val(tmp_path):
+    path = _write_tokens(tmp_path / "bad.h5", np.arange(100, dtype=np.uint16), val=np.array([7, 256], np.uint16))
+    assert "split 'val': max id 256 >= vocabulary 256" in _open_error(path)
+
+
+def test_the_id_check_reads_in_chunks_and_finds_an_id_in_the_last_one(tmp_path, monkeypatch):
+    import mpitrain.data.dataset as dataset_module
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    tokens[-1] = 999  # the one bad id sits in the last, partial chunk
+    path = _write_tokens(tmp_path / "bad.h5", tokens)
+    monkeypatch.setattr(dataset_module, "CHECK_CHUNK_TOKENS", 64)
+    assert "max id 999 >= vocabulary 256" in _open_error(path)
+
+    class RecordingReads:  # an HDF5 dataset stand-in that remembers which slices were read
+        shape = tokens.shape
+
+        def __init__(self):
+            self.reads = []
+
+        def __getitem__(self, index):
+            self.reads.append((index.start, index.stop))
+            return tokens[index]
+
+    for chunk in (1, 7, 64, 999, 1000, 5000):
+        monkeypatch.setattr(dataset_module, "CHECK_CHUNK_TOKENS", chunk)
+        data = RecordingReads()
+        assert dataset_module._id_range(data) == (0, 999)
+        assert all(stop - start <= chunk for start, stop in data.reads), (chunk, data.reads)  # bounded memory
+        assert [start for start, _ in data.reads] == list(range(0, 1000, chunk))  # every token read once
+
+
+def test_missing_or_bad_attributes_and_splits_are_refused(tmp_path):
+    ok = np.arange(100, dtype=np.uint16)
+    path = tmp_path / "no_train.h5"
+    with h5py.File(path, "w") as f:
+        f["val"] = ok
+    assert "has no train split" in _open_error(path)
+    path = _write_tokens(tmp_path / "vocab.h5", ok, vocab_size=0)
+    assert "attribute vocab_size = 0 is not a positive integer" in _open_error(path)
+    path = tmp_path / "no_vocab.h5"
+    with h5py.File(path, "w") as f:
+        f["train"], f["val"] = ok, ok
+    assert "lacks the attribute 'vocab_size'" in _open_error(path)
+    path = tmp_path / "group.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("train")
+        f["val"] = ok
+        f.attrs["vocab_size"] = 256
+    assert "split 'train': is not an array of token ids" in _open_error(path)
+    dataset = TokenDataset(_write_tokens(tmp_path / "tok.h5", ok, tokenizer="{not json"))
+    with pytest.raises(DataError, match="attribute 'tokenizer' is not a JSON description"):
+        _ = dataset.tokenizer
+
+
+def test_a_good_file_opens_with_the_largest_id_allowed(tmp_path):
+    dataset = TokenDataset(_write_tokens(tmp_path / "ok.h5", np.array([0, 255, 3], dtype=np.int64)))
+    assert dataset.n_tokens("train") == 3 and dataset.tokens("train").max() == 255
+
+
+def test_training_on_out_of_vocabulary_ids_stops_at_start_in_one_line(tmp_path):
+    from tests.mpi_helpers import describe, run_mpi
+    tokens = np.arange(5000, dtype=np.uint16) % 256
+    tokens[4321] = 300
+    path = _write_tokens(tmp_path / "bad.h5", tokens)
+    result = run_mpi(2, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path / "run"),
+                         "--set", f"data.path={path}", "--set", "logging.peak_flops=1e9"], timeout=300)
+    assert result.returncode != 0, describe(result)
+    assert f"dataset file {path}, split 'train': max id 300 >= vocabulary 256" in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr and "step" not in result.stdout, describe(result)

@@ -14,8 +14,18 @@ SPLITS = ("train", "val")
 VAL_SEED_OFFSET = 1
 
 
+# Token ids are checked this many at a time: a bounded buffer (32 MiB of uint64 at most) however large the file.
+CHECK_CHUNK_TOKENS = 1 << 22
+
+
 class TokenDataset:
-    """A file written by `prepare_dataset`; each split is read into memory on first use (corpora here are small)."""
+    """A file written by `prepare_dataset`; each split is read into memory on first use (corpora here are small).
+
+    Opening checks the whole file, so that bad data is refused with one line before any step trains on it: both
+    splits present, 1-D, of an integer dtype, not empty, and every id in [0, vocab_size). The id range is found by
+    one chunked pass over each split (sequential reads, bounded memory); a maximum stored at prepare time would
+    still have to be read to be trusted, and training reads every token anyway.
+    """
 
     def __init__(self, path):
         self.path = str(path)
@@ -28,11 +38,30 @@ class TokenDataset:
                 if missing:
                     raise DataError(f"dataset file {self.path} has no {' or '.join(missing)} split; "
                                     "re-create it with: mpitrain data prepare")
-                self._lengths = {name: len(f[name]) for name in SPLITS}
                 self._attrs = dict(f.attrs)
+                vocab_size = self.vocab_size
+                self._lengths = {name: self._check_split_data(name, f[name], vocab_size) for name in SPLITS}
         except OSError as err:
             raise DataError(f"cannot read dataset file {self.path}: {err}") from None
         self._tokens = {}
+
+    def _check_split_data(self, name, data, vocab_size) -> int:
+        """The split's length, after checking its shape, dtype and that every id is a valid token."""
+        where = f"dataset file {self.path}, split {name!r}"
+        if not isinstance(data, h5py.Dataset):
+            raise DataError(f"{where}: is not an array of token ids; re-create it with: mpitrain data prepare")
+        if data.ndim != 1:
+            raise DataError(f"{where}: token ids must be 1-D, got shape {data.shape}")
+        if data.dtype.kind not in "iu":
+            raise DataError(f"{where}: token ids must be integers, got dtype {data.dtype}")
+        if data.shape[0] == 0:
+            raise DataError(f"{where}: is empty (no tokens)")
+        low, high = _id_range(data)
+        if low < 0:
+            raise DataError(f"{where}: min id {low} < 0")
+        if high >= vocab_size:
+            raise DataError(f"{where}: max id {high} >= vocabulary {vocab_size} (the file's vocab_size attribute)")
+        return int(data.shape[0])
 
     def _attr(self, key):
         if key not in self._attrs:
@@ -41,11 +70,20 @@ class TokenDataset:
 
     @property
     def vocab_size(self):
-        return int(self._attr("vocab_size"))
+        value = self._attr("vocab_size")
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise DataError(f"dataset file {self.path}: attribute vocab_size = {value} is not a positive integer")
+        return int(value)
 
     @property
     def tokenizer(self):
-        return tokenizer_from_description(json.loads(self._attr("tokenizer")))
+        try:
+            description = json.loads(self._attr("tokenizer"))
+        except (TypeError, ValueError):
+            raise DataError(f"dataset file {self.path}: attribute 'tokenizer' is not a JSON description") from None
+        if not isinstance(description, dict):
+            raise DataError(f"dataset file {self.path}: attribute 'tokenizer' is not a JSON description")
+        return tokenizer_from_description(description)
 
     def _check_split(self, split):
         if split not in SPLITS:
@@ -108,6 +146,16 @@ class BatchSampler:
         token_index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         samples = self.tokens[token_index].astype(np.int64)
         return np.ascontiguousarray(samples[:, :-1]), np.ascontiguousarray(samples[:, 1:])
+
+
+def _id_range(data) -> tuple[int, int]:
+    """(min, max) token id of an HDF5 integer dataset, read CHECK_CHUNK_TOKENS at a time."""
+    low, high = None, None
+    for start in range(0, data.shape[0], CHECK_CHUNK_TOKENS):
+        chunk = data[start:start + CHECK_CHUNK_TOKENS]
+        low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
+        high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
+    return low, high
 
 
 def train_and_val_samplers(dataset, seq_len, global_batch, seed):

@@ -81,5 +81,7 @@ def tokenizer_from_description(desc):
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
+        if not isinstance(desc.get("json"), str):
+            raise DataError("BPE tokenizer description has no 'json' entry with the trained tokenizer")
         return BPETokenizer.from_json(desc["json"])
     raise DataError(f"unknown tokenizer kind {kind!r} in tokenizer description (expected 'byte' or 'bpe')")
