@@ -6,6 +6,7 @@ resolved config is written to RUN_DIR/config.toml so a run can be repeated exact
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -171,7 +172,10 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        try:
+            value = float(value) if ok else value
+        except OverflowError:  # an integer literal too large for a float
+            raise ConfigError(f"config key {key} = {value} is too large for a float") from None
     elif kind is list:  # lists of integers (parallel.stage_layers)
         ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     else:
@@ -245,7 +249,11 @@ def _require(cond: bool, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no MPI: run on every rank before any collective, so a bad config never hangs a job."""
+    """Checks that need no MPI: run on every rank before any collective, so a bad config never hangs a job.
+
+    Range checks are written `_require(value > 0)`, i.e. "refuse unless provably in range", so that NaN (for which
+    every comparison is False) is refused by them too; infinities are refused first, for every float key."""
+    _require_finite_floats(cfg)
     for key, allowed in ALLOWED.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -256,19 +264,22 @@ def validate(cfg: Config) -> None:
         _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
     positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
-                "optim.beta1", "optim.beta2", "parallel.bucket_mb", "parallel.pp", "parallel.virtual_stages",
+                "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "parallel.pp",
+                "parallel.virtual_stages", "model.rope_theta", "model.norm_eps",
                 "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps"]
     for key in positive:
         section, name = key.split(".")
-        _require(getattr(getattr(cfg, section), name) > 0, f"config key {key} must be > 0")
+        value = getattr(getattr(cfg, section), name)
+        _require(value > 0, f"config key {key} must be > 0, got {value}")
     nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "parallel.microbatches", "train.eval_every",
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
-              "fault.mtbf_hours"]
+              "fault.mtbf_hours", "model.init_std", "train.seed"]
     for key in nonneg:
         section, name = key.split(".")
-        _require(getattr(getattr(cfg, section), name) >= 0, f"config key {key} must be >= 0")
+        value = getattr(getattr(cfg, section), name)
+        _require(value >= 0, f"config key {key} must be >= 0, got {value}")
     m = cfg.model
     _require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     _require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
@@ -280,6 +291,22 @@ def validate(cfg: Config) -> None:
     validate_pipeline(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+    _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
+             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
+             "by this factor), or 0 to turn straggler reports off")
+    _require(cfg.data.synthetic or cfg.data.path.strip() != "",
+             "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
+
+
+def _require_finite_floats(cfg: Config) -> None:
+    """NaN and infinities pass `>=` checks only by accident (`inf >= 0`) and fail much later: refuse them by key."""
+    for section_name in _section_names():
+        section = getattr(cfg, section_name)
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float):
+                _require(math.isfinite(value), f"config key {section_name}.{_key(f.name)} = {value} must be a "
+                                               "finite number")
 
 
 def validate_tensor_parallel(cfg: Config) -> None:

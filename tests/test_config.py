@@ -61,3 +61,52 @@ def test_the_resolved_config_round_trips_through_toml():
                                                   "parallel.pp=2"])
     again = config_from_dict(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+
+
+def _numeric_keys(kind):
+    """Every config key whose default is of type `kind` (bool is not an int here)."""
+    from dataclasses import fields
+
+    from mpitrain.config import Config, _key
+    cfg = Config()
+    return [f"{section.name}.{_key(f.name)}" for section in fields(cfg) for f in fields(getattr(cfg, section.name))
+            if type(getattr(getattr(cfg, section.name), f.name)) is kind]
+
+
+@pytest.mark.parametrize("key", _numeric_keys(float))
+@pytest.mark.parametrize("literal", ["inf", "-inf", "nan"])
+def test_every_float_key_must_be_finite(key, literal):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", [f"{key}={literal}"])
+    assert str(info.value) == f"config key {key} = {float(literal)} must be a finite number"
+
+
+@pytest.mark.parametrize("key", _numeric_keys(float) + _numeric_keys(int))
+def test_every_numeric_key_refuses_a_negative_value(key):
+    """No key means anything below zero: a new key without a range check fails here."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        load_config("configs/tiny.toml", [f"{key}=-1"])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=inf"], "config key optim.lr = inf must be a finite number"),
+    (["optim.lr=1e999"], "config key optim.lr = inf must be a finite number"),  # TOML reads it as inf
+    (["optim.lr=1" + "0" * 400], "config key optim.lr = 1000"),  # an int too large for a float
+    (["optim.eps=0"], "config key optim.eps must be > 0, got 0.0"),
+    (["model.norm_eps=0"], "config key model.norm_eps must be > 0, got 0.0"),
+    (["model.rope_theta=0"], "config key model.rope_theta must be > 0, got 0.0"),
+    (["train.seed=-3"], "config key train.seed must be >= 0, got -3"),
+    (["fault.straggler_factor=0.5"], "config key fault.straggler_factor = 0.5 must be > 1"),
+    (['data.path=""'], "config key data.path is empty"),
+])
+def test_values_that_used_to_slip_through_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", overrides)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_edge_values_that_mean_off_are_still_accepted():
+    cfg = load_config("configs/tiny.toml", ["fault.straggler_factor=0", "optim.lr=0", "optim.clip=0",
+                                            "model.init_std=0", 'data.path=""', "data.synthetic=true"])
+    assert cfg.fault.straggler_factor == 0 and cfg.optim.lr == 0
