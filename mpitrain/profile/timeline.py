@@ -17,6 +17,11 @@ Recording in a real run (no communication here; the executor gathers the dicts, 
 
 Times are relative to each rank's `reset()`; ranks on one node share perf_counter's clock, and after a barrier the
 origins agree to within the barrier's skew (microseconds), far below a forward's time.
+
+Measured times depend on the machine's load; the ORDER in which a rank recorded its events does not. `replay` turns
+the recorded order back into a schedule and times it with the simulator's unit costs (F 1, B 2; zb1p's B and W 1
+each), which gives the bubble the executor's real instruction order implies, the same on an idle or a busy machine:
+what tests check. The measured bubble is for benchmarks (benchmarks/bench_pipeline.py).
 """
 from __future__ import annotations
 
@@ -25,9 +30,18 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from mpitrain.errors import MpitrainError
-from mpitrain.parallel.schedule import COMPUTE_OPS, OPS, Event, Instruction, PerRankEvents, bubble_fraction
+from mpitrain.parallel.schedule import (
+    COMPUTE_OPS,
+    OPS,
+    Event,
+    Instruction,
+    PerRankEvents,
+    Schedule,
+    bubble_fraction,
+    simulate,
+)
 
-__all__ = ["Timeline", "bubble_fraction", "merge_events", "render_png", "render_text"]
+__all__ = ["Timeline", "bubble_fraction", "merge_events", "recorded_program", "render_png", "render_text", "replay"]
 
 LETTERS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 LEGEND = ("F forward, B backward (zb1p: input gradient only), W weight gradient, each followed by its micro-batch;\n"
@@ -80,6 +94,33 @@ def merge_events(event_lists: Iterable[Iterable[dict]]) -> PerRankEvents:
             by_rank.setdefault(int(event["rank"]), []).append(Event(event["start"], event["end"], instruction))
     n_ranks = max(by_rank, default=-1) + 1
     return [sorted(by_rank.get(rank, []), key=lambda e: (e.start, e.end)) for rank in range(n_ranks)]
+
+
+# The neighbour each kind of transfer talks to (schedule.py: stage s-1 lives on rank r-1 mod p, s+1 on r+1 mod p).
+_PEER_STEP = {"recv_forward": -1, "send_backward": -1, "send_forward": +1, "recv_backward": +1}
+
+
+def recorded_program(event_lists: Iterable[Iterable[dict]], p: int) -> Schedule:
+    """Per pipeline rank, the instructions it recorded, in the order it recorded them (not sorted by time): the
+    schedule the executor really ran. Peers follow from the rank; the optimizer step, which runs in the trainer
+    after the executor returns, is appended after a recorded reduce_grads."""
+    program: Schedule = [[] for _ in range(p)]
+    for events in event_lists:
+        for event in events:
+            rank, kind = int(event["rank"]), event["kind"]
+            step = _PEER_STEP.get(kind)
+            peer = None if step is None else (rank + step) % p
+            program[rank].append(Instruction(kind, event.get("micro"), event.get("chunk", 0) or 0, peer))
+    for steps in program:
+        if steps and steps[-1].op == "reduce_grads":
+            steps.append(Instruction("optimizer_step"))
+    return program
+
+
+def replay(event_lists: Iterable[Iterable[dict]], p: int, **unit_costs: float) -> PerRankEvents:
+    """The recorded instruction order of every rank, timed by the simulator (unit costs by default; keyword
+    arguments as for schedule.simulate): a timeline that does not depend on how busy the machine was."""
+    return simulate(recorded_program(event_lists, p), **unit_costs)
 
 
 def _compute_span(timeline: PerRankEvents) -> tuple[float, float]:
