@@ -135,19 +135,51 @@ def rank_environment(n_ranks: int, cores: int, base: dict) -> dict:
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("-n", "n_ranks", type=int, required=True, help="Number of MPI ranks.")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="After a failure (an exit status other than 0 and 75), run the job again from its last committed "
+                   "checkpoint (--resume auto), at most this many times; prints the time each restart lost.")
 @CONFIG_ARG
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
 @_user_errors
-def launch(n_ranks, config, train_args):
+def launch(n_ranks, max_restarts, config, train_args):
     """Run `mpitrain train CONFIG ...` on N local ranks through mpiexec, with BLAS threads set per rank."""
     if n_ranks < 1:
         raise MpitrainError(f"-n must be >= 1, got {n_ranks}")
+    if max_restarts < 0:
+        raise MpitrainError(f"--max-restarts must be >= 0, got {max_restarts}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    command = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "train", config, *train_args]
+    command = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "train", config]
     env = rank_environment(n_ranks, cores, os.environ)
-    click.echo(f"launch: {' '.join(command)}  (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", err=True)
+    click.echo(f"launch: {' '.join(command + list(train_args))}  (OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+               + (f", up to {max_restarts} restarts" if max_restarts else "") + ")", err=True)
     sys.stdout.flush()
-    os.execvpe(command[0], command, env)
+    if not max_restarts:
+        os.execvpe(command[0], command + list(train_args), env)
+    from mpitrain.resilience.restart import Supervisor
+    run_dir, checkpoint_dir = run_locations(config, list(train_args))
+    supervisor = Supervisor(command, list(train_args), env, max_restarts, run_dir / "metrics.jsonl", checkpoint_dir,
+                            lambda text: click.echo(text, err=True))
+    sys.exit(supervisor.run())
+
+
+def run_locations(config: str, train_args: list[str]) -> tuple[Path, Path]:
+    """The run directory and checkpoint directory that `mpitrain train CONFIG *train_args` will use."""
+    from mpitrain.config import load_config
+    from mpitrain.train import default_run_dir
+    out, overrides = None, []
+    for i, arg in enumerate(train_args):
+        value = train_args[i + 1] if i + 1 < len(train_args) else None
+        if arg == "--out":
+            out = value
+        elif arg.startswith("--out="):
+            out = arg.split("=", 1)[1]
+        elif arg == "--set" and value is not None:
+            overrides.append(value)
+        elif arg.startswith("--set="):
+            overrides.append(arg.split("=", 1)[1])
+    cfg = load_config(config, overrides)
+    run_dir = Path(out) if out else default_run_dir(config)
+    return run_dir, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 # ----------------------------------------------------------------------------- generate
@@ -160,9 +192,10 @@ def launch(n_ranks, config, train_args):
 @click.option("--seed", type=int, default=0, show_default=True)
 @_user_errors
 def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed):
-    """Sample text from a trained model: a run directory (its newest checkpoint) or a checkpoint directory."""
+    """Sample text from a trained model: a run directory (its newest checkpoint whose checksums verify, falling back
+    past broken ones) or a step_* checkpoint directory (which must verify)."""
     from mpitrain.generate import load_checkpoint_model, sample
-    model, state, tokenizer, _ = load_checkpoint_model(checkpoint)
+    model, state, tokenizer, _ = load_checkpoint_model(checkpoint, echo=lambda text: click.echo(text, err=True))
     if tokenizer is None:
         raise MpitrainError(f"{checkpoint} was trained on synthetic data: it has no tokenizer to sample text with")
     click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))

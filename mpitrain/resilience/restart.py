@@ -1,0 +1,212 @@
+"""Automatic restart: `mpitrain launch --max-restarts K` runs the job again after a failure, from its last committed
+checkpoint, and says what each failure cost.
+
+A job that ends with status 0 is done; 75 means "stopped on request, saved" (SIGUSR1/SIGTERM): never restarted here,
+the one who asked continues it. Any other status is a failure: the next attempt runs the same command with
+`--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its number, so that
+injected faults (MPITRAIN_FAULT) strike the first attempt only.
+
+Time lost by a restart = the wall time from the save of the checkpoint it resumes from (the index's "created") to
+the start of its first step (the first metrics.jsonl row it writes: "time" at the row's end minus "step_time_s").
+It covers the steps done after that save and thrown away, noticing the failure, starting again and loading. The
+steps redone are the failed attempt's last logged step minus the checkpoint's step (logged steps only: with
+train.log_every > 1 the failed attempt may have got further).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitrain.checkpoint.store import INDEX, committed_checkpoints
+from mpitrain.resilience.faults import Fault
+
+STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
+POLL_SECONDS = 0.25
+
+
+def strike_kill(faults, rank: int, step: int) -> None:
+    """The `kill` fault (MPITRAIN_FAULT=kill:rank=R:step=N): SIGKILL this rank at the start of step N, as a crashed
+    machine would; one line first, so that the job's output names it."""
+    fault: Fault | None = faults.due("kill", step) if faults else None
+    if fault is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.write(f"fault injection: rank {rank} kills itself (SIGKILL) at the start of step {step} "
+                     f"(MPITRAIN_FAULT)\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- what is on disk
+@dataclass(frozen=True)
+class SavedPoint:
+    step: int
+    saved_at: float  # Unix time of the commit
+
+
+def last_committed(checkpoint_dir: Path) -> SavedPoint | None:
+    """The newest committed checkpoint's step and save time (what `--resume auto` picks unless it fails to verify)."""
+    for path in reversed(committed_checkpoints(Path(checkpoint_dir))):
+        try:
+            index = json.loads((path / INDEX).read_text())
+            return SavedPoint(int(index["step"]), float(index["created"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def metrics_rows(metrics_path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a half-written last line (a killed writer) is skipped."""
+    if not Path(metrics_path).is_file():
+        return []
+    rows = []
+    for line in Path(metrics_path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def last_logged_step(rows: list[dict], since: float) -> int | None:
+    """The highest step logged at or after `since` (an attempt's start)."""
+    steps = [row["step"] for row in rows if row.get("time", 0.0) >= since and "step" in row]
+    return max(steps) if steps else None
+
+
+def first_step_started(rows: list[dict], since: float) -> float | None:
+    """When the first step logged after `since` began (the row's end time minus its step time)."""
+    later = [row for row in rows if row.get("time", 0.0) > since]
+    if not later:
+        return None
+    first = min(later, key=lambda row: row["time"])
+    return first["time"] - first.get("step_time_s", 0.0)
+
+
+def describe_status(status: int) -> str:
+    """An exit status in words: 137 is SIGKILL, as shells report a killed child."""
+    if status > 128 and status - 128 < signal.NSIG:
+        try:
+            return f"{status} ({signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return str(status)
+
+
+def with_resume_auto(train_args: list[str]) -> list[str]:
+    """The train options with any --resume replaced by `--resume auto`."""
+    kept, skip = [], False
+    for arg in train_args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--resume":
+            skip = True
+            continue
+        if arg.startswith("--resume="):
+            continue
+        kept.append(arg)
+    return [*kept, "--resume", "auto"]
+
+
+# ----------------------------------------------------------------------------- the supervisor
+@dataclass
+class PendingRestart:
+    """A restart whose time lost is known once its first step is logged."""
+    number: int
+    status: int
+    failed_at: float
+    started_at: float
+    saved: SavedPoint | None
+    steps_redone: int | None
+
+    def line(self, first_step_at: float | None) -> str:
+        head = f"launch: restart {self.number} (attempt {self.number}) after exit status {describe_status(self.status)}"
+        if self.saved is None:
+            return (f"{head}: no committed checkpoint, started from step 0; failure to restart "
+                    f"{self.started_at - self.failed_at:.1f} s")
+        if first_step_at is None:
+            return f"{head}: ended before its first step; time lost not known (checkpoint of step {self.saved.step})"
+        redone = f", {self.steps_redone} logged steps redone" if self.steps_redone is not None else ""
+        return (f"{head}: time lost {first_step_at - self.saved.saved_at:.1f} s, from the save of step "
+                f"{self.saved.step} at {clock(self.saved.saved_at)} to the first step again at "
+                f"{clock(first_step_at)} (failure to restart {self.started_at - self.failed_at:.1f} s{redone})")
+
+
+def clock(unix_time: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_time)) + f".{int(unix_time % 1 * 10)}"
+
+
+class Supervisor:
+    """Runs `command` (mpiexec ... mpitrain train ...) until it succeeds, stops on request, or fails K+1 times.
+    SIGINT, SIGTERM and SIGUSR1 are passed on to the job (mpiexec forwards them to every rank); after a SIGTERM or
+    SIGINT nothing is restarted (a cancelled job stays cancelled)."""
+
+    def __init__(self, command: list[str], train_args: list[str], env: dict, max_restarts: int,
+                 metrics_path: Path, checkpoint_dir: Path, echo):
+        self.command, self.train_args, self.env = command, list(train_args), env
+        self.max_restarts, self.metrics_path, self.checkpoint_dir = max_restarts, metrics_path, checkpoint_dir
+        self.echo = echo
+        self.process: subprocess.Popen | None = None
+        self.cancelled = False
+
+    def _forward(self, signum, frame):
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self.cancelled = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            return self._attempts()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _attempts(self) -> int:
+        attempt, pending = 0, None
+        while True:
+            args = self.train_args if attempt == 0 else with_resume_auto(self.train_args)
+            env = dict(self.env, MPITRAIN_ATTEMPT=str(attempt)) if attempt else self.env
+            started = time.time()
+            if pending is not None:
+                pending.started_at = started
+            self.process = subprocess.Popen([*self.command, *args], env=env)
+            while self.process.poll() is None:
+                time.sleep(POLL_SECONDS)
+                pending = self._report_when_known(pending, started)
+            status = self.process.returncode
+            status = 128 - status if status < 0 else status  # killed by a signal: as a shell reports it
+            ended = time.time()
+            if pending is not None:  # ended before a first step was logged
+                pending = self._report_when_known(pending, started, final=True)
+            if status in (0, STOPPED_EXIT_CODE) or self.cancelled:
+                return status
+            if attempt >= self.max_restarts:
+                self.echo(f"launch: attempt {attempt} failed with exit status {describe_status(status)}; "
+                          f"no restart left (--max-restarts {self.max_restarts})")
+                return status
+            attempt += 1
+            saved = last_committed(self.checkpoint_dir)
+            last = last_logged_step(metrics_rows(self.metrics_path), started)
+            redone = last - saved.step if saved is not None and last is not None else None
+            self.echo(f"launch: attempt {attempt - 1} failed with exit status {describe_status(status)}; restart "
+                      f"{attempt} of {self.max_restarts} from "
+                      + (f"the checkpoint of step {saved.step}" if saved else "step 0 (no committed checkpoint)"))
+            pending = PendingRestart(attempt, status, ended, ended, saved, redone)
+
+    def _report_when_known(self, pending: PendingRestart | None, started: float, final: bool = False):
+        if pending is None:
+            return None
+        first = first_step_started(metrics_rows(self.metrics_path), started)
+        if first is None and not final:
+            return pending
+        self.echo(pending.line(first))
+        return None
