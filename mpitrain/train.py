@@ -33,6 +33,10 @@ from mpitrain.parallel.schedule import make_schedule
 from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
+from mpitrain.resilience.advice import AdviceReporter
+from mpitrain.resilience.faults import FaultPlan
+from mpitrain.resilience.restart import strike_kill
+from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 
 
 @dataclass
@@ -44,6 +48,7 @@ class StepResult:
     seconds: float
     comm_bytes: dict
     bubble: float | None = None  # measured pipeline bubble (pp > 1, on the logging rank, when asked for)
+    compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
 
 
 class Trainer:
@@ -71,6 +76,7 @@ class Trainer:
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
+        self.faults = FaultPlan.from_environment(world_rank)  # MPITRAIN_FAULT: injected faults (tests, demos)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
@@ -114,6 +120,8 @@ class Trainer:
         dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
         loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(step, self._rows(micro)),
                                           dloss)
+        compute = compute_seconds(self.pipeline.timeline.events)
+        compute += inject_slowdown(self.faults, step + 1, compute)
         grad_norm = self.global_grad_norm()
         scale = clip_scale(grad_norm, cfg.optim.clip)
         if scale != 1.0:
@@ -126,7 +134,7 @@ class Trainer:
         loss = self._total(loss_sum) / self.tokens_per_step
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups))
+        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups), compute_seconds=compute)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
@@ -160,7 +168,7 @@ class Trainer:
         mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
         record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
-                  "comm_bytes": result.comm_bytes}
+                  "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
         if result.bubble is not None:
             record["bubble"] = result.bubble
         return record
@@ -235,16 +243,23 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
             echo(f"pipeline: {p.schedule} schedule over {p.pp} stages" + (f" x {p.virtual_stages} chunks" if
                  p.virtual_stages > 1 else "") + f", layers per stage {layers}")
+    stragglers = StragglerWatch(trainer.mesh.world, cfg.fault.straggler_factor, cfg.fault.straggler_steps)
+    advice = AdviceReporter(cfg.fault.mtbf_hours if logger else 0.0, c.every, echo)  # Young/Daly, printed once
     try:
         with StopRequest() as stop:
             for step in range(start, t.steps):
                 done = step + 1
+                strike_kill(trainer.faults, trainer.mesh.world.rank, done)
                 evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
                 logged = evaluate or done % t.log_every == 0 or step == start
                 result = trainer.train_step(step, measure_bubble=logged)
                 record = trainer.metrics(result)
                 if evaluate:
                     record["val_loss"] = trainer.evaluate()
+                if logged:  # one small gather of compute times on the logging cadence
+                    for report in stragglers.check(done, result.compute_seconds):
+                        record.setdefault("stragglers", []).append(report)
+                        say(format_report(report, cfg.fault.straggler_factor))
                 if logger and logged:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
@@ -263,6 +278,7 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
                     return PREEMPTED_EXIT_CODE
                 if c.every and done % c.every == 0 and done < t.steps:
                     (checkpoints.save_async if c.async_ else checkpoints.save)(done)
+                advice.observe(result.seconds, checkpoints.directory)
     finally:
         if metrics_file is not None:
             metrics_file.close()

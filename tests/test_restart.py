@@ -17,7 +17,7 @@ from mpitrain.resilience.restart import (
     describe_status,
     first_step_started,
     last_committed,
-    last_logged_step,
+    steps_logged_between,
     with_resume_auto,
 )
 from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, describe, run_mpi
@@ -130,7 +130,7 @@ def test_time_lost_is_read_from_metrics_and_the_checkpoint_index(tmp_path):
     rows = [{"step": 4, "time": 100.0, "step_time_s": 1.0}, {"step": 5, "time": 101.0, "step_time_s": 1.0},
             {"step": 6, "time": 102.0, "step_time_s": 1.0},  # failed attempt (started at 95)
             {"step": 5, "time": 110.5, "step_time_s": 0.5}]  # restarted at 108, resumed from step 4
-    assert last_logged_step(rows, since=95.0) == 6
+    assert steps_logged_between(rows, 100.2, 108.0) == 2  # after the save of step 4, before the failure
     assert first_step_started(rows, since=108.0) == 110.0
     assert first_step_started(rows, since=111.0) is None
     checkpoint = tmp_path / "step_00000004"

@@ -63,6 +63,7 @@ class CheckpointManager:
                 tensors.setdefault(piece["tensor"], {"global_shape": piece["global_shape"], "dtype": piece["dtype"]})
         p = cfg.parallel
         return {"format": FORMAT_VERSION, "step": step, "created": time.time(),
+                "save_seconds": time.time() - self.save_started,  # Young/Daly advice (resilience/advice.py)
                 "layout": {"world_size": self.world.size, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
                            "ep": p.ep, "zero": p.zero},
                 "config": to_toml(cfg), "tokenizer": trainer.tokenizer_description,
@@ -71,6 +72,7 @@ class CheckpointManager:
 
     # -- saving
     def _prepare(self, step: int) -> tuple[Path, Path]:
+        self.save_started = time.time()
         final = self.directory / step_dir_name(step)
         partial = self.directory / (final.name + ".partial")
         if self.world.rank == 0:

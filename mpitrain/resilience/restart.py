@@ -9,8 +9,8 @@ injected faults (MPITRAIN_FAULT) strike the first attempt only.
 Time lost by a restart = the wall time from the save of the checkpoint it resumes from (the index's "created") to
 the start of its first step (the first metrics.jsonl row it writes: "time" at the row's end minus "step_time_s").
 It covers the steps done after that save and thrown away, noticing the failure, starting again and loading. The
-steps redone are the failed attempt's last logged step minus the checkpoint's step (logged steps only: with
-train.log_every > 1 the failed attempt may have got further).
+steps redone are the rows the failed attempt logged after that save (logged steps only: with train.log_every > 1
+it did more).
 """
 from __future__ import annotations
 
@@ -74,10 +74,9 @@ def metrics_rows(metrics_path: Path) -> list[dict]:
     return rows
 
 
-def last_logged_step(rows: list[dict], since: float) -> int | None:
-    """The highest step logged at or after `since` (an attempt's start)."""
-    steps = [row["step"] for row in rows if row.get("time", 0.0) >= since and "step" in row]
-    return max(steps) if steps else None
+def steps_logged_between(rows: list[dict], start: float, end: float) -> int:
+    """How many rows were logged after `start` and up to `end` (steps done after a save, before a failure)."""
+    return sum(1 for row in rows if start < row.get("time", 0.0) <= end)
 
 
 def first_step_started(rows: list[dict], since: float) -> float | None:
@@ -195,8 +194,8 @@ class Supervisor:
                 return status
             attempt += 1
             saved = last_committed(self.checkpoint_dir)
-            last = last_logged_step(metrics_rows(self.metrics_path), started)
-            redone = last - saved.step if saved is not None and last is not None else None
+            after_save = max(started, saved.saved_at) if saved is not None else started
+            redone = steps_logged_between(metrics_rows(self.metrics_path), after_save, ended)
             self.echo(f"launch: attempt {attempt - 1} failed with exit status {describe_status(status)}; restart "
                       f"{attempt} of {self.max_restarts} from "
                       + (f"the checkpoint of step {saved.step}" if saved else "step 0 (no committed checkpoint)"))
