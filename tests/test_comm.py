@@ -359,6 +359,39 @@ with abort_on_error(MPI.COMM_WORLD):
 """
 
 
+PROGRESS = """
+import numpy as np
+from mpi4py import MPI
+from mpitrain.comm import Mesh, abort_on_error
+
+with abort_on_error(MPI.COMM_WORLD):
+    mesh = Mesh(MPI.COMM_WORLD, dp=2, tp=2)
+    r, record = mesh.rank, mesh.progress
+    assert all(group.progress is record for group in mesh.all_groups())
+    mesh.tp.all_reduce(np.ones(4))
+    mesh.tp.iall_reduce(np.ones(4)).wait()
+    mesh.dp.all_gather(np.ones(2), np.empty(4))
+    mesh.dp.broadcast_object("x")
+    mesh.world.barrier()
+    mesh.world.gather_object(r)
+    right = (r + 1) % 4
+    handles = [mesh.world.irecv(np.empty(3), (r - 1) % 4, tag=1), mesh.world.isend(np.ones(3), right, tag=1)]
+    for handle in handles:
+        handle.wait()
+    assert record.waiting is None
+    entered = MPI.COMM_WORLD.allgather(record.entered)  # raw mpi4py: enters nothing
+    tp, dp = f"tp@{r - r % 2}", f"dp@{r % 2}"
+    assert record.entered == {tp: 2, dp: 2, "world@0": 2, f"world@0:{(r - 1) % 4}>{r}": 1, f"world@0:{r}>{right}": 1}
+    for other in range(4):  # the n-th operation of a group is the same on every member; a send matches its recv
+        for channel, seq in entered[other].items():
+            members = [m for m in range(4) if channel in entered[m]]
+            assert all(entered[m][channel] == seq for m in members), channel
+            assert len(members) == (2 if ">" in channel or not channel.startswith("world") else 4), channel
+    if r == 0:
+        print("OK", [0, 1, 2, 3], flush=True)
+"""
+
+
 def _assert_all_ok(result):
     assert result.returncode == 0, describe(result)
     assert "OK [0, 1, 2, 3]" in result.stdout, describe(result)
@@ -376,3 +409,8 @@ def test_exception_on_one_rank_aborts_the_job():
     result = run_python_mpi(4, FAILURE, timeout=60)
     assert result.returncode != 0, describe(result)
     assert "[rank 1/4] ERROR: RuntimeError: deliberate failure on one rank" in result.stderr, describe(result)
+
+
+def test_every_operation_is_entered_in_the_progress_record_on_4_ranks():
+    """The watchdog's view: per-group sequence numbers agree across members, each send counts with its receive."""
+    _assert_all_ok(run_python_mpi(4, PROGRESS, timeout=60))

@@ -1,7 +1,8 @@
-"""Communication: process groups with byte counters, the parallel mesh, and abort-on-error. The only MPI users."""
+"""Communication: process groups with byte counters, the parallel mesh, abort-on-error and the hang watchdog.
+The only MPI users."""
 
 from mpitrain.comm.failure import abort_on_error, run_or_abort
-from mpitrain.comm.group import COUNTER_KINDS, Group, GroupBase, Handle, merge_counters, progress, ring_bytes
+from mpitrain.comm.group import COUNTER_KINDS, Group, GroupBase, merge_counters, ring_bytes
 from mpitrain.comm.mesh import (
     GROUP_KINDS,
     Coordinates,
@@ -12,6 +13,7 @@ from mpitrain.comm.mesh import (
     pipeline_neighbours,
     validate_degrees,
 )
+from mpitrain.comm.operations import Handle, Operation, ProgressRecord, progress
 
 __all__ = [
     "COUNTER_KINDS",
@@ -22,6 +24,8 @@ __all__ = [
     "GroupBase",
     "Handle",
     "Mesh",
+    "Operation",
+    "ProgressRecord",
     "abort_on_error",
     "group_members",
     "merge_counters",

@@ -20,6 +20,9 @@ each operation, whatever algorithm MPI really picks, so that tests and reports c
 Totals are kept as exact fractions and rounded to the nearest integer when read. A group of size 1 sends nothing
 (every counter stays 0) and makes no MPI call: collectives become local copies or no-ops. Non-blocking operations
 are counted when issued.
+
+Every operation is entered in the rank's progress record (operations.py), which the watchdog reads to find a
+hang and who caused it; blocking calls and `Handle.wait` record what the rank waits on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import pickle
 from fractions import Fraction
 
 import numpy as np
+
+from mpitrain.comm.operations import Handle, Operation, ProgressRecord
 
 COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control")
 REDUCE_OPS = ("sum", "max", "min")
@@ -57,41 +62,6 @@ def merge_counters(groups) -> dict[str, int]:
         for kind, value in group.counters(exact=True).items():
             total[kind] += value
     return {kind: round(value) for kind, value in total.items()}
-
-
-class Handle:
-    """A non-blocking operation in flight. Holds its buffers so they cannot be freed before it completes."""
-
-    def __init__(self, request=None, buffers=()):
-        self._request = request  # None: already complete (size-1 groups)
-        self._buffers = buffers
-
-    @property
-    def done(self) -> bool:
-        return self._request is None
-
-    def test(self) -> bool:
-        """Drive progress once; True when the operation has completed."""
-        if self._request is not None and self._request.Test():
-            self._complete()
-        return self.done
-
-    def wait(self) -> None:
-        if self._request is not None:
-            self._request.Wait()
-            self._complete()
-
-    def _complete(self) -> None:
-        self._request = None
-        self._buffers = ()
-
-
-def progress(handles) -> int:
-    """Test each pending handle once so MPI advances them while we compute; returns how many are still pending.
-
-    Called between layers so that gradient all-reduces issued earlier overlap the backward pass.
-    """
-    return sum(not handle.test() for handle in handles)
 
 
 class GroupBase(abc.ABC):
@@ -238,9 +208,12 @@ def _flat(buf: np.ndarray) -> np.ndarray:
 
 
 class Group(GroupBase):
-    """A process group over an mpi4py communicator, on numpy arrays (mpi4py's uppercase buffer methods)."""
+    """A process group over an mpi4py communicator, on numpy arrays (mpi4py's uppercase buffer methods).
 
-    def __init__(self, comm, name: str):
+    progress: the rank's record of operations, shared by all its groups (the Mesh passes one); a fresh one if None.
+    """
+
+    def __init__(self, comm, name: str, progress: ProgressRecord | None = None):
         super().__init__()
         MPI = _mpi()
         self.comm = comm
@@ -251,13 +224,40 @@ class Group(GroupBase):
         self.world_ranks = [int(r) for r in group.Translate_ranks(list(range(self.size)), world_group)]
         group.Free()
         world_group.Free()
+        self.progress = progress if progress is not None else ProgressRecord(MPI.COMM_WORLD.Get_rank())
+        me = self.world_ranks[self.rank]
+        self._channel = f"{name}@{self.world_ranks[0]}"  # groups of one kind partition the world: unique
+        self._others = tuple(r for r in self.world_ranks if r != me)
+
+    # ---- watched calls: every MPI operation is entered in the progress record -----------------------------------
+    def _enter(self, name: str, nbytes: int) -> Operation:
+        return self.progress.enter(name, self.name, self.world_ranks, self._channel, self._others, nbytes)
+
+    def _enter_p2p(self, name: str, nbytes: int, peer: int, sending: bool) -> Operation:
+        me, other = self.world_ranks[self.rank], self.world_ranks[peer]
+        source, dest = (me, other) if sending else (other, me)
+        channel = f"{self._channel}:{source}>{dest}"
+        return self.progress.enter(name, self.name, self.world_ranks, channel, (other,), nbytes)
+
+    def _blocking(self, operation: Operation, run, start=None) -> None:
+        """Run the blocking call `run()`, recorded as what this rank waits on. Without thread support for the
+        watchdog, the non-blocking form `start()` is polled against the deadline instead (object calls have none)."""
+        if self.progress.poll_timeout_s and start is not None:
+            Handle(start(), (), operation, self.progress).wait()
+        else:
+            self.progress.wait_for(operation, run)
+
+    def _handle(self, operation: Operation, request, buffers) -> Handle:
+        return Handle(request, buffers, operation, self.progress)
 
     # ---- collectives ---------------------------------------------------------------------------------------------
     def all_reduce(self, buf, op="sum"):
         _check_host(buf, f"{self.name}.all_reduce buffer", writable=True)
         self._count("all_reduce", buf.nbytes)
         if self.size > 1:
-            self.comm.Allreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op))
+            mpi_op, entered = _mpi_op(op), self._enter("all_reduce", buf.nbytes)
+            self._blocking(entered, lambda: self.comm.Allreduce(_mpi().IN_PLACE, buf, op=mpi_op),
+                           lambda: self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=mpi_op))
         else:
             _check_op(op)
 
@@ -265,7 +265,9 @@ class Group(GroupBase):
         buf = np.array([x], dtype=np.float64)
         self._count("control", buf.nbytes)
         if self.size > 1:
-            self.comm.Allreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op))
+            mpi_op, entered = _mpi_op(op), self._enter("all_reduce_scalar", buf.nbytes)
+            self._blocking(entered, lambda: self.comm.Allreduce(_mpi().IN_PLACE, buf, op=mpi_op),
+                           lambda: self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=mpi_op))
         else:
             _check_op(op)
         return float(buf[0])
@@ -287,7 +289,8 @@ class Group(GroupBase):
             raise ValueError(f"{self.name}.all_to_all: {send.size} elements do not split into {self.size} blocks")
         self._count("all_to_all", send.nbytes)
         if self.size > 1:
-            self.comm.Alltoall(send, recv)
+            self._blocking(self._enter("all_to_all", send.nbytes), lambda: self.comm.Alltoall(send, recv),
+                           lambda: self.comm.Ialltoall(send, recv))
         else:
             np.copyto(_flat(recv), _flat(send))
 
@@ -304,45 +307,59 @@ class Group(GroupBase):
         to_others = (sum(send_counts) - send_counts[self.rank]) * send.itemsize
         self._sent["all_to_all"] += to_others  # exact, not a ring formula
         if self.size > 1:
-            self.comm.Alltoallv(
-                [send, (send_counts, _offsets(send_counts))], [recv, (recv_counts, _offsets(recv_counts))]
-            )
+            spec = [send, (send_counts, _offsets(send_counts))], [recv, (recv_counts, _offsets(recv_counts))]
+            self._blocking(self._enter("all_to_allv", to_others), lambda: self.comm.Alltoallv(*spec),
+                           lambda: self.comm.Ialltoallv(*spec))
         else:
             _flat(recv)[: send_counts[0]] = _flat(send)[: send_counts[0]]
 
     def barrier(self):
         if self.size > 1:
-            self.comm.Barrier()
+            self._blocking(self._enter("barrier", 0), self.comm.Barrier, self.comm.Ibarrier)
 
     # ---- small Python objects (control plane: checkpoint indexes, timelines), counted under "control" ------------
     def gather_object(self, obj, root: int = 0) -> list | None:
         """Every rank's `obj` as a list on `root` (None elsewhere)."""
-        self._count("control", len(pickle.dumps(obj)))
-        return self.comm.gather(obj, root=root) if self.size > 1 else [obj]
+        nbytes = len(pickle.dumps(obj))
+        self._count("control", nbytes)
+        if self.size == 1:
+            return [obj]
+        gathered = []
+        self._blocking(self._enter("gather_object", nbytes), lambda: gathered.append(self.comm.gather(obj, root)))
+        return gathered[0]
 
     def broadcast_object(self, obj, root: int = 0):
+        if self.size == 1:
+            return obj
+        nbytes = len(pickle.dumps(obj)) if self.rank == root else 0
         if self.rank == root:
-            self._count("control", len(pickle.dumps(obj)))
-        return self.comm.bcast(obj, root=root) if self.size > 1 else obj
+            self._count("control", nbytes)
+        received = []
+        self._blocking(self._enter("broadcast_object", nbytes), lambda: received.append(self.comm.bcast(obj, root)))
+        return received[0]
 
     # ---- point to point (always through MPI, also on a group of one) ---------------------------------------------
     def send(self, buf, dest, tag=0):
         _check_host(buf, f"{self.name}.send buffer")
         self._count("send", buf.nbytes)
-        self.comm.Send(buf, dest=dest, tag=tag)
+        self._blocking(self._enter_p2p("send", buf.nbytes, dest, sending=True),
+                       lambda: self.comm.Send(buf, dest=dest, tag=tag), lambda: self.comm.Isend(buf, dest, tag))
 
     def recv(self, buf, source, tag=0):
         _check_host(buf, f"{self.name}.recv buffer", writable=True)
-        self.comm.Recv(buf, source=source, tag=tag)
+        self._blocking(self._enter_p2p("recv", buf.nbytes, source, sending=False),
+                       lambda: self.comm.Recv(buf, source=source, tag=tag), lambda: self.comm.Irecv(buf, source, tag))
 
     def isend(self, buf, dest, tag=0):
         _check_host(buf, f"{self.name}.isend buffer")
         self._count("send", buf.nbytes)
-        return Handle(self.comm.Isend(buf, dest=dest, tag=tag), (buf,))
+        entered = self._enter_p2p("isend", buf.nbytes, dest, sending=True)
+        return self._handle(entered, self.comm.Isend(buf, dest=dest, tag=tag), (buf,))
 
     def irecv(self, buf, source, tag=0):
         _check_host(buf, f"{self.name}.irecv buffer", writable=True)
-        return Handle(self.comm.Irecv(buf, source=source, tag=tag), (buf,))
+        entered = self._enter_p2p("irecv", buf.nbytes, source, sending=False)
+        return self._handle(entered, self.comm.Irecv(buf, source=source, tag=tag), (buf,))
 
     # ---- non-blocking collectives --------------------------------------------------------------------------------
     def iall_reduce(self, buf, op="sum"):
@@ -351,7 +368,8 @@ class Group(GroupBase):
         if self.size == 1:
             _check_op(op)
             return Handle()
-        return Handle(self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op)), (buf,))
+        entered = self._enter("iall_reduce", buf.nbytes)
+        return self._handle(entered, self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=_mpi_op(op)), (buf,))
 
     def ireduce_scatter(self, send, recv, op="sum"):
         return self._start_reduce_scatter(send, recv, op, blocking=False)
@@ -373,10 +391,10 @@ class Group(GroupBase):
             _check_op(op)
             np.copyto(_flat(recv), _flat(send))
             return Handle()
-        if blocking:
-            self.comm.Reduce_scatter_block(send, recv, op=_mpi_op(op))
-            return None
-        return Handle(self.comm.Ireduce_scatter_block(send, recv, op=_mpi_op(op)), (send, recv))
+        mpi_op = _mpi_op(op)
+        return self._start(("i" if not blocking else "") + "reduce_scatter", send.nbytes, blocking,
+                           lambda: self.comm.Reduce_scatter_block(send, recv, op=mpi_op),
+                           lambda: self.comm.Ireduce_scatter_block(send, recv, op=mpi_op), (send, recv))
 
     def _start_all_gather(self, send, recv, blocking):
         what = f"{self.name}.all_gather"
@@ -387,10 +405,9 @@ class Group(GroupBase):
         if self.size == 1:
             np.copyto(_flat(recv), _flat(send))
             return Handle()
-        if blocking:
-            self.comm.Allgather(send, recv)
-            return None
-        return Handle(self.comm.Iallgather(send, recv), (send, recv))
+        return self._start(("i" if not blocking else "") + "all_gather", recv.nbytes, blocking,
+                           lambda: self.comm.Allgather(send, recv), lambda: self.comm.Iallgather(send, recv),
+                           (send, recv))
 
     def _start_broadcast(self, buf, root, blocking):
         _check_host(buf, f"{self.name}.broadcast buffer", writable=self.rank != root)
@@ -399,10 +416,16 @@ class Group(GroupBase):
         self._count("broadcast", buf.nbytes, is_root=self.rank == root)
         if self.size == 1:
             return Handle()
+        return self._start(("i" if not blocking else "") + "broadcast", buf.nbytes, blocking,
+                           lambda: self.comm.Bcast(buf, root=root), lambda: self.comm.Ibcast(buf, root=root), (buf,))
+
+    def _start(self, name, nbytes, blocking, run, start, buffers):
+        """Enter the operation, then run it to completion (blocking) or return its Handle."""
+        entered = self._enter(name, nbytes)
         if blocking:
-            self.comm.Bcast(buf, root=root)
+            self._blocking(entered, run, start)
             return None
-        return Handle(self.comm.Ibcast(buf, root=root), (buf,))
+        return self._handle(entered, start(), buffers)
 
 
 def _offsets(counts: list[int]) -> list[int]:

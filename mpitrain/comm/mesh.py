@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpitrain.comm.group import Group
+from mpitrain.comm.operations import ProgressRecord
 from mpitrain.errors import LayoutError
 
 GROUP_KINDS = ("world", "dp", "tp", "pp", "cp", "ep", "expert_dp", "dp_cp")
@@ -117,11 +118,14 @@ class Mesh:
 
     Groups: world, dp, tp, pp, cp, ep, expert_dp, dp_cp (dp and cp together: what gradients are reduced over when
     cp > 1). Degrees are in `mesh.degrees`; `mesh.dp.size == mesh.degrees.dp`. `pp_prev`/`pp_next` are world ranks.
+    All groups enter their operations in one progress record (`mesh.progress`, the watchdog's view of this rank).
     """
 
-    def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+    def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 progress: ProgressRecord | None = None):
         self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         self.rank = world_comm.Get_rank()
+        self.progress = progress if progress is not None else ProgressRecord(self.rank)
         coords = mesh_coordinates(self.rank, dp, tp, pp, cp)
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
         self.ep_rank = self.dp_rank % ep
@@ -142,7 +146,7 @@ class Mesh:
         # Colour each group by its first member (groups of one kind partition the world), order by position.
         comm = world_comm.Split(color=members[0], key=members.index(self.rank))
         assert comm.Get_size() == len(members) and comm.Get_rank() == members.index(self.rank), kind
-        return Group(comm, kind)
+        return Group(comm, kind, self.progress)
 
     def all_groups(self) -> list[Group]:
         return [getattr(self, kind) for kind in GROUP_KINDS]
