@@ -35,6 +35,8 @@ from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
+from mpitrain.resilience.heartbeat import start_fault_watch
+from mpitrain.resilience.inject import strike_hang
 from mpitrain.resilience.restart import strike_kill
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 
@@ -52,7 +54,7 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world_comm):
+    def __init__(self, cfg: Config, world_comm, progress=None):  # progress: the watchdog's record (comm/operations.py)
         self.cfg = cfg
         world_size, world_rank = world_comm.Get_size(), world_comm.Get_rank()
         # --- checks without communication (every rank reaches the same verdict on its own)
@@ -78,7 +80,7 @@ class Trainer:
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
         self.faults = FaultPlan.from_environment(world_rank)  # MPITRAIN_FAULT: injected faults (tests, demos)
         # --- from here on, collectives
-        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
                          stages=stages)
@@ -216,8 +218,14 @@ class StopRequest:
 def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None) -> int:
     """Run the steps from the start or from a checkpoint; returns the exit status (0, or PREEMPTED_EXIT_CODE after a
     stop request was saved). Rank 0 writes RUN_DIR/{config.toml, metrics.jsonl} and prints progress; every rank
-    writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints)."""
-    trainer = Trainer(cfg, world_comm)
+    writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's watchdog
+    writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
+    with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
+        return _train(cfg, world_comm, run_dir, echo, resume, watchdog.progress)
+
+
+def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
+    trainer = Trainer(cfg, world_comm, progress)
     logger = trainer.is_logger
     say = echo if logger else (lambda text: None)
     c, t = cfg.checkpoint, cfg.train
@@ -249,7 +257,9 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
         with StopRequest() as stop:
             for step in range(start, t.steps):
                 done = step + 1
+                progress.step = done  # named by hang reports and heartbeats
                 strike_kill(trainer.faults, trainer.mesh.world.rank, done)
+                strike_hang(trainer.faults, trainer.mesh.world.rank, done)
                 evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
                 logged = evaluate or done % t.log_every == 0 or step == start
                 result = trainer.train_step(step, measure_bubble=logged)
