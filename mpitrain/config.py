@@ -127,6 +127,7 @@ class FaultConfig:
     spike_window: int = 20  # steps of loss history for the spike test
     max_bad_steps: int = 3  # this many bad (skipped) steps in a row roll back to the last committed checkpoint
     sdc_every: int = 0  # every N steps compare a hash of the parameters across data-parallel replicas; 0: off
+    skip_steps: list = field(default_factory=list)  # steps (from 1) whose update is skipped on purpose
     mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
 
 
@@ -290,6 +291,7 @@ def validate(cfg: Config) -> None:
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
+    _require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
              f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "

@@ -35,9 +35,11 @@ from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
+from mpitrain.resilience.guard import GOOD, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.inject import strike_hang
 from mpitrain.resilience.restart import strike_kill
+from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 
 
@@ -51,6 +53,11 @@ class StepResult:
     comm_bytes: dict
     bubble: float | None = None  # measured pipeline bubble (pp > 1, on the logging rank, when asked for)
     compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
+    verdict: int = GOOD  # resilience/guard.py: GOOD, or why the update was skipped
+
+    @property
+    def skipped(self) -> bool:
+        return self.verdict != GOOD
 
 
 class Trainer:
@@ -101,6 +108,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.peak_flops = cfg.logging.peak_flops or measure_matmul_peak(self.backend)
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
+        self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
 
     @property
     def is_logger(self) -> bool:
@@ -120,23 +128,31 @@ class Trainer:
         start = time.perf_counter()
         state.zero_grads()
         dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
-        loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(step, self._rows(micro)),
+        batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
+        loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(batch, self._rows(micro)),
                                           dloss)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
+        self.guard.inject(step + 1, self.optimizer.segments)
         grad_norm = self.global_grad_norm()
-        scale = clip_scale(grad_norm, cfg.optim.clip)
-        if scale != 1.0:
-            for segment in self.optimizer.segments:
-                segment.grads *= scale
+        loss = self._total(loss_sum) / self.tokens_per_step
+        verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
+        self.guard.record(verdict, loss)
         o = cfg.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
-        self.optimizer.step(lr)
+        if verdict == GOOD:
+            scale = clip_scale(grad_norm, cfg.optim.clip)
+            if scale != 1.0:
+                for segment in self.optimizer.segments:
+                    segment.grads *= scale
+            self.optimizer.step(lr)
         state.after_step()
-        loss = self._total(loss_sum) / self.tokens_per_step
+        if self.guard.strikes("flip", step + 1):
+            flip_one_bit(self.optimizer.segments)
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups), compute_seconds=compute)
+        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups), compute_seconds=compute,
+                            verdict=verdict)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
@@ -173,7 +189,15 @@ class Trainer:
                   "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
         if result.bubble is not None:
             record["bubble"] = result.bubble
+        record.update(self.guard.metrics(result.skipped))
         return record
+
+    def extra_state(self) -> dict:
+        """Saved in a checkpoint's index beside the tensors (the data offset of rollbacks, bad-step counters)."""
+        return self.guard.state()
+
+    def load_extra_state(self, state: dict) -> None:
+        self.guard.load_state(state)
 
 
 def make_state(cfg: Config, model: GPT, backend, mesh):
@@ -253,9 +277,12 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                  p.virtual_stages > 1 else "") + f", layers per stage {layers}")
     stragglers = StragglerWatch(trainer.mesh.world, cfg.fault.straggler_factor, cfg.fault.straggler_steps)
     advice = AdviceReporter(cfg.fault.mtbf_hours if logger else 0.0, c.every, echo)  # Young/Daly, printed once
+    sdc = ReplicaCheck(cfg.fault.sdc_every, cfg.parallel.zero, trainer.mesh, run_dir, say,
+                       lambda: replicated_arrays(trainer.state, trainer.optimizer, cfg.parallel.zero))
     try:
         with StopRequest() as stop:
-            for step in range(start, t.steps):
+            step = start
+            while step < t.steps:
                 done = step + 1
                 progress.step = done  # named by hang reports and heartbeats
                 strike_kill(trainer.faults, trainer.mesh.world.rank, done)
@@ -270,15 +297,21 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                     for report in stragglers.check(done, result.compute_seconds):
                         record.setdefault("stragglers", []).append(report)
                         say(format_report(report, cfg.fault.straggler_factor))
-                if logger and logged:
+                if logger and (logged or result.skipped):
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                     echo(format_log_line(record, t.steps))
-                if not math.isfinite(result.loss):
-                    raise FloatingPointError(f"loss became {result.loss} at step {done}; lower optim.lr")
+                if result.skipped:
+                    say(trainer.guard.describe_skip(done, result.verdict, result.loss, result.grad_norm))
+                    if trainer.guard.rollback_due:
+                        step = trainer.guard.roll_back(checkpoints, done, say)
+                        continue
                 checkpoints.poll()
                 # Every rank must agree to stop, whichever got the signal: one 8-byte all-reduce per step.
                 signalled = trainer.mesh.world.all_reduce_scalar(float(stop.received is not None), op="max")
+                saving = signalled or done in (t.stop_at, t.steps) or (c.every and done % c.every == 0)
+                if sdc.due(done, saving):
+                    sdc.check(done)  # before any save: no checkpoint is written from a corrupted replica
                 if signalled or done == t.stop_at:
                     checkpoints.save(done)
                     why = f"stop requested ({stop.received or 'signal on another rank'})" if signalled else \
@@ -289,6 +322,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                 if c.every and done % c.every == 0 and done < t.steps:
                     (checkpoints.save_async if c.async_ else checkpoints.save)(done)
                 advice.observe(result.seconds, checkpoints.directory)
+                step += 1
     finally:
         if metrics_file is not None:
             metrics_file.close()

@@ -68,6 +68,7 @@ class CheckpointManager:
                            "ep": p.ep, "zero": p.zero},
                 "config": to_toml(cfg), "tokenizer": trainer.tokenizer_description,
                 "train_state": {"next_step": step, "optimizer_steps": trainer.optimizer.steps_taken},
+                "extra_state": trainer.extra_state(),  # e.g. the data offset of bad-step rollbacks (resilience/guard)
                 "tensors": dict(sorted(tensors.items())), "files": records}
 
     # -- saving
@@ -199,4 +200,5 @@ class CheckpointManager:
         checkpoint.load_into(held)
         self.trainer.state.after_restore()
         self.trainer.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
+        self.trainer.load_extra_state(checkpoint.index.get("extra_state", {}))
         return int(checkpoint.index["train_state"]["next_step"])

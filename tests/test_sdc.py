@@ -1,0 +1,96 @@
+"""Silent data corruption: a bit flipped in one replica's parameters is found by the replica hash check within
+fault.sdc_every steps, the job stops naming the rank and its host, and no checkpoint is written after the flip."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mpitrain.checkpoint.store import committed_checkpoints
+from mpitrain.resilience.sdc import digest, flip_one_bit, odd_ones_out, replicated_arrays
+from tests.test_bad_steps import rows, train
+
+
+# ----------------------------------------------------------------------------- units
+def test_the_odd_one_out_is_named_by_majority_and_a_tie_names_everyone():
+    assert odd_ones_out([7, 7, 7]) == ([], False)
+    assert odd_ones_out([7, 9, 7]) == ([1], False)
+    assert odd_ones_out([7, 9, 7, 7]) == ([1], False)
+    assert odd_ones_out([7, 9]) == ([0, 1], True)  # two replicas: no majority, either may be corrupted
+    assert odd_ones_out([7, 9, 7, 9]) == ([0, 1, 2, 3], True)
+    assert odd_ones_out([1, 2, 3]) == ([0, 1, 2], True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_flip_changes_one_value_visibly_but_finitely_and_changes_the_digest(dtype):
+    params = np.linspace(-1.0, 1.0, 101, dtype=dtype) + dtype(0.3)
+    before = params.copy()
+    reference = digest([params, np.ones(3)])
+    flip_one_bit([SimpleNamespace(params=params)])
+    changed = np.flatnonzero(params != before)
+    assert changed.tolist() == [50]
+    assert np.isfinite(params).all() and 0.25 < abs(params[50] / before[50] - 1) <= 0.5  # top mantissa bit
+    assert digest([params, np.ones(3)]) != reference
+    flip_one_bit([SimpleNamespace(params=params)])  # flipping it back restores the bytes and the digest
+    assert digest([params, np.ones(3)]) == reference
+
+
+def test_what_is_compared_for_each_zero_stage():
+    state = SimpleNamespace(params=SimpleNamespace(data=np.zeros(4)))
+    optimizer = SimpleNamespace(exp_avg=np.ones(4), exp_avg_sq=np.full(4, 2.0))
+    assert [a[0] for a in replicated_arrays(state, optimizer, 0)] == [0.0, 1.0, 2.0]  # params and both moments
+    assert [a[0] for a in replicated_arrays(state, optimizer, 1)] == [0.0]  # moments are sharded
+    assert [a[0] for a in replicated_arrays(state, optimizer, 2)] == [0.0]
+    assert replicated_arrays(state, optimizer, 3) == []  # one copy of everything: nothing to compare
+
+
+# ----------------------------------------------------------------------------- MPI runs
+def sdc_errors(result) -> list[str]:
+    """The error lines, without the '[rank r/n] ERROR:' prefix."""
+    return [line.split("ERROR:", 1)[1] for line in result.stderr.splitlines() if "silent data corruption" in line]
+
+
+def test_a_flipped_bit_stops_the_job_before_any_checkpoint_is_written_from_it(tmp_path):
+    """Flip after step 5's update on rank 1; checks every 3 steps and before each save (every 2): found at step 6,
+    before step 6's save. With two replicas there is no majority: both ranks are named, as not certain."""
+    run = train(tmp_path / "run", "checkpoint.every=2", "fault.sdc_every=3", fault="flip:rank=1:step=5", expect=1)
+    errors = sdc_errors(run)
+    assert len(errors) == 2 and all("at step 6:" in e and "rank 0 on" in e and "rank 1 on" in e for e in errors)
+    assert "Traceback" not in run.stderr
+    saved = [path.name for path in committed_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert saved == ["step_00000002", "step_00000004"]  # nothing after the flip at step 5
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+    faults = [json.loads(line) for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
+    assert sorted(f["rank"] for f in faults) == [0, 1]
+    assert all(f["kind"] == "sdc" and f["step"] == 6 and f["host"] and f["certain"] is False for f in faults)
+
+
+def test_with_three_replicas_the_majority_names_the_corrupted_rank(tmp_path):
+    run = train(tmp_path / "run", "train.global_batch=6", "train.micro_batch=2", "fault.sdc_every=2",
+                fault="flip:rank=2:step=3", expect=1, n=3)
+    errors = sdc_errors(run)
+    assert errors and all("at step 4: differs from the majority" in e and "rank 2 on" in e and "rank 0" not in e
+                          and "rank 1 on" not in e for e in errors), run.stderr
+    faults = [json.loads(line) for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
+    assert [(f["kind"], f["rank"], f["step"], f["certain"]) for f in faults] == [("sdc", 2, 4, True)]
+    assert not committed_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_healthy_replicas_pass_every_check(tmp_path, zero):
+    run = train(tmp_path / "run", f"parallel.zero={zero}", "fault.sdc_every=1", "checkpoint.every=5")
+    assert not sdc_errors(run) and not (tmp_path / "run" / "faults.jsonl").exists()
+    assert len(rows(tmp_path / "run")) == 10
+
+
+def test_under_zero_1_a_flip_is_found_by_a_check_before_the_next_all_gather(tmp_path):
+    """ZeRO-1/2 compare the full parameters every replica rebuilds by the all-gather at the end of each step."""
+    run = train(tmp_path / "run", "parallel.zero=1", "fault.sdc_every=4", fault="flip:rank=0:step=4", expect=1)
+    assert sdc_errors(run) and all("at step 4:" in e for e in sdc_errors(run))
+
+
+def test_zero_3_says_the_check_has_nothing_to_compare(tmp_path):
+    run = train(tmp_path / "run", "parallel.zero=3", "fault.sdc_every=2", "train.steps=2")
+    assert "parallel.zero = 3 keeps one copy of every parameter" in run.stdout
