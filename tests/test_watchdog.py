@@ -39,9 +39,9 @@ TIMEOUT_S = 3  # fault.timeout_s of the hang tests
 # ---- the progress record, no MPI -------------------------------------------------------------------------------------
 def test_progress_record_numbers_operations_per_channel():
     record = ProgressRecord(world_rank=2)
-    first = record.enter("all_reduce", "dp", [0, 2], "dp@0", (0,), 64)
-    second = record.enter("iall_gather", "dp", [0, 2], "dp@0", (0,), 32)
-    send = record.enter("send", "pp", [2, 6], "pp@2:2>6", (6,), 16)
+    first = record.enter("all_reduce", "dp", (0, 2), "dp@0", (0,), 64)
+    second = record.enter("iall_gather", "dp", (0, 2), "dp@0", (0,), 32)
+    send = record.enter("send", "pp", (2, 6), "pp@2:2>6", (6,), 16)
     assert (first.seq, second.seq, send.seq) == (1, 2, 1)
     assert record.entered == {"dp@0": 2, "pp@2:2>6": 1}
     assert record.snapshot()["operation"] is None
@@ -72,7 +72,7 @@ class FakeRequest:
 
 def test_handle_wait_records_the_operation_it_waits_on():
     record = ProgressRecord(world_rank=0)
-    operation = record.enter("iall_reduce", "dp", [0, 1], "dp@0", (1,), 8)
+    operation = record.enter("iall_reduce", "dp", (0, 1), "dp@0", (1,), 8)
     seen = []
     handle = Handle(FakeRequest(on_wait=lambda: seen.append(record.waiting[0])), (), operation, record)
     handle.wait()
@@ -90,14 +90,14 @@ def test_polling_wait_calls_the_timeout_once_the_deadline_passes():
         raise SystemExit(HANG_EXIT_CODE)  # a real on_timeout aborts the job and never returns
 
     record.on_timeout = on_timeout
-    operation = record.enter("irecv", "pp", [0, 1], "pp@0:1>0", (1,), 8)
+    operation = record.enter("irecv", "pp", (0, 1), "pp@0:1>0", (1,), 8)
     with pytest.raises(SystemExit):
         Handle(FakeRequest(tests=None), (), operation, record).wait()
     assert fired and fired[0][0] is operation and fired[0][1] >= 0.01
     assert record.waiting is None
     request = FakeRequest(tests=3)  # completes before the deadline: no report
     record.poll_timeout_s = 1e6
-    Handle(request, (), record.enter("irecv", "pp", [0, 1], "pp@0:1>0", (1,), 8), record).wait()
+    Handle(request, (), record.enter("irecv", "pp", (0, 1), "pp@0:1>0", (1,), 8), record).wait()
     assert request.calls == 3 and len(fired) == 1
 
 
@@ -193,10 +193,10 @@ def test_watchdog_reports_a_stopped_peer_and_aborts(tmp_path, capsys, monkeypatc
     write_beats(tmp_path / "heartbeat", {1: beat(1, 3, {"world@0": 1}, step=4, host="node9")})
     watchdog = make_watchdog(tmp_path, record, faults)
     record.step = 4
-    record.enter("all_reduce", "world", [0, 1], "world@0", (1,), 8)
-    operation = record.enter("all_reduce", "world", [0, 1], "world@0", (1,), 8)
+    record.enter("all_reduce", "world", (0, 1), "world@0", (1,), 8)
+    operation = record.enter("all_reduce", "world", (0, 1), "world@0", (1,), 8)
     record.begin_wait(operation)
-    record.waiting = (operation, record.waiting[1] - 1.0, record.waiting[2])  # waiting for a second: overdue
+    record.waiting = (operation, record.waiting[1] - 1.0)  # waiting for a second: overdue
     with pytest.raises(Aborted) as aborted:
         watchdog.tick()
     assert aborted.value.args == (HANG_EXIT_CODE,)
@@ -210,9 +210,9 @@ def test_watchdog_reports_a_stopped_peer_and_aborts(tmp_path, capsys, monkeypatc
 
 def test_watchdog_stands_down_when_the_operation_completes_while_it_looks(tmp_path, capsys):
     record, faults = ProgressRecord(world_rank=0), []
-    operation = record.enter("barrier", "world", [0, 1], "world@0", (1,), 0)
+    operation = record.enter("barrier", "world", (0, 1), "world@0", (1,), 0)
     record.begin_wait(operation)
-    record.waiting = (operation, record.waiting[1] - 1.0, record.waiting[2])
+    record.waiting = (operation, record.waiting[1] - 1.0)
     watchdog = make_watchdog(tmp_path, record, faults)
 
     class FinishingHeartbeats(HeartbeatFiles):
@@ -229,9 +229,9 @@ def test_watchdog_without_heartbeats_still_aborts_naming_the_operation(tmp_path,
     monkeypatch.setattr("mpitrain.comm.watchdog.ABORT_GRACE_SECONDS", 0.0)
     record, faults = ProgressRecord(world_rank=1), []
     watchdog = make_watchdog(tmp_path, record, faults, heartbeats=False)
-    operation = record.enter("recv", "pp", [0, 1], "pp@0:0>1", (0,), 1024)
+    operation = record.enter("recv", "pp", (0, 1), "pp@0:0>1", (0,), 1024)
     record.begin_wait(operation)
-    record.waiting = (operation, record.waiting[1] - 1.0, record.waiting[2])
+    record.waiting = (operation, record.waiting[1] - 1.0)
     with pytest.raises(Aborted):
         watchdog.tick()
     line = capsys.readouterr().err
@@ -244,9 +244,9 @@ def test_a_rank_leaves_the_report_to_a_lower_live_rank_then_reports_if_the_job_l
     monkeypatch.setattr("mpitrain.comm.watchdog.ABORT_GRACE_SECONDS", 0.0)
     monkeypatch.setattr("mpitrain.comm.watchdog.DEFER_MARGIN_S", 0.0)
     record, faults = ProgressRecord(world_rank=1), []
-    operation = record.enter("all_reduce", "world", [0, 1, 2], "world@0", (0, 2), 8)
+    operation = record.enter("all_reduce", "world", (0, 1, 2), "world@0", (0, 2), 8)
     record.begin_wait(operation)
-    record.waiting = (operation, record.waiting[1] - 1.0, record.waiting[2])
+    record.waiting = (operation, record.waiting[1] - 1.0)
     watchdog = make_watchdog(tmp_path, record, faults)
     reads = []
 

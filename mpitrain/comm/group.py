@@ -226,18 +226,19 @@ class Group(GroupBase):
         world_group.Free()
         self.progress = progress if progress is not None else ProgressRecord(MPI.COMM_WORLD.Get_rank())
         me = self.world_ranks[self.rank]
+        self._members = tuple(self.world_ranks)
         self._channel = f"{name}@{self.world_ranks[0]}"  # groups of one kind partition the world: unique
         self._others = tuple(r for r in self.world_ranks if r != me)
 
     # ---- watched calls: every MPI operation is entered in the progress record -----------------------------------
     def _enter(self, name: str, nbytes: int) -> Operation:
-        return self.progress.enter(name, self.name, self.world_ranks, self._channel, self._others, nbytes)
+        return self.progress.enter(name, self.name, self._members, self._channel, self._others, nbytes)
 
     def _enter_p2p(self, name: str, nbytes: int, peer: int, sending: bool) -> Operation:
         me, other = self.world_ranks[self.rank], self.world_ranks[peer]
         source, dest = (me, other) if sending else (other, me)
         channel = f"{self._channel}:{source}>{dest}"
-        return self.progress.enter(name, self.name, self.world_ranks, channel, (other,), nbytes)
+        return self.progress.enter(name, self.name, self._members, channel, (other,), nbytes)
 
     def _blocking(self, operation: Operation, run, start=None) -> None:
         """Run the blocking call `run()`, recorded as what this rank waits on. Without thread support for the

@@ -68,19 +68,19 @@ class ProgressRecord:
         self.world_rank = world_rank
         self.step = 0  # set by the training loop (from 1); shown in heartbeats and hang reports
         self.entered: dict[str, int] = {}  # channel -> sequence number of the last operation entered
-        self.waiting: tuple | None = None  # (Operation, time.monotonic(), time.time()) while blocked on it
+        self.waiting: tuple | None = None  # (Operation, time.monotonic() when the wait began) while blocked on it
         # Without MPI_THREAD_MULTIPLE no other thread may call MPI_Abort, so the watchdog sets these and the blocked
         # thread itself polls with Test and calls on_timeout(operation, waited_s) once the deadline passes.
         self.poll_timeout_s: float = 0.0
         self.on_timeout = None
 
-    def enter(self, name, group, members, channel, peers, nbytes) -> Operation:
+    def enter(self, name, group, members: tuple, channel, peers: tuple, nbytes: int) -> Operation:
         seq = self.entered.get(channel, 0) + 1
         self.entered[channel] = seq
-        return Operation(name, group, tuple(members), channel, seq, int(nbytes), tuple(peers))
+        return Operation(name, group, members, channel, seq, nbytes, peers)
 
     def begin_wait(self, operation: Operation) -> None:
-        self.waiting = (operation, time.monotonic(), time.time())
+        self.waiting = (operation, time.monotonic())
 
     def end_wait(self) -> None:
         self.waiting = None
@@ -90,7 +90,7 @@ class ProgressRecord:
         waiting = self.waiting
         record = {"step": self.step, "entered": dict(self.entered), "operation": None}
         if waiting is not None:
-            operation, since, _ = waiting
+            operation, since = waiting
             record["operation"] = dict(operation.as_dict(), waiting_s=round(time.monotonic() - since, 3))
         return record
 

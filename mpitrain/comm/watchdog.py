@@ -22,7 +22,8 @@ and has arrived: there is no host to exclude):
 
 MPI is initialised with MPI_THREAD_MULTIPLE by mpi4py, so the thread may call Abort while the main thread blocks
 inside MPI (mpi4py releases the GIL there). Where MPI offers less, the blocked thread polls its request against the
-deadline itself (`ProgressRecord.poll`) and the thread only publishes heartbeats.
+deadline itself (`ProgressRecord.poll`: blocking calls run as their non-blocking forms; gather_object and
+broadcast_object, which have none, stay unwatched) and the thread only publishes heartbeats.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ class Watchdog:
         waiting = self.progress.waiting
         if waiting is None or not self.timeout_s or self.progress.poll_timeout_s:
             return
-        operation, since, _ = waiting
+        operation, since = waiting
         waited = time.monotonic() - since
         if waited >= self.timeout_s:
             self.fire(operation, waited)
