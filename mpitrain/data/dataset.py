@@ -19,12 +19,12 @@ CHECK_CHUNK_TOKENS = 1 << 22
 
 
 class TokenDataset:
-    """A file written by `prepare_dataset`; each split is read into memory on first use (corpora here are small).
+    """A file written by `prepare_dataset`, read into memory when opened (corpora here are small).
 
     Opening checks the whole file, so that bad data is refused with one line before any step trains on it: both
-    splits present, 1-D, of an integer dtype, not empty, and every id in [0, vocab_size). The id range is found by
-    one chunked pass over each split (sequential reads, bounded memory); a maximum stored at prepare time would
-    still have to be read to be trusted, and training reads every token anyway.
+    splits present, 1-D, of an integer dtype, not empty, and every id in [0, vocab_size). The ids are checked chunk by
+    chunk as each split is read into memory, so the check adds no pass over the file and no temporary larger than a
+    chunk. (A maximum stored at prepare time would still have to be read to be trusted.)
     """
 
     def __init__(self, path):
@@ -40,13 +40,12 @@ class TokenDataset:
                                     "re-create it with: mpitrain data prepare")
                 self._attrs = dict(f.attrs)
                 vocab_size = self.vocab_size
-                self._lengths = {name: self._check_split_data(name, f[name], vocab_size) for name in SPLITS}
+                self._tokens = {name: self._read_split(name, f[name], vocab_size) for name in SPLITS}
         except OSError as err:
             raise DataError(f"cannot read dataset file {self.path}: {err}") from None
-        self._tokens = {}
 
-    def _check_split_data(self, name, data, vocab_size) -> int:
-        """The split's length, after checking its shape, dtype and that every id is a valid token."""
+    def _read_split(self, name, data, vocab_size) -> np.ndarray:
+        """The split's tokens, after checking its shape, dtype and that every id is a valid token."""
         where = f"dataset file {self.path}, split {name!r}"
         if not isinstance(data, h5py.Dataset):
             raise DataError(f"{where}: is not an array of token ids; re-create it with: mpitrain data prepare")
@@ -56,12 +55,13 @@ class TokenDataset:
             raise DataError(f"{where}: token ids must be integers, got dtype {data.dtype}")
         if data.shape[0] == 0:
             raise DataError(f"{where}: is empty (no tokens)")
-        low, high = _id_range(data)
+        tokens = np.empty(data.shape, dtype=data.dtype)
+        low, high = _id_range(data, into=tokens)
         if low < 0:
             raise DataError(f"{where}: min id {low} < 0")
         if high >= vocab_size:
             raise DataError(f"{where}: max id {high} >= vocabulary {vocab_size} (the file's vocab_size attribute)")
-        return int(data.shape[0])
+        return tokens
 
     def _attr(self, key):
         if key not in self._attrs:
@@ -91,14 +91,11 @@ class TokenDataset:
 
     def n_tokens(self, split):
         self._check_split(split)
-        return self._lengths[split]
+        return len(self._tokens[split])
 
     def tokens(self, split):
-        """The whole split as a 1-D numpy array, loaded once."""
+        """The whole split as a 1-D numpy array (its file dtype)."""
         self._check_split(split)
-        if split not in self._tokens:
-            with h5py.File(self.path, "r") as f:
-                self._tokens[split] = f[split][()]
         return self._tokens[split]
 
 
@@ -148,11 +145,14 @@ class BatchSampler:
         return np.ascontiguousarray(samples[:, :-1]), np.ascontiguousarray(samples[:, 1:])
 
 
-def _id_range(data) -> tuple[int, int]:
-    """(min, max) token id of an HDF5 integer dataset, read CHECK_CHUNK_TOKENS at a time."""
+def _id_range(data, into=None) -> tuple[int, int]:
+    """(min, max) token id of an HDF5 integer dataset, read CHECK_CHUNK_TOKENS at a time (and copied `into` an
+    array of its shape, when given)."""
     low, high = None, None
     for start in range(0, data.shape[0], CHECK_CHUNK_TOKENS):
         chunk = data[start:start + CHECK_CHUNK_TOKENS]
+        if into is not None:
+            into[start:start + len(chunk)] = chunk
         low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
         high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
     return low, high
