@@ -104,7 +104,7 @@ def test_skip_steps_is_a_list_of_steps_from_one():
 
 
 # ----------------------------------------------------------------------------- MPI runs
-LAYOUTS = {"dp2": [], "dp2-zero3": ["parallel.zero=3"], "tp2": ["parallel.tp=2"]}
+LAYOUTS = {"dp2": [], "dp2-zero3": ["parallel.zero=3"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
