@@ -37,6 +37,20 @@ def test_a_flip_changes_one_value_visibly_but_finitely_and_changes_the_digest(dt
     assert digest([params, np.ones(3)]) == reference
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_digest_sees_any_single_bit_and_only_changes(dtype):
+    values = np.random.default_rng(0).standard_normal(1000).astype(dtype)
+    reference = digest([values, np.zeros(5)])
+    assert digest([values.copy(), np.zeros(5)]) == reference
+    words = values.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[values.itemsize])
+    for index in (0, 517, 999):
+        for bit in range(8 * values.itemsize):
+            corrupted = words.copy()
+            corrupted[index] ^= corrupted.dtype.type(1) << corrupted.dtype.type(bit)
+            assert digest([corrupted.view(dtype), np.zeros(5)]) != reference, (index, bit)
+    assert digest([np.zeros(5), values]) != reference  # the order of the arrays counts
+
+
 def test_what_is_compared_for_each_zero_stage():
     state = SimpleNamespace(params=SimpleNamespace(data=np.zeros(4)))
     optimizer = SimpleNamespace(exp_avg=np.ones(4), exp_avg_sq=np.full(4, 2.0))
