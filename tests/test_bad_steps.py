@@ -160,3 +160,18 @@ def test_bad_steps_with_no_checkpoint_to_roll_back_to_stop_with_one_line(tmp_pat
                           for line in errors), describe(run)
     assert "Traceback" not in run.stderr
     assert not committed_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+def test_loss_spikes_skip_exactly_the_steps_the_rule_names(tmp_path):
+    """A low threshold on a short window: replaying the rule on metrics.jsonl's losses gives the skipped steps."""
+    train(tmp_path / "run", "parallel.zero=1", "train.steps=14", "fault.spike_zscore=0.5", "fault.spike_window=3",
+          "fault.max_bad_steps=100")
+    logged = rows(tmp_path / "run")
+    window, expected = deque(maxlen=3), []
+    for record in logged:
+        spike = is_spike(record["loss"], window, 0.5)
+        expected.append(spike)
+        if not spike:
+            window.append(record["loss"])
+    assert [r["skipped"] for r in logged] == expected
+    assert any(expected) and not all(expected[3:])  # the threshold is low enough to bite, not to stop training
