@@ -13,7 +13,17 @@ from mpitrain.checkpoint.store import Checkpoint, committed_checkpoints
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
 from mpitrain.resilience.faults import FaultPlan, parse_faults
-from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, NONFINITE_LOSS, SPIKE, TOLD_TO_SKIP, BadStepGuard, is_spike
+from mpitrain.resilience.guard import (
+    GOOD,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    ROLLBACKS_TO_ONE_CHECKPOINT,
+    SPIKE,
+    TOLD_TO_SKIP,
+    BadStepGuard,
+    TrainingDiverged,
+    is_spike,
+)
 from tests.mpi_helpers import describe, run_mpi
 
 BASE = ["data.synthetic=true", "precision.compute=float64", "logging.peak_flops=1e9", "train.log_every=1"]
@@ -93,6 +103,41 @@ def test_injected_nan_strikes_once_per_step_number():
     grads[0].grads[...] = 1.0
     guard.inject(3, grads)  # step 3 again after a rollback: the fault has struck already
     assert np.isfinite(grads[0].grads).all()
+
+
+class FakeCheckpoints:
+    """find_resume_point/restore as CheckpointManager answers them, for a directory holding one checkpoint."""
+    def __init__(self, guard, saved_step):
+        self.guard, self.saved_step, self.directory = guard, saved_step, "ckpts"
+
+    def wait(self):
+        pass
+
+    def find_resume_point(self, spec):
+        return None if self.saved_step is None else f"ckpts/step_{self.saved_step}"
+
+    def restore(self, path):
+        self.guard.load_state({"data_offset": 0, "skipped_steps": 0, "rollbacks": 0})  # what that checkpoint says
+        return self.saved_step
+
+
+def test_rollbacks_accumulate_the_offset_and_give_up_on_a_checkpoint_that_keeps_failing():
+    guard = make_guard(max_bad_steps=2)
+    checkpoints, lines = FakeCheckpoints(guard, 4), []
+    for rollback in range(1, ROLLBACKS_TO_ONE_CHECKPOINT + 1):
+        for done in (5, 6):
+            guard.record(guard.verdict(done, float("nan"), 1.0), float("nan"))
+        assert guard.rollback_due
+        assert guard.roll_back(checkpoints, 6, lines.append) == 4
+        assert (guard.data_offset, guard.rollbacks, guard.skipped_steps) == (2 * rollback, rollback, 2 * rollback)
+        assert not guard.rollback_due
+    assert lines[0].startswith("rollback: steps 5-6 were bad; restored ckpts/step_4 (step 4) and skipped the 2 data")
+    for done in (5, 6):
+        guard.record(guard.verdict(done, float("nan"), 1.0), float("nan"))
+    with pytest.raises(TrainingDiverged, match="after 3 rollbacks to ckpts/step_4"):
+        guard.roll_back(checkpoints, 6, lines.append)
+    with pytest.raises(TrainingDiverged, match="no committed checkpoint to roll back to"):
+        guard.roll_back(FakeCheckpoints(guard, None), 6, lines.append)
 
 
 def test_skip_steps_is_a_list_of_steps_from_one():
