@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.backend import make_backend
-from mpitrain.checkpoint.store import Checkpoint, CheckpointError, committed_checkpoints
+from mpitrain.checkpoint.resume import choose_checkpoint
+from mpitrain.checkpoint.store import STEP_DIR, Checkpoint, CheckpointError, committed_checkpoints
 from mpitrain.config import config_from_dict
 from mpitrain.data.tokenizer import tokenizer_from_description
 from mpitrain.model.gpt import GPT
@@ -48,9 +49,24 @@ def resolve_checkpoint(path) -> Path:
                           f"directory)")
 
 
-def load_checkpoint_model(path, device: str = "cpu"):
-    """(model, state, tokenizer or None, config): the whole model in one process (tp = 1), from any layout."""
-    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+def verified_checkpoint(path, echo=print) -> Checkpoint:
+    """A checkpoint whose shard files match their checksums. A step_* directory must itself be whole (else one line
+    naming the bad file); for a run directory or its checkpoints/, the newest whole one, falling back past broken ones
+    with a line each, as `train --resume auto` does (the same code)."""
+    path = Path(path)
+    if STEP_DIR.match(path.name) or (path / "COMMITTED").is_file():
+        return Checkpoint.open(choose_checkpoint(path.parent, str(path), echo))
+    for directory in (path, path / "checkpoints"):
+        if committed_checkpoints(directory):
+            return Checkpoint.open(choose_checkpoint(directory, "auto", echo))
+    raise CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
+                          f"directory)")
+
+
+def load_checkpoint_model(path, device: str = "cpu", echo=print):
+    """(model, state, tokenizer or None, config): the whole model in one process (tp = 1), from any layout, from a
+    verified checkpoint (see verified_checkpoint; echo: where fallback lines go)."""
+    checkpoint = verified_checkpoint(path, echo)
     cfg = config_from_dict(tomllib.loads(checkpoint.index["config"]), str(checkpoint.path / "index.json"))
     backend = make_backend(device, cfg.precision.compute)
     model = GPT(cfg.model, backend)

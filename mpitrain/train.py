@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
+from mpitrain.checkpoint.resume import trim_metrics
 from mpitrain.checkpoint.store import step_dir_name
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
@@ -184,7 +185,8 @@ class Trainer:
     def metrics(self, result: StepResult) -> dict:
         tokens_per_s = self.tokens_per_step / result.seconds
         mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
-        record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        # "step" counts from 1, as the console and the checkpoints do: row N is the state of step_N
+        record = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                   "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
         if result.bubble is not None:
@@ -209,7 +211,7 @@ def make_state(cfg: Config, model: GPT, backend, mesh):
 
 
 def format_log_line(record: dict, total_steps: int) -> str:
-    line = (f"step {record['step'] + 1:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    line = (f"step {record['step']:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
             f"MFU {100 * record['mfu']:.1f}%")
     if "bubble" in record:
@@ -254,18 +256,22 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     say = echo if logger else (lambda text: None)
     c, t = cfg.checkpoint, cfg.train
     checkpoints = CheckpointManager(trainer, Path(c.dir) if c.dir else run_dir / "checkpoints", c.keep, say)
+    checkpoints.check_writable("checkpoint.dir" if c.dir else "checkpoint.dir (default RUN_DIR/checkpoints)")
     start = 0
-    if resume:
-        path = checkpoints.find_resume_point(resume)
-        if path is not None:
-            start = checkpoints.restore(path)
-            say(f"checkpoint: resumed from {path} at step {start}")
-        else:
+    path = checkpoints.find_resume_point(resume) if resume else None
+    if path is not None:
+        start = checkpoints.restore(path)  # also sets aside the directory's checkpoints beyond `start`
+        say(f"checkpoint: resumed from {path} at step {start}")
+    else:
+        if resume:
             say("checkpoint: none to resume from; starting fresh")
+        checkpoints.set_aside_beyond(0)  # a fresh start in a used directory: the old checkpoints are not its past
     metrics_file = None
     if logger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
+        if start:
+            trim_metrics(run_dir / "metrics.jsonl", start)  # the rows of steps after `start` are logged again
         metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115 -- closed in finally
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "

@@ -7,6 +7,7 @@ data of step s is a function of (seed, s) (no dropout or other randomness in a s
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -16,18 +17,24 @@ import numpy as np
 
 from mpitrain.backend import to_host
 from mpitrain.checkpoint.pieces import HeldPiece, held_pieces
+from mpitrain.checkpoint.resume import (
+    choose_checkpoint,
+    model_mismatch,
+    set_aside_newer,
+    writable_problem,
+)
 from mpitrain.checkpoint.store import (
     FORMAT_VERSION,
     Checkpoint,
     CheckpointError,
     clean,
     commit,
-    committed_checkpoints,
     rank_file_name,
     step_dir_name,
     write_rank_file,
 )
 from mpitrain.config import to_toml
+from mpitrain.errors import ConfigError
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request after saving; resume me"
 
@@ -37,6 +44,21 @@ class CheckpointManager:
         self.trainer, self.directory, self.keep, self.echo = trainer, Path(directory), keep, echo
         self.world = trainer.mesh.world
         self._pending = None  # an asynchronous save in flight: (step, partial dir, thread, result holder)
+        self.resumed_from: Path | None = None  # the checkpoint restored last: saving its step again is a no-op
+
+    def check_writable(self, key: str = "checkpoint.dir") -> None:
+        """Collective, at start-up: every rank writes its own shard, so every rank must be able to create files in
+        the directory now, not after the steps before the first save. Raises the same ConfigError on every rank."""
+        problem = writable_problem(self.directory)
+        gathered = self.world.gather_object((problem, os.uname().nodename))
+        verdict = None
+        if self.world.rank == 0:
+            bad = [f"rank {rank} on {host}: {why}" for rank, (why, host) in enumerate(gathered) if why]
+            if bad:
+                verdict = f"{key}: cannot write checkpoints to {self.directory} ({'; '.join(bad)})"
+        verdict = self.world.broadcast_object(verdict)
+        if verdict:
+            raise ConfigError(verdict)
 
     # -- what this rank holds
     def held(self) -> list[HeldPiece]:
@@ -97,6 +119,11 @@ class CheckpointManager:
             if errors:
                 outcome = "checkpoint save failed: " + "; ".join(errors)
             else:
+                # Restoring already set later checkpoints aside; one found now (another run writing to the same
+                # directory) is not this run's past either: the new state wins, the old one is kept aside.
+                set_aside_newer(self.directory, step - 1, None, self.echo)
+                if final.exists():
+                    shutil.rmtree(final)  # a step directory without its marker: the leftover of an interrupted save
                 commit(partial, final, self._index(step, [rec for rec, _ in gathered]))
                 removed = clean(self.directory, self.keep)
                 self.echo(f"checkpoint: saved step {step} to {final}"
@@ -106,10 +133,15 @@ class CheckpointManager:
             raise CheckpointError(outcome)
 
     def _already_saved(self, step: int) -> bool:
-        exists = self.world.broadcast_object((self.directory / step_dir_name(step) / "COMMITTED").is_file())
-        if exists and self.world.rank == 0:
-            self.echo(f"checkpoint: step {step} is already saved")
-        return exists
+        """Only the checkpoint this run was restored from (resumed at the last step: nothing left to train) holds
+        this very state; any other checkpoint of the same step is replaced by the new save."""
+        final = self.directory / step_dir_name(step)
+        same = self.resumed_from is not None and (final / "COMMITTED").is_file() and \
+            final.resolve() == self.resumed_from.resolve()
+        same = self.world.broadcast_object(same)
+        if same and self.world.rank == 0:
+            self.echo(f"checkpoint: step {step} is already saved (the checkpoint this run resumed from)")
+        return same
 
     def save(self, step: int) -> None:
         """Synchronous save of the state after `step` steps (collective)."""
@@ -162,43 +194,73 @@ class CheckpointManager:
 
     # -- restoring
     def find_resume_point(self, spec: str) -> Path | None:
-        """Rank 0 picks and verifies the checkpoint; every rank gets the same answer (or the same error)."""
+        """Collective. Rank 0 picks and verifies the checkpoint ("auto": the newest whose files verify; None when
+        the directory has none; an error when all are broken); every rank gets the same answer (or error).
+        Safe mid-run: an asynchronous save in flight is finished first."""
+        self.wait()
         answer = None
         if self.world.rank == 0:
-            answer = self._choose(spec)
+            try:
+                if spec == "auto":
+                    clean(self.directory, keep=0)  # leftovers of interrupted saves only (keep=0 removes no committed)
+                chosen = choose_checkpoint(self.directory, spec, self.echo)
+                answer = str(chosen) if chosen else None
+            except CheckpointError as exc:
+                answer = f"error: {exc}"
         answer = self.world.broadcast_object(answer)
         if isinstance(answer, str) and answer.startswith("error:"):
             raise CheckpointError(answer[len("error:"):].strip())
         return Path(answer) if answer else None
 
-    def _choose(self, spec: str):
-        if spec != "auto":
-            try:
-                Checkpoint.open(Path(spec)).verify_files()
-            except CheckpointError as exc:
-                return f"error: {exc}"
-            return str(spec)
-        clean(self.directory, keep=0)  # leftovers of interrupted saves only (keep=0 removes no committed one)
-        for candidate in reversed(committed_checkpoints(self.directory)):
-            try:
-                Checkpoint.open(candidate).verify_files()
-                return str(candidate)
-            except CheckpointError as exc:
-                self.echo(f"checkpoint: {exc}; falling back to the previous committed checkpoint")
-        return None
-
     def restore(self, path: Path) -> int:
-        """Load the checkpoint at `path` into this rank's state; returns the step to continue from."""
+        """Collective. Load the checkpoint at `path` into every rank's state after checking that it holds this
+        model; then set aside this directory's checkpoints beyond its step. Returns the step to continue from."""
+        self.wait()
+        path = Path(path)
         checkpoint = Checkpoint.open(path)
+        mismatch = model_mismatch(checkpoint, self.trainer.cfg.model)  # the same verdict on every rank
+        if mismatch:
+            raise CheckpointError(mismatch)
         held = self.held()
-        for item in held:
-            saved = checkpoint.tensors().get(item.piece.tensor)
-            if saved is None or tuple(saved["global_shape"]) != item.piece.global_shape:
-                raise CheckpointError(f"{path} does not fit this model: tensor {item.piece.tensor} is "
-                                      f"{saved and saved['global_shape']} there and {list(item.piece.global_shape)} "
-                                      f"here (check the model.* keys)")
+        self._check_tensors(checkpoint, held)
         checkpoint.load_into(held)
         self.trainer.state.after_restore()
         self.trainer.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
+        step = int(checkpoint.index["train_state"]["next_step"])
         self.trainer.load_extra_state(checkpoint.index.get("extra_state", {}))
-        return int(checkpoint.index["train_state"]["next_step"])
+        self.set_aside_beyond(step, kept=path)
+        self.resumed_from = path
+        return step
+
+    def set_aside_beyond(self, step: int, kept: Path | None = None) -> None:
+        """Collective: move this directory's checkpoints beyond `step` (the run continues from there) out of reach of
+        resume and retention (see resume.set_aside_newer); `kept`: the checkpoint restored, at `step`."""
+        if self.world.rank == 0:
+            set_aside_newer(self.directory, step, kept, self.echo)
+        self.world.barrier()
+
+    def _check_tensors(self, checkpoint: Checkpoint, held: list[HeldPiece]) -> None:
+        """Every tensor a rank needs is in the checkpoint with the same global shape, and every saved tensor is
+        needed by some rank (pipeline stages hold different tensors: rank 0 sees them all). Same error everywhere."""
+        saved = checkpoint.tensors()
+        wrong = sorted({f"{p.tensor} {saved[p.tensor]['global_shape']} there, {list(p.global_shape)} here"
+                        for p in (item.piece for item in held)
+                        if p.tensor in saved and tuple(saved[p.tensor]["global_shape"]) != p.global_shape})
+        needed = {item.piece.tensor for item in held}
+        gathered = self.world.gather_object((needed, wrong))
+        verdict = None
+        if self.world.rank == 0:
+            needed = set().union(*(names for names, _ in gathered))
+            problems = []
+            if needed - saved.keys():
+                problems.append(f"missing there: {', '.join(sorted(needed - saved.keys()))}")
+            if saved.keys() - needed:
+                problems.append(f"unused here: {', '.join(sorted(saved.keys() - needed))}")
+            shapes = sorted(set().union(*(set(w) for _, w in gathered)))
+            if shapes:
+                problems.append(f"other shapes: {'; '.join(shapes)}")
+            if problems:
+                verdict = f"{checkpoint.path} does not fit this model ({' | '.join(problems)}); check the model.* keys"
+        verdict = self.world.broadcast_object(verdict)
+        if verdict:
+            raise CheckpointError(verdict)

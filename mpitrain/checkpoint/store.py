@@ -90,10 +90,19 @@ def commit(partial: Path, final: Path, index: dict) -> None:
     fsync_path(partial)
     os.replace(partial, final)
     fsync_path(final.parent)
-    latest_tmp = final.parent / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, final.parent / "latest")
-    fsync_path(final.parent)
+    point_latest(final.parent)
+
+
+def point_latest(directory: Path) -> None:
+    """`latest` names the newest committed checkpoint (replaced by an atomic rename; removed when there is none)."""
+    committed = committed_checkpoints(directory)
+    if not committed:
+        (directory / "latest").unlink(missing_ok=True)
+        return
+    latest_tmp = directory / ".latest.tmp"
+    latest_tmp.write_text(committed[-1].name + "\n")
+    os.replace(latest_tmp, directory / "latest")
+    fsync_path(directory)
 
 
 # ----------------------------------------------------------------------------- finding and cleaning
@@ -147,6 +156,8 @@ class Checkpoint:
             index = json.loads((path / INDEX).read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path / INDEX} is unreadable: {exc}") from exc
+        if not isinstance(index, dict) or not {"step", "files", "tensors"} <= index.keys():
+            raise CheckpointError(f"{path / INDEX} is not a checkpoint index (it lacks step, files or tensors)")
         checkpoint = cls(path, index)
         for record in index["files"]:
             for piece in record["pieces"]:
