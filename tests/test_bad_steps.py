@@ -131,7 +131,8 @@ def test_rollbacks_accumulate_the_offset_and_give_up_on_a_checkpoint_that_keeps_
         assert guard.roll_back(checkpoints, 6, lines.append) == 4
         assert (guard.data_offset, guard.rollbacks, guard.skipped_steps) == (2 * rollback, rollback, 2 * rollback)
         assert not guard.rollback_due
-    assert lines[0].startswith("rollback: steps 5-6 were bad; restored ckpts/step_4 (step 4) and skipped the 2 data")
+    assert lines[0].startswith("rollback: steps 5-6 were bad; restored ckpts/step_4 (step 4) and skipped the data of "
+                            "steps 5-6")
     for done in (5, 6):
         guard.record(guard.verdict(done, float("nan"), 1.0), float("nan"))
     with pytest.raises(TrainingDiverged, match="after 3 rollbacks to ckpts/step_4"):
@@ -180,7 +181,7 @@ def test_k_bad_steps_in_a_row_roll_back_and_skip_the_batches(tmp_path):
     settings = ["checkpoint.every=4", "fault.max_bad_steps=3"]
     run = train(tmp_path / "rollback", *settings, fault="nan:rank=1:step=5;nan:rank=1:step=6;nan:rank=1:step=7")
     assert "rollback: steps 5-7 were bad; restored" in run.stdout and "step_00000004 (step 4)" in run.stdout
-    assert "skipped the 3 data batches of steps 5-7" in run.stdout
+    assert "skipped the data of steps 5-7 (batch offset now 3)" in run.stdout
     logged = rows(tmp_path / "rollback")
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]
     after = logged[7:]
@@ -220,3 +221,13 @@ def test_loss_spikes_skip_exactly_the_steps_the_rule_names(tmp_path):
             window.append(record["loss"])
     assert [r["skipped"] for r in logged] == expected
     assert any(expected) and not all(expected[3:])  # the threshold is low enough to bite, not to stop training
+
+
+def test_a_checkpoint_saved_during_the_streak_is_a_rollback_target_without_the_streaks_updates():
+    """Bad steps change nothing, so step 6's checkpoint (saved in the streak 5-7) is step 4's state: the data of
+    steps 5-7 is out of the model either way; only step 7's batch has to be skipped by the offset."""
+    guard, lines = make_guard(max_bad_steps=3), []
+    for done in (5, 6, 7):
+        guard.record(guard.verdict(done, 3.0, float("inf")), 3.0)
+    assert guard.roll_back(FakeCheckpoints(guard, 6), 7, lines.append) == 6
+    assert guard.data_offset == 1 and "skipped the data of steps 5-7 (batch offset now 1)" in lines[0]

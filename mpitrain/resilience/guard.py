@@ -133,11 +133,12 @@ class BadStepGuard:
         kept = self.state()
         restored = checkpoints.restore(path)
         self.load_state(kept)  # the counters and the offset go on from where this run is, not from the checkpoint's
-        skipped_batches = done - restored
-        self.data_offset += skipped_batches
+        self.data_offset += done - restored  # step restored + 1 gets the batch after step done's
         self.rollbacks += 1
         self.bad_in_a_row = 0
-        say(f"rollback: steps {first_bad}-{done} were bad; restored {path} (step {restored}) and skipped the "
-            f"{skipped_batches} data batches of steps {restored + 1}-{done} (batch offset now {self.data_offset}); "
-            f"rollback {self.rollbacks}")
+        # not in the model now: the batches of skipped updates (a checkpoint saved in the streak holds none of them)
+        # and those after the checkpoint
+        untrained_from = min(first_bad, restored + 1)
+        say(f"rollback: steps {first_bad}-{done} were bad; restored {path} (step {restored}) and skipped the data of "
+            f"steps {untrained_from}-{done} (batch offset now {self.data_offset}); rollback {self.rollbacks}")
         return restored
