@@ -140,3 +140,25 @@ def test_time_lost_is_read_from_metrics_and_the_checkpoint_index(tmp_path):
     saved = last_committed(tmp_path)
     assert (saved.step, saved.saved_at) == (4, 100.2)
     assert last_committed(tmp_path / "none") is None
+
+
+def test_sbatch_helper_reads_the_checkpoint_the_time_needed_and_the_time_lost(tmp_path, capsys):
+    """What slurm/train.sbatch asks after a failure (`restart failed`) and after the restarted attempt (`lost`)."""
+    from mpitrain.resilience.restart import _main
+    (tmp_path / "config.toml").write_text("[checkpoint]\nevery = 5\n\n[train]\nsteps = 40\n")
+    checkpoint = tmp_path / "checkpoints" / "step_00000010"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "index.json").write_text(json.dumps({"step": 10, "created": 100.0, "save_seconds": 2.0}))
+    (checkpoint / "COMMITTED").write_text("")
+    rows = [{"step": step, "time": 90.0 + step, "step_time_s": 1.0} for step in range(1, 13)]  # attempt from 90
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert _main(["failed", str(tmp_path), "90", "103"]) == 0
+    machine, words = capsys.readouterr().out.splitlines()
+    assert machine == "10 100.0 7"  # start-up 0 s + 5 steps of 1 s + a 2 s save
+    assert "checkpoint of step 10" in words and "2 logged steps done since are redone" in words
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:  # the restart, begun at 105, ends its first step at 110
+        metrics.write(json.dumps({"step": 11, "time": 110.0, "step_time_s": 1.0}) + "\n")
+    assert _main(["lost", str(tmp_path), "1", "137", "10", "100.0", "103", "105"]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("restart 1 (attempt 1) after exit status 137 (SIGKILL): time lost 9.0 s"), line
+    assert "failure to restart 2.0 s" in line

@@ -231,7 +231,7 @@ def reference_losses(tmp_path_factory, dataset):
                          *train_settings(dataset)], timeout=180)
     assert result.returncode == 0, describe(result)
     losses = losses_by_step(run_dir)
-    assert max(losses) == STEPS - 1, f"logged steps {sorted(losses)}"
+    assert len(losses) == STEPS, f"logged steps {sorted(losses)}"
     return losses
 
 
@@ -264,4 +264,30 @@ def test_interrupted_job_resumes_exactly(slurm_env, jobs, tmp_path, dataset, ref
     assert sorted(losses) == sorted(reference_losses), f"logged steps differ:\n{log}"
     for step, loss in reference_losses.items():
         assert losses[step] == loss, f"step {step}: loss {losses[step]!r} != uninterrupted {loss!r}\n{log}"
-    assert losses[STEPS - 1] == reference_losses[STEPS - 1]  # the final loss, bitwise
+    last = max(reference_losses)
+    assert losses[last] == reference_losses[last]  # the final loss, bitwise
+
+
+def test_killed_rank_restarts_inside_the_allocation(slurm_env, jobs, tmp_path, dataset, reference_losses):
+    """MPITRAIN_FAULT kills rank 1 at step 12 (after the checkpoint of step 10): srun ends the attempt, the script
+    starts the next one in the same allocation (no requeue), it resumes from step 10 and ends as the uninterrupted
+    run does, bitwise."""
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset)],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAULT": "kill:rank=1:step=12"})
+    jobs.append(job)
+    job.wait_until_completed(300)
+    log = job.log()
+    assert "fault injection: rank 1 kills itself (SIGKILL) at the start of step 12" in log, log
+    assert re.search(r"attempt 0 failed with exit status \d+; the restart resumes from the checkpoint of step 10 "
+                     r"saved at \S+; \d+ logged steps done since are redone; restart 1 of 2 in this allocation",
+                     log), log
+    assert re.search(r"restart 0: on \S+, 2 tasks, 1 threads each, attempt 1:", log), log  # same job, no requeue
+    assert "checkpoint: resumed from" in log and "step_00000010 at step 10" in log, log
+    assert re.search(r"restart 1 \(attempt 1\) after exit status \d+[^:]*: time lost [0-9.]+ s, from the save of step 10",
+                     log), log
+    assert log.count("fault injection") == 1, log
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == sorted(reference_losses), f"logged steps differ:\n{log}"
+    for step, loss in reference_losses.items():
+        assert losses[step] == loss, f"step {step}: loss {losses[step]!r} != uninterrupted {loss!r}\n{log}"

@@ -15,6 +15,7 @@ it did more).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +24,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitrain.checkpoint.store import INDEX, committed_checkpoints
 from mpitrain.resilience.faults import Fault
 
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
@@ -48,17 +48,28 @@ def strike_kill(faults, rank: int, step: int) -> None:
 class SavedPoint:
     step: int
     saved_at: float  # Unix time of the commit
+    save_seconds: float | None = None  # how long the save took (None: not recorded)
+
+
+def saved_points(checkpoint_dir: Path) -> list[SavedPoint]:
+    """The committed checkpoints, oldest first. The rule of mpitrain.checkpoint.store (step_* with COMMITTED, an
+    index.json) read here without importing it: slurm/train.sbatch starts this module once per failure, and numpy
+    and h5py cost seconds to import on a loaded node."""
+    directory = Path(checkpoint_dir)
+    points = []
+    for marker in sorted(directory.glob("step_*/COMMITTED")) if directory.is_dir() else []:
+        try:
+            index = json.loads((marker.parent / "index.json").read_text())
+            points.append(SavedPoint(int(index["step"]), float(index["created"]), index.get("save_seconds")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return points
 
 
 def last_committed(checkpoint_dir: Path) -> SavedPoint | None:
     """The newest committed checkpoint's step and save time (what `--resume auto` picks unless it fails to verify)."""
-    for path in reversed(committed_checkpoints(Path(checkpoint_dir))):
-        try:
-            index = json.loads((path / INDEX).read_text())
-            return SavedPoint(int(index["step"]), float(index["created"]))
-        except (OSError, ValueError, KeyError):
-            continue
-    return None
+    points = saved_points(checkpoint_dir)
+    return points[-1] if points else None
 
 
 def metrics_rows(metrics_path: Path) -> list[dict]:
@@ -209,3 +220,74 @@ class Supervisor:
             return pending
         self.echo(pending.line(first))
         return None
+
+
+# ----------------------------------------------------------------------------- for slurm/train.sbatch
+def run_checkpoint_dir(run_dir: Path) -> Path:
+    """Where a run keeps its checkpoints: checkpoint.dir of RUN_DIR/config.toml (the trainer writes it), else
+    RUN_DIR/checkpoints."""
+    from mpitrain.config import load_config
+    from mpitrain.errors import ConfigError
+    try:
+        directory = load_config(run_dir / "config.toml").checkpoint.dir if (run_dir / "config.toml").is_file() else ""
+    except ConfigError:
+        directory = ""
+    return Path(directory) if directory else run_dir / "checkpoints"
+
+
+def seconds_to_next_checkpoint(run_dir: Path, startup_seconds: float, saved: SavedPoint | None) -> float | None:
+    """What an attempt needs to get back to where it is worth something: start-up, checkpoint.every steps at the
+    median logged step time, and one save (as long as the last one took). None: not known yet."""
+    from mpitrain.config import load_config
+    from mpitrain.errors import ConfigError
+    rows = metrics_rows(run_dir / "metrics.jsonl")
+    times = sorted(row["step_time_s"] for row in rows if "step_time_s" in row)
+    if not times or not (run_dir / "config.toml").is_file():
+        return None
+    try:
+        cfg = load_config(run_dir / "config.toml")
+    except ConfigError:
+        return None
+    every = cfg.checkpoint.every or max(1, cfg.train.steps - (saved.step if saved else 0))
+    save = (saved.save_seconds or 0.0) if saved else 0.0
+    return startup_seconds + every * times[len(times) // 2] + save
+
+
+def _main(argv: list[str]) -> int:
+    """For slurm/train.sbatch, times in Unix seconds:
+    failed RUN_DIR STARTED_AT FAILED_AT
+        after a failed attempt (started then), before the restart (which trims metrics.jsonl) and before retention
+        deletes its checkpoint: prints "SAVED_STEP SAVED_AT NEEDED_S" ('-' when not known; NEEDED_S: start-up,
+        checkpoint.every steps and a save, as measured), then one line in words
+    lost RUN_DIR ATTEMPT STATUS SAVED_STEP SAVED_AT FAILED_AT RESTARTED_AT
+        after the restart has run: its time-lost line"""
+    if len(argv) == 4 and argv[0] == "failed":
+        run_dir, started_at, failed_at = Path(argv[1]), float(argv[2]), float(argv[3])
+        rows = metrics_rows(run_dir / "metrics.jsonl")
+        before = [point for point in saved_points(run_checkpoint_dir(run_dir)) if point.saved_at < failed_at]
+        saved = before[-1] if before else None
+        first = first_step_started(rows, started_at)
+        needed = seconds_to_next_checkpoint(run_dir, first - started_at if first is not None else 0.0, saved)
+        print(f"{saved.step if saved else '-'} {saved.saved_at if saved else '-'} "
+              f"{math.ceil(needed) if needed is not None else '-'}")
+        if saved is None:
+            print("no committed checkpoint: the restart starts from step 0")
+        else:
+            redone = steps_logged_between(rows, saved.saved_at, failed_at)
+            print(f"the restart resumes from the checkpoint of step {saved.step} saved at {clock(saved.saved_at)}; "
+                  f"{redone} logged steps done since are redone")
+        return 0
+    if len(argv) == 8 and argv[0] == "lost":
+        run_dir, attempt, status = Path(argv[1]), int(argv[2]), int(argv[3])
+        saved = SavedPoint(int(argv[4]), float(argv[5])) if argv[4] != "-" else None
+        failed_at, restarted_at = float(argv[6]), float(argv[7])
+        pending = PendingRestart(attempt, status, failed_at, restarted_at, saved, None)
+        first = first_step_started(metrics_rows(run_dir / "metrics.jsonl"), restarted_at)
+        print(pending.line(first).replace("launch: ", "", 1))
+        return 0
+    print(_main.__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
