@@ -284,8 +284,8 @@ def test_killed_rank_restarts_inside_the_allocation(slurm_env, jobs, tmp_path, d
                      log), log
     assert re.search(r"restart 0: on \S+, 2 tasks, 1 threads each, attempt 1:", log), log  # same job, no requeue
     assert "checkpoint: resumed from" in log and "step_00000010 at step 10" in log, log
-    assert re.search(r"restart 1 \(attempt 1\) after exit status \d+[^:]*: time lost [0-9.]+ s, from the save of step 10",
-                     log), log
+    assert re.search(r"restart 1 \(attempt 1\) after exit status \d+[^:]*: time lost [0-9.]+ s, "
+                     r"from the save of step 10", log), log
     assert log.count("fault injection") == 1, log
     losses = losses_by_step(run_dir)
     assert sorted(losses) == sorted(reference_losses), f"logged steps differ:\n{log}"
