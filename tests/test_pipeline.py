@@ -99,7 +99,7 @@ def test_zero3_with_a_pipeline_warns_once(tmp_path, dataset):
     args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path)]
     for setting in [f"data.path={dataset}", *FAST, "train.steps=1", "parallel.pp=2", "parallel.zero=3"]:
         args += ["--set", setting]
-    result = run_mpi(4, args, timeout=120)
+    result = run_mpi(4, args, timeout=600)  # deadlines only catch hangs: generous for a busy machine
     assert result.returncode == 0, describe(result)
     assert result.stderr.count("warning: parallel.zero = 3 with parallel.pp = 2") == 1, describe(result)
 
@@ -165,7 +165,7 @@ if world.rank == 0:
 
 @pytest.fixture(scope="module")
 def memory():
-    return run_python_mpi_results(4, MEMORY_JOB, timeout=120)
+    return run_python_mpi_results(4, MEMORY_JOB, timeout=600)
 
 
 def test_1f1b_holds_p_micro_batches_on_the_first_stage_where_gpipe_holds_m(memory):
@@ -389,7 +389,7 @@ def test_agreeing_microbatches_and_uneven_stages_are_accepted():
 
 def test_a_bad_pipeline_fails_fast_on_every_rank(tmp_path):
     result = run_mpi(2, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path), "--set",
-                         "parallel.pp=2", "--set", "model.n_layer=1"], timeout=60)
+                         "parallel.pp=2", "--set", "model.n_layer=1"], timeout=600)
     assert result.returncode != 0, describe(result)
     assert "model.n_layer = 1 is fewer than the 2 pipeline stages" in result.stderr, describe(result)
     assert "Traceback" not in result.stderr, describe(result)
