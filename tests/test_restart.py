@@ -65,13 +65,18 @@ def reference_losses(tmp_path_factory):
     return losses
 
 
-def test_killed_rank_restarts_and_ends_as_an_uninterrupted_run(tmp_path, reference_losses):
+@pytest.mark.parametrize("fault, named", [
+    (KILL, "fault injection: rank 1 kills itself (SIGKILL) at the start of step 7"),
+    # `kill -STOP`: the watchdog ends the job (exit status 124) within fault.timeout_s, then the restart
+    ("hang:rank=1:step=7", "HANG at step 7"),
+])
+def test_failed_rank_restarts_and_ends_as_an_uninterrupted_run(tmp_path, reference_losses, fault, named):
     run_dir = tmp_path / "run"
-    result = run_launch(["-n", "2", "--max-restarts", "1", "configs/tiny.toml", "--out", str(run_dir), *settings()],
-                        {"MPITRAIN_FAULT": KILL})
+    result = run_launch(["-n", "2", "--max-restarts", "1", "configs/tiny.toml", "--out", str(run_dir), *settings(),
+                         "--set", "fault.timeout_s=5"], {"MPITRAIN_FAULT": fault})
     output = result.stdout + result.stderr
     assert result.returncode == 0, describe(result)
-    assert "fault injection: rank 1 kills itself (SIGKILL) at the start of step 7" in output, output
+    assert named in output, output
     assert re.search(r"launch: attempt 0 failed with exit status \S+.*restart 1 of 1 from the checkpoint of step 4",
                      output), output
     assert "checkpoint: resumed from" in output and "step_00000004 at step 4" in output, output
