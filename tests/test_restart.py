@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,30 @@ def test_max_restarts_exhausted_reports_the_status(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0, describe(result)
     assert "restart 1 of 1" in output and "no restart left (--max-restarts 1)" in output, output
+
+
+def test_a_stop_request_is_passed_on_and_not_restarted(tmp_path):
+    """SIGUSR1 to `launch` reaches the ranks (through mpiexec): they save and exit 75, which is not restarted."""
+    run_dir = tmp_path / "run"
+    full_env = {**os.environ, **OVERSUBSCRIBED_ENV}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "mpitrain", "launch", "-n", "2", "--max-restarts", "2", "configs/tiny.toml",
+               "--out", str(run_dir), *settings(), "--set", "train.steps=100000", "--set", "checkpoint.every=0"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGUSR1)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 75, output
+    assert "stop requested (SIGUSR1)" in output and "launch: attempt" not in output, output
 
 
 def test_a_config_error_is_reported_before_any_attempt(tmp_path):
