@@ -188,6 +188,19 @@ def _rank_pids(marker: str) -> list[int]:
     return pids
 
 
+def _wait_for_a_new_checkpoint(directory: Path, process, attempt: int, timeout: float = 600) -> None:
+    """Until a checkpoint newer than the current newest is committed (the deadline only guards against a hang)."""
+    before = committed_checkpoints(directory)[-1:]
+    deadline = time.monotonic() + timeout
+    while committed_checkpoints(directory)[-1:] == before:
+        if process.poll() is not None:
+            pytest.fail(f"attempt {attempt}: the job ended before saving:\n{process.communicate()[0]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"attempt {attempt}: no new checkpoint within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes(tmp_path, dataset):
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -204,7 +217,10 @@ def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes
     for attempt in range(4):
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        time.sleep(2.0 + 2.0 * rng.random())
+        # not a fixed sleep: on a busy machine the ranks may not even have started after a few seconds. Wait for
+        # this attempt's first save, then kill at a random moment of the save-every-step cycle.
+        _wait_for_a_new_checkpoint(run_dir / "checkpoints", process, attempt)
+        time.sleep(rng.random())
         pids = _rank_pids(str(run_dir))
         assert pids, f"attempt {attempt}: no training rank found"
         os.kill(rng.choice(pids), signal.SIGKILL)
