@@ -96,6 +96,16 @@ def test_prepare_failure_leaves_neither_temp_nor_half_file(tmp_path, monkeypatch
     assert os.listdir(out.parent) == []
 
 
+@pytest.mark.parametrize("option, message", [({"val_fraction": float("nan")}, "val_fraction must be between 0 and 1"),
+                                             ({"val_fraction": 1.0}, "val_fraction must be between 0 and 1"),
+                                             ({"max_bytes": -5}, "max_bytes must be > 0, got -5"),
+                                             ({"max_bytes": 0}, "max_bytes must be > 0, got 0")])
+def test_prepare_refuses_bad_options(tmp_path, option, message):
+    _write_corpus(tmp_path / "corpus")
+    with pytest.raises(DataError, match=message):
+        prepare_dataset([str(tmp_path / "corpus")], tmp_path / "d.h5", **option)
+
+
 def test_prepare_missing_source_names_it(tmp_path):
     with pytest.raises(DataError, match="no_such_dir"):
         prepare_dataset([str(tmp_path / "no_such_dir")], tmp_path / "d.h5")

@@ -23,8 +23,10 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "l
 
 def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fraction=0.05, max_bytes=None):
     """Reads, tokenizes and splits the documents of `sources`; writes `out_path`; returns a summary dict."""
-    if not 0 < val_fraction < 1:
+    if not 0 < val_fraction < 1:  # written so that NaN fails it too
         raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if max_bytes is not None and not max_bytes > 0:
+        raise DataError(f"max_bytes must be > 0, got {max_bytes}")
     paths, source_label = _document_paths(sources)
     documents = _read_documents(paths, max_bytes)
     if not documents:
