@@ -2,7 +2,7 @@
 uninterrupted run ends (float64, bitwise).
 
 Needs a SLURM cluster that this machine can submit to: skipped when `sbatch` is missing or `sinfo` does not answer.
-CI starts a private one-node cluster first (as root: `bash .ci/slurm/start.sh`; stop: `bash .ci/slurm/stop.sh`) and sets
+CI starts a private two-node cluster first (as root: `bash .ci/slurm/start.sh`; stop: `bash .ci/slurm/stop.sh`) and sets
 MPITRAIN_SLURM_TEST=1, which turns a missing cluster into a failure instead of a skip. SLURM_CONF is taken from the
 environment, else from the cluster that .ci/slurm/start.sh started (SLURM_CI_DIR, default /tmp/mpitrain-slurm).
 
@@ -11,8 +11,11 @@ Each test submits a 2-task job and interrupts it once it is under way:
   sends before the time limit) must reach every rank, and the script must requeue the job, which then continues;
 - the real trainer, interrupted right after its first committed checkpoint, either by `scontrol requeue` (SLURM sends
   TERM to every process and restarts the job itself) through srun, or by USR1 to the batch script (the script
-  requeues) through mpiexec: every logged loss, the final one included, must equal the uninterrupted run's.
-A requeued job is held ~10 s on the CI cluster before it restarts; the module takes about two minutes.
+  requeues) through mpiexec: every logged loss, the final one included, must equal the uninterrupted run's;
+- the real trainer with an injected fault (MPITRAIN_FAULT): a killed rank (the script restarts the attempt inside the
+  allocation), and a stopped rank of a job on two nodes (the watchdog names its node in faults.jsonl, the restart
+  runs on the other node only).
+A requeued job is held ~10 s on the CI cluster before it restarts; the module takes about six minutes.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def slurm_env():
         except subprocess.TimeoutExpired:
             reason = "`sinfo` did not answer within 15 s"
     if reason:
-        message = f"{reason}; as root, `bash .ci/slurm/start.sh` starts a one-node test cluster"
+        message = f"{reason}; as root, `bash .ci/slurm/start.sh` starts a test cluster"
         if required:
             pytest.fail(f"MPITRAIN_SLURM_TEST=1 but {message}")
         pytest.skip(f"no SLURM cluster: {message}")
@@ -83,9 +86,10 @@ def slurm_env():
 class Job:
     """A batch job of slurm/train.sbatch: submit, watch, interrupt, and always cancelled if a test leaves it."""
 
-    def __init__(self, env: dict, directory: Path, script_args: list[str], job_env: dict):
+    def __init__(self, env: dict, directory: Path, script_args: list[str], job_env: dict,
+                 shape: tuple[str, ...] = ("--nodes=1", "--ntasks=2")):
         self.env = {**env, **job_env}
-        command = ["sbatch", "--parsable", "--job-name=mpitrain-test", "--nodes=1", "--ntasks=2", "--cpus-per-task=1",
+        command = ["sbatch", "--parsable", "--job-name=mpitrain-test", *shape, "--cpus-per-task=1",
                    "--time=10", f"--output={directory}/slurm-%j.out", str(SBATCH_SCRIPT), *script_args]
         submitted = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=60)
         assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr}"
@@ -291,3 +295,38 @@ def test_killed_rank_restarts_inside_the_allocation(slurm_env, jobs, tmp_path, d
     assert sorted(losses) == sorted(reference_losses), f"logged steps differ:\n{log}"
     for step, loss in reference_losses.items():
         assert losses[step] == loss, f"step {step}: loss {losses[step]!r} != uninterrupted {loss!r}\n{log}"
+
+
+def test_restart_excludes_the_node_the_watchdog_named(slurm_env, jobs, tmp_path, dataset, reference_losses):
+    """One rank on each of two nodes; rank 1 stops at step 12 (`kill -STOP`). The watchdog ends the attempt and names
+    rank 1's node in RUN_DIR/faults.jsonl; the script restarts on the other node only (srun --exclude, 1 task), which
+    resumes from step 10 with dp = 1 and ends where the 2-rank uninterrupted run ends (float64, to 1e-9: another
+    layout sums in another order). CI's cluster has two nodes (.ci/slurm/start.sh, SLURM_CI_NODES)."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=slurm_env, capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    if len(set(nodes)) < 2:
+        message = (f"needs a cluster of 2 nodes, this one has {sorted(set(nodes))} "
+                   f"(SLURM_CI_NODES=2 bash .ci/slurm/start.sh)")
+        if os.environ.get("MPITRAIN_SLURM_TEST") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset),
+                                    "--set", "fault.timeout_s=5"],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAULT": "hang:rank=1:step=12"},
+              shape=("--nodes=2", "--ntasks-per-node=1"))
+    jobs.append(job)
+    job.wait_until_completed(300)
+    log = job.log()
+    assert "HANG at step 12" in log, log
+    records = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    named = {record["host"] for record in records if record.get("rank") == 1}
+    assert len(named) == 1, records
+    host = named.pop()
+    assert re.search(rf"restart 1 of 2 in this allocation, excluding {host}\b", log), log
+    assert re.search(rf"1 tasks, 1 threads each, attempt 1: srun .*--exclude={host} -N 1 -n 1 ", log), log
+    assert "step_00000010 at step 10" in log and "on 1 ranks" in log, log
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == sorted(reference_losses), log
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-9, abs=0), f"step {step}\n{log}"

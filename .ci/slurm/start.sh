@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# .ci/slurm/start.sh - stand up a throw-away one-node SLURM cluster for CI (tests/test_slurm.py).
+# .ci/slurm/start.sh - stand up a throw-away SLURM cluster on this machine for CI (tests/test_slurm.py).
 # Adapted from the reference recipe ../shared/slurm/start-slurm.sh; the project owns this copy.
 # Run as root on Debian/Ubuntu (apt):   bash .ci/slurm/start.sh
 # Afterwards, as any user:              source "${SLURM_CI_DIR:-/tmp/mpitrain-slurm}/env.sh"   (SLURM_CONF, sbatch_wait)
 # Stop with:                            bash .ci/slurm/stop.sh   (kills only the PIDs recorded here)
 # Settings (environment): SLURM_CI_DIR (default /tmp/mpitrain-slurm), SLURM_CI_CPUS (advertised CPUs, default 8),
-# SLURM_CI_NODE, SLURM_CI_MEM_MB, SLURM_CI_GPUS (fake gres gpus), SLURM_CI_CTLD_PORT / SLURM_CI_SLURMD_PORT.
+# SLURM_CI_NODE, SLURM_CI_MEM_MB, SLURM_CI_GPUS (fake gres gpus), SLURM_CI_CTLD_PORT / SLURM_CI_SLURMD_PORT,
+# SLURM_CI_NODES (default 2: nodes node1, node2, one slurmd each on this host, so that a test can exclude a node;
+# MPI sees them as separate nodes and talks between them over loopback; 1: one node named after this host).
 set -euo pipefail
 
 BASE=${SLURM_CI_DIR:-/tmp/mpitrain-slurm}     # everything lives here
 CPUS=${SLURM_CI_CPUS:-8}                      # advertised CPUs (may exceed real cores)
 NODE=${SLURM_CI_NODE:-$(hostname -s)}
+NODES=${SLURM_CI_NODES:-2}                    # >1: that many nodes node1..nodeN, one slurmd each, on this host
 MEM=${SLURM_CI_MEM_MB:-$(awk '/MemTotal/{print int($2/1024)}' /proc/meminfo)}
 GPUS=${SLURM_CI_GPUS:-0}                      # >0: advertise that many FAKE gpus (gres), no devices
 CTLD_PORT=${SLURM_CI_CTLD_PORT:-6817}
@@ -55,6 +58,16 @@ munge -S "$SOCK" -n | unmunge -S "$SOCK" >/dev/null
 
 # 4. slurm.conf (+ optional fake-GPU gres.conf)
 GRES_TYPES=""; NODE_GRES=""
+HW="CPUs=${CPUS} Boards=1 SocketsPerBoard=1 CoresPerSocket=${CPUS} ThreadsPerCore=1"
+if [ "$NODES" -gt 1 ]; then   # several slurmd on one host: each its own NodeName and port
+  NODE_NAMES=$(seq -f 'node%g' 1 "$NODES"); NODE_LIST="node[1-${NODES}]"
+  NODE_LINE="NodeName=${NODE_LIST} NodeHostname=$(hostname -s) NodeAddr=127.0.0.1 Port=${SLURMD_PORT}-$((SLURMD_PORT+NODES-1)) ${HW} RealMemory=$((MEM/NODES))"
+  SLURMD_PORT_LINE=""
+else
+  NODE_NAMES=$NODE; NODE_LIST=$NODE
+  NODE_LINE="NodeName=${NODE} NodeAddr=127.0.0.1 ${HW} RealMemory=${MEM}"
+  SLURMD_PORT_LINE="SlurmdPort=${SLURMD_PORT}"
+fi
 if [ "$GPUS" -gt 0 ]; then GRES_TYPES="GresTypes=gpu"; NODE_GRES=" Gres=gpu:${GPUS}"; fi
 cat > "$CONF" <<EOF
 ClusterName=ci
@@ -66,7 +79,7 @@ CredType=cred/munge
 # private munge socket; cred_expire also sets the requeue hold time (default 120 s)
 AuthInfo=socket=${SOCK},cred_expire=10
 SlurmctldPort=${CTLD_PORT}
-SlurmdPort=${SLURMD_PORT}
+${SLURMD_PORT_LINE}
 StateSaveLocation=${BASE}/state
 SlurmdSpoolDir=${BASE}/spool/slurmd-%n
 SlurmctldPidFile=${BASE}/state/slurmctld.pid
@@ -101,14 +114,14 @@ JobRequeue=1
 # reject impossible requests (e.g. -n > CPUs) at submit time instead of leaving them PENDING forever
 EnforcePartLimits=ALL
 ${GRES_TYPES}
-NodeName=${NODE} NodeAddr=127.0.0.1 CPUs=${CPUS} Boards=1 SocketsPerBoard=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${MEM}${NODE_GRES} State=UNKNOWN
-PartitionName=debug Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+${NODE_LINE}${NODE_GRES} State=UNKNOWN
+PartitionName=debug Nodes=${NODE_LIST} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
 if [ "$GPUS" -gt 0 ]; then   # fake gpus = char devices (copies of /dev/null); Count= alone drains the node
   mkdir -p "$BASE/dev"; : > "$BASE/etc/gres.conf"
   for i in $(seq 0 $((GPUS-1))); do
     mknod -m 666 "$BASE/dev/gpu$i" c 1 3
-    echo "NodeName=${NODE} Name=gpu File=$BASE/dev/gpu$i" >> "$BASE/etc/gres.conf"
+    echo "NodeName=${NODE_LIST} Name=gpu File=$BASE/dev/gpu$i" >> "$BASE/etc/gres.conf"
   done
 fi
 chmod 644 "$BASE"/etc/*
@@ -142,17 +155,21 @@ EOF
 
 # 5. daemons (they daemonize themselves and write the pid files named above)
 slurmctld -f "$CONF" || echo "slurmctld failed to start" >&2
-slurmd -f "$CONF" -N "$NODE" || echo "slurmd failed to start" >&2
+for n in $NODE_NAMES; do slurmd -f "$CONF" -N "$n" || echo "slurmd $n failed to start" >&2; done
 export SLURM_CONF=$CONF
+all_idle() {  # every node of the cluster answers idle
+  [ "$(sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle"' | sort -u | wc -l)" -ge "$NODES" ]
+}
 for i in $(seq 120); do
-  [ -s "$BASE/state/slurmctld.pid" ] && [ -s "$BASE/spool/slurmd-$NODE.pid" ] &&
-    sinfo -h -n "$NODE" -o '%t' 2>/dev/null | grep -qx idle && break
+  [ -s "$BASE/state/slurmctld.pid" ] && all_idle && break
   sleep 0.5
 done
 [ -s "$BASE/state/slurmctld.pid" ] && echo "slurmctld $(cat "$BASE/state/slurmctld.pid")" >> "$BASE/pids"
-[ -s "$BASE/spool/slurmd-$NODE.pid" ] && echo "slurmd $(cat "$BASE/spool/slurmd-$NODE.pid")" >> "$BASE/pids"
-if ! sinfo -h -n "$NODE" -o '%t' 2>/dev/null | grep -qx idle; then
-  echo "start.sh: node $NODE did not become idle" >&2
+for n in $NODE_NAMES; do
+  [ -s "$BASE/spool/slurmd-$n.pid" ] && echo "slurmd $(cat "$BASE/spool/slurmd-$n.pid")" >> "$BASE/pids"
+done
+if ! all_idle; then
+  echo "start.sh: not every node ($(echo $NODE_NAMES)) became idle" >&2
   sinfo -R >&2 || true; tail -n 30 "$BASE"/log/*.log "$BASE"/munge/munged.log >&2; exit 1
 fi
 sinfo
