@@ -83,6 +83,29 @@ def test_save_time_is_read_from_the_newest_committed_index(tmp_path):
     assert newest_save_seconds(tmp_path) == 2.5
 
 
+def test_a_run_prints_the_advice_after_its_first_save_and_a_resumed_run_at_its_first_step(tmp_path):
+    run_dir = tmp_path / "run"
+    base = ["--set", "data.synthetic=true", "--set", "logging.peak_flops=1e9", "--set", "fault.mtbf_hours=2",
+            "--set", "checkpoint.every=2"]
+    first = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir), *base,
+                        "--set", "train.steps=4"], timeout=240)
+    assert first.returncode == 0, describe(first)
+    lines = first.stdout.splitlines()
+    advice = [i for i, line in enumerate(lines) if line.startswith("checkpoint advice: saving takes ")]
+    saved = [i for i, line in enumerate(lines) if line.startswith("checkpoint: saved step 2 ")]
+    assert len(advice) == 1 and saved and advice[0] > saved[0], first.stdout  # once, after the first save
+    assert "fault.mtbf_hours = 2" in lines[advice[0]] and "checkpoint.every = 2 loses" in lines[advice[0]]
+    index = json.loads((run_dir / "checkpoints" / "step_00000004" / "index.json").read_text())
+    assert index["save_seconds"] > 0
+    resumed = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir), *base,
+                          "--set", "train.steps=8", "--resume", "auto"], timeout=240)
+    assert resumed.returncode == 0, describe(resumed)
+    lines = resumed.stdout.splitlines()
+    advice = [i for i, line in enumerate(lines) if line.startswith("checkpoint advice: ")]
+    first_save = next(i for i, line in enumerate(lines) if line.startswith("checkpoint: saved step "))
+    assert len(advice) == 1 and advice[0] < first_save, resumed.stdout  # known from the checkpoint it resumed
+
+
 # ----------------------------------------------------------------------------- faulty hosts
 def test_faults_file_round_trip_and_exclusion(tmp_path):
     record_fault(tmp_path, "hang", host="node2", rank=3, step=7)
