@@ -330,3 +330,24 @@ def test_restart_excludes_the_node_the_watchdog_named(slurm_env, jobs, tmp_path,
     assert sorted(losses) == sorted(reference_losses), log
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-9, abs=0), f"step {step}\n{log}"
+
+
+def test_no_restart_without_time_for_the_next_checkpoint(slurm_env, jobs, tmp_path, dataset):
+    """An attempt that could not reach its next checkpoint before the time limit is not started: with
+    MPITRAIN_MIN_ATTEMPT_S far above the job's 10 minutes, the killed attempt is the last and the job fails."""
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset)],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAULT": "kill:rank=1:step=7",
+               "MPITRAIN_MIN_ATTEMPT_S": "100000"})
+    jobs.append(job)
+    deadline = time.monotonic() + 240
+    while job.poll() not in FINISHED and job.state != "UNKNOWN":
+        if time.monotonic() > deadline:
+            job.fail("not finished within 240 s")
+        time.sleep(0.5)
+    log = job.log()
+    assert job.state == "FAILED", f"{job.state}\n{log}"
+    left = re.search(r"attempt 0 failed; (\d+)s left in the allocation, an attempt needs ~100000s to reach its next "
+                     r"checkpoint: not restarting", log)
+    assert left and 0 < int(left.group(1)) <= 600, log  # squeue's time left of a 10-minute job
+    assert "attempt 1" not in log, log
