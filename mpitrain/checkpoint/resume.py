@@ -43,8 +43,9 @@ def choose_checkpoint(directory: Path, spec: str, echo=print) -> Path | None:
             echo(f"checkpoint: {exc}; falling back to the previous committed checkpoint")
             broken.append(f"{candidate.name} ({exc})")
     if broken:
-        # Starting from step 0 here would let retention later delete the new checkpoints' older, good-looking
-        # neighbours while these stay the "newest": the user decides what to do with a run whose every save is broken.
+        # Not "start from step 0": left in place these stay the newest (retention would delete the new, good
+        # checkpoints first and auto would keep trying them); set aside, a whole run's progress would be dropped
+        # without anyone deciding it. A run whose every save is broken needs a person.
         raise CheckpointError(f"every committed checkpoint in {directory} is broken: {'; '.join(broken)}; repair or "
                               f"move them out of {directory} to start afresh")
     return None
@@ -60,9 +61,11 @@ def set_aside_newer(directory: Path, step: int, kept: Path | None, echo=print) -
     Deleting would silently lose a user's data (a branch may be worth comparing, a corrupt shard worth inspecting).
     Each move is one atomic rename inside the same filesystem, so every checkpoint stays whole wherever it is."""
     kept = kept.resolve() if kept is not None else None
+    def step_of(path: Path) -> int:
+        return int(STEP_DIR.match(path.name).group(1))
+
     beyond = [path for path in committed_checkpoints(directory)
-              if int(STEP_DIR.match(path.name).group(1)) > step
-              or (int(STEP_DIR.match(path.name).group(1)) == step and path.resolve() != kept)]
+              if step_of(path) > step or (step_of(path) == step and path.resolve() != kept)]
     if not beyond:
         return None
     folder = directory / SET_ASIDE / f"beyond_step_{step:08d}"
