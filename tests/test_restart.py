@@ -74,7 +74,7 @@ def reference_losses(tmp_path_factory):
 def test_failed_rank_restarts_and_ends_as_an_uninterrupted_run(tmp_path, reference_losses, fault, named):
     run_dir = tmp_path / "run"
     result = run_launch(["-n", "2", "--max-restarts", "1", "configs/tiny.toml", "--out", str(run_dir), *settings(),
-                         "--set", "fault.timeout_s=5"], {"MPITRAIN_FAULT": fault})
+                         "--set", "fault.timeout_s=10"], {"MPITRAIN_FAULT": fault})
     output = result.stdout + result.stderr
     assert result.returncode == 0, describe(result)
     assert named in output, output

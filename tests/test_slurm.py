@@ -312,7 +312,7 @@ def test_restart_excludes_the_node_the_watchdog_named(slurm_env, jobs, tmp_path,
         pytest.skip(message)
     run_dir = tmp_path / "run"
     job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset),
-                                    "--set", "fault.timeout_s=5"],
+                                    "--set", "fault.timeout_s=10"],
               {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAULT": "hang:rank=1:step=12"},
               shape=("--nodes=2", "--ntasks-per-node=1"))
     jobs.append(job)
