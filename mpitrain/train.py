@@ -62,7 +62,8 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world_comm, progress=None):  # progress: the watchdog's record (comm/operations.py)
+    def __init__(self, cfg: Config, world_comm, progress=None, run_dir: Path | None = None):
+        """progress: the watchdog's record (comm/operations.py); run_dir: where injected faults are recorded."""
         self.cfg = cfg
         world_size, world_rank = world_comm.Get_size(), world_comm.Get_rank()
         # --- checks without communication (every rank reaches the same verdict on its own)
@@ -86,7 +87,7 @@ class Trainer:
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
         self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
-        self.faults = FaultPlan.from_environment(world_rank)  # MPITRAIN_FAULT: injected faults (tests, demos)
+        self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
@@ -251,7 +252,7 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
 
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
-    trainer = Trainer(cfg, world_comm, progress)
+    trainer = Trainer(cfg, world_comm, progress, run_dir)
     logger = trainer.is_logger
     say = echo if logger else (lambda text: None)
     c, t = cfg.checkpoint, cfg.train

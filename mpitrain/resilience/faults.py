@@ -8,18 +8,24 @@ Each fault names a kind and where it strikes:
     flip   one bit of one parameter of the rank is flipped after step `step` (silent data corruption)
 `rank` defaults to every rank. Steps count from 1, as the console and the checkpoints do.
 
-A fault strikes in the first attempt of a job only (MPITRAIN_ATTEMPT, set by `mpitrain launch --max-restarts` and
-slurm/train.sbatch, or SLURM_RESTART_COUNT after a requeue, is 0), so that a restarted job can show that it recovers.
+A fault strikes once per run: kill, hang, nan and flip append themselves to RUN_DIR/injected_faults.jsonl just
+before they strike, and a restarted job (`mpitrain launch --max-restarts`, slurm/train.sbatch's loop, a requeue)
+skips the faults it finds there, so that it can show that it recovers. Counting attempts instead would spare a
+restart whose first attempt died of something else before reaching the fault (an MPI start-up failure, say).
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpitrain.errors import ConfigError
 
 KINDS = ("kill", "hang", "nan", "slow", "flip")
+ONE_SHOT = ("kill", "hang", "nan", "flip")  # strike once and are recorded; slow lasts
 ENV_VAR = "MPITRAIN_FAULT"
+RECORD_FILE = "injected_faults.jsonl"
 
 
 @dataclass(frozen=True)
@@ -65,31 +71,60 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
-def current_attempt(environ=os.environ) -> int:
-    """0 for a job's first run; the restart count after `launch --max-restarts`, sbatch's loop or a requeue."""
-    return int(environ.get("MPITRAIN_ATTEMPT") or environ.get("SLURM_RESTART_COUNT") or 0)
-
-
 class FaultPlan:
-    """The faults that strike this rank. Empty (and free) unless MPITRAIN_FAULT is set in the first attempt."""
+    """The faults that strike this rank. Empty (and free) unless MPITRAIN_FAULT is set. `record`: the file where
+    struck faults are kept (RUN_DIR/injected_faults.jsonl), or None to keep them in memory only."""
 
-    def __init__(self, faults: list[Fault], rank: int):
-        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+    def __init__(self, faults: list[Fault], rank: int, record: Path | None = None):
+        struck = _struck_before(record, rank)
+        self.faults = [f for f in faults if (f.rank is None or f.rank == rank) and (f.kind, f.step) not in struck]
         self.rank = rank
+        self.record = record
 
     @classmethod
-    def from_environment(cls, rank: int, environ=os.environ) -> FaultPlan:
+    def from_environment(cls, rank: int, run_dir: Path | None = None, environ=os.environ) -> FaultPlan:
         text = environ.get(ENV_VAR, "")
-        if not text or current_attempt(environ) > 0:
-            return cls([], rank)
-        return cls(parse_faults(text), rank)
+        record = Path(run_dir) / RECORD_FILE if run_dir is not None else None
+        return cls(parse_faults(text) if text else [], rank, record)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
 
     def due(self, kind: str, step: int) -> Fault | None:
-        """The fault of this kind that strikes this rank at `step` (from 1), if any."""
+        """The fault of this kind that strikes this rank at `step` (from 1), if any. A one-shot fault is used up
+        (and recorded) by the call that returns it: call this right before striking."""
         for fault in self.faults:
             if fault.kind == kind and fault.strikes(self.rank, step):
+                if kind in ONE_SHOT:
+                    self.faults.remove(fault)
+                    self._write_record(fault)
                 return fault
         return None
+
+    def _write_record(self, fault: Fault) -> None:
+        if self.record is None:
+            return
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"kind": fault.kind, "rank": self.rank, "step": fault.step}) + "\n"
+        # one append and an fsync: the record must be on disk before a kill or a stop strikes
+        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _struck_before(record: Path | None, rank: int) -> set[tuple[str, int]]:
+    """(kind, step) of the faults this rank recorded in an earlier attempt of the run."""
+    if record is None or not record.is_file():
+        return set()
+    struck = set()
+    for line in record.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by the kill it announced
+        if entry.get("rank") == rank:
+            struck.add((entry.get("kind"), entry.get("step")))
+    return struck

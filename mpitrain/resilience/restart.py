@@ -4,7 +4,7 @@ checkpoint, and says what each failure cost.
 A job that ends with status 0 is done; 75 means "stopped on request, saved" (SIGUSR1/SIGTERM): never restarted here,
 the one who asked continues it. Any other status is a failure: the next attempt runs the same command with
 `--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its number, so that
-injected faults (MPITRAIN_FAULT) strike the first attempt only.
+injected faults (MPITRAIN_FAULT) strike once per run (recorded in RUN_DIR/injected_faults.jsonl).
 
 Time lost by a restart = the wall time from the save of the checkpoint it resumes from (the index's "created") to
 the start of its first step (the first metrics.jsonl row it writes: "time" at the row's end minus "step_time_s").
