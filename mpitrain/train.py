@@ -27,12 +27,12 @@ from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
-from mpitrain.parallel.data import ReplicatedState
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
-from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
+from mpitrain.state.replicated import ReplicatedState
+from mpitrain.state.zero import ZeroState
 
 
 @dataclass

@@ -16,7 +16,7 @@ from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.comm.mesh import Mesh
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.model.gpt import GPT
-from mpitrain.parallel.data import ReplicatedState
+from mpitrain.state.replicated import ReplicatedState
 from mpitrain.plan.memory import activation_bytes
 world = MPI.COMM_WORLD
 cfg = load_config("configs/tiny.toml", sys.argv[1:])

@@ -1,6 +1,6 @@
 """Gradient checks of every forward/backward pair the model runs, against central finite differences: the ops of
-mpitrain.model.ops and, with one rank (their serial form), the linear, embedding and loss ops of
-mpitrain.parallel.tensor.
+mpitrain.layers.ops and, with one rank (their serial form), the linear, embedding and loss ops of
+mpitrain.layers.tensor_parallel.
 
 Each case is an op with its differentiable inputs (whose gradients backward returns) and its parameters (whose
 gradients backward ADDS into given arrays). The scalar checked is a random projection of the outputs,
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mpitrain.backend import nbytes_of
-from mpitrain.model import ops
-from mpitrain.parallel import tensor
+from mpitrain.layers import ops
+from mpitrain.layers import tensor_parallel as tensor
 
 ONE_RANK = tensor.TensorParallel(None)
 

@@ -19,8 +19,8 @@ from mpitrain.checkpoint.store import Checkpoint, committed_checkpoints
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
-from mpitrain.parallel.data import ReplicatedState
 from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
+from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
 from tests.test_checkpoint import PREEMPTED, losses, saved_state, train
 from tests.test_tensor_parallel import assert_exact

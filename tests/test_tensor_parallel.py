@@ -85,7 +85,7 @@ from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.comm.group import Group
 from mpitrain.config import ModelConfig
 from mpitrain.model.gpt import GPT
-from mpitrain.model.params import FlatBuffer, initial_unit_flat
+from mpitrain.state.params import FlatBuffer, initial_unit_flat
 
 B, T, C = 4, 64, 64
 world = MPI.COMM_WORLD
@@ -173,7 +173,7 @@ class RecordingGroup:
 
 
 def test_column_parallel_backward_starts_the_reduction_before_the_weight_gradient():
-    from mpitrain.parallel.tensor import TensorParallel, column_parallel_backward
+    from mpitrain.layers.tensor_parallel import TensorParallel, column_parallel_backward
     rng = np.random.default_rng(0)
     x, w, dy = rng.normal(size=(2, 5, 8)), rng.normal(size=(8, 6)), rng.normal(size=(2, 5, 6))
     dw, log = np.zeros_like(w), []

@@ -7,8 +7,8 @@ import pytest
 from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.config import load_config
 from mpitrain.model.gpt import GPT
-from mpitrain.parallel.data import ReplicatedState
 from mpitrain.plan.memory import activation_bytes
+from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_train_parity import assert_same_run, dataset, train_run  # noqa: F401 (fixture)
 

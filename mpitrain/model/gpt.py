@@ -2,7 +2,7 @@
 
 The model holds no parameters: `forward`/`backward` ask a *state* object for each unit's parameter and gradient
 views. The state decides where they live: one full flat buffer (data parallelism, ZeRO-1/2) or a shard that is
-all-gathered just before use and freed after (ZeRO-3). See `mpitrain/parallel/data.py` for the protocol:
+all-gathered just before use and freed after (ZeRO-3). See `mpitrain/state/replicated.py` for the protocol:
 
     state.acquire(unit, phase) -> dict of parameter views   (phase: "forward" | "backward")
     state.release(unit, phase)                               after the unit's last reader in that phase
@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 
 from mpitrain.config import ModelConfig
-from mpitrain.model import ops
+from mpitrain.layers import ops
+from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
-from mpitrain.parallel.tensor import TensorParallel
 
 
 class GPT:

@@ -8,7 +8,7 @@ Two flavours, chosen by `model.arch`:
   gpt2:  learned positions, LayerNorm with bias, GELU (tanh), biases on linears, head tied to the token embedding.
   llama: RoPE, RMSNorm, SwiGLU, grouped-query attention (n_kv_head), no biases, separate head.
 
-Tensor parallelism (Megatron style; each unit receives a `TensorParallel`, see mpitrain/parallel/tensor.py): a rank
+Tensor parallelism (Megatron style; each unit receives a `TensorParallel`, see mpitrain/layers/tensor_parallel.py): a rank
 holds a block of each split weight, and the unit's `layout` says which (ParamSpec shape / global_shape / offset).
 
   attention   Q/K/V column-parallel by heads (rank r: query heads [r H/t, (r+1) H/t)), output projection
@@ -41,10 +41,10 @@ import math
 
 from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
-from mpitrain.model import ops
-from mpitrain.model.params import ParamSpec, UnitLayout
-from mpitrain.parallel import tensor
-from mpitrain.parallel.tensor import TensorParallel, VocabShardSpec
+from mpitrain.layers import ops
+from mpitrain.layers import tensor_parallel as tensor
+from mpitrain.layers.tensor_parallel import TensorParallel, VocabShardSpec
+from mpitrain.state.params import ParamSpec, UnitLayout
 
 
 def _rows(x):

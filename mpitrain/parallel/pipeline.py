@@ -35,10 +35,10 @@ from collections import Counter, defaultdict, deque
 import numpy as np
 
 from mpitrain.backend import nbytes_of
-from mpitrain.model.params import intersect
-from mpitrain.parallel.data import squared_sum
 from mpitrain.parallel.schedule import Instruction, forward_only_program
 from mpitrain.profile.timeline import Timeline
+from mpitrain.state.params import intersect
+from mpitrain.state.replicated import squared_sum
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
 

@@ -77,9 +77,9 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
 def rank_param_count(cfg: Config) -> int:
     """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
     from mpitrain.backend import make_backend
+    from mpitrain.layers.tensor_parallel import TensorParallel
     from mpitrain.model.gpt import GPT
     from mpitrain.parallel.pipeline import rank_stages
-    from mpitrain.parallel.tensor import TensorParallel
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
-from mpitrain.model.params import ParamSpec
+from mpitrain.state.params import ParamSpec
 
 TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 

@@ -14,8 +14,8 @@ the remaining layers compute. `finish()` waits for the rest before the optimizer
 """
 from __future__ import annotations
 
-from mpitrain.model.params import FlatBuffer, initial_unit_flat
 from mpitrain.optim.adamw import Segment
+from mpitrain.state.params import FlatBuffer, initial_unit_flat
 
 
 def initialise(buffer: FlatBuffer, seed: int, backend) -> None:

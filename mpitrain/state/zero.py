@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpitrain.model.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.optim.adamw import Segment
-from mpitrain.parallel.data import initialise, squared_sum
+from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
+from mpitrain.state.replicated import initialise, squared_sum
 
 
 class ZeroState:

@@ -4,7 +4,7 @@ Convention (design decision 1): `y, saved = op_forward(..., x)` returns the outp
 `dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the given arrays in
 place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what `saved` holds.
 Linear weights are stored (in_features, out_features), so forward is `x @ w`. The ops that talk to other ranks when
-a layer is split (linear backward, embedding, loss) live in mpitrain/parallel/tensor.py, one code path for every tp
+a layer is split (linear backward, embedding, loss) live in mpitrain/layers/tensor_parallel.py, one code path for every tp
 degree; with one rank they are the plain ops.
 """
 from __future__ import annotations
