@@ -23,9 +23,8 @@ contiguous LEADING blocks. So the sequence operators move the sequence to the fr
 free when B = 1), communicate, and move it back.
 
 Also here: the vocabulary-parallel embedding and cross-entropy (each rank holds ceil(V/t) rows of the vocabulary;
-the full logits are never gathered), the column-parallel backward whose input-gradient reduction overlaps the
-weight-gradient matmul, gradients of replicated tensors that each rank only partly computes, and assembling full
-tensors from the pieces.
+the full logits are never gathered), gradients of replicated tensors that each rank only partly computes, and the
+description of a rank's piece of a split tensor. The linears that use these operators are mpitrain/layers/linear.py.
 """
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.layers.precision import computes_in_float32
 from mpitrain.state.params import ParamSpec
 
 TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -197,52 +197,23 @@ def scatter_to_sp_backward(tp: TensorParallel, dx):
     return tp.gather_sequence(dx)
 
 
-# ------------------------------------------------------------------------------------- linears split over tp
 def _rows(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def column_parallel_backward(tp: TensorParallel, x, weights, output_grads, weight_grads, bias_grads=None):
-    """Backward of column-parallel linears that share the input x (the gathered one under SP): Q/K/V, gate/up.
-
-    Their input gradient sum_i dy_i w_i^T is a partial sum over the tp ranks (each holds some output columns). Its
-    reduction (the backward of `enter`) starts before the weight-gradient matmuls and is waited for after them, so
-    the communication overlaps compute. Returns the reduced input gradient (this rank's sequence chunk under SP).
-    """
-    bias_grads = bias_grads or [None] * len(weights)
-    dx = None
-    for w, dy in zip(weights, output_grads):
-        part = _rows(dy) @ w.T
-        if dx is None:
-            dx = part
-        else:
-            dx += part
-    pending = tp.start_enter_backward(dx.reshape(x.shape))
-    x2 = _rows(x)
-    for dy, dw, db in zip(output_grads, weight_grads, bias_grads):
-        dw += x2.T @ _rows(dy)
-        if db is not None:
-            db += _rows(dy).sum(axis=0)
-    return pending.wait()
-
-
-def row_parallel_forward(tp: TensorParallel, x, w, b=None):
-    """x @ w on this rank's input columns, summed over tp (the region's exit), then the replicated bias once."""
-    y = tp.exit((_rows(x) @ w).reshape(*x.shape[:-1], w.shape[1]))
-    if b is not None:
-        y += b
-    return y
-
-
-def row_parallel_backward(tp: TensorParallel, x, w, dy, dw, db=None):
-    """dy arrives replicated (or as this rank's sequence chunk under SP, then all-gathered): the bias gradient is
-    taken from the full dy, so it is complete and identical on every rank."""
-    dy = tp.exit_backward(dy)
-    dy2 = _rows(dy)
-    if db is not None:
-        db += dy2.sum(axis=0)
-    dw += _rows(x).T @ dy2
-    return (dy2 @ w.T).reshape(*dy.shape[:-1], w.shape[0])
+# ------------------------------------------------------------------------------------- split parameters
+def split_spec(name, global_shape, axis, tp: TensorParallel, init="normal", std=0.0, per_rank=None) -> ParamSpec:
+    """This tp rank's block of a tensor split along `axis`: per_rank (default: an equal share) consecutive slices.
+    A block that hangs over the tensor's end (vocabulary padding) is a VocabShardSpec. One rank: the whole tensor."""
+    global_shape = tuple(global_shape)
+    if tp.size == 1:
+        return ParamSpec(name, global_shape, init, std)
+    per_rank = per_rank or global_shape[axis] // tp.size
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    shape[axis], offset[axis] = per_rank, tp.rank * per_rank
+    kind = ParamSpec if per_rank * tp.size == global_shape[axis] else VocabShardSpec
+    return kind(name, tuple(shape), init, std, global_shape, tuple(offset), tp_replicated=False,
+                tp_axis=axis % len(global_shape))
 
 
 class PartialGrads:
@@ -299,6 +270,7 @@ def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     return first, rows, max(0, min(rows, vocab_size - first))
 
 
+@computes_in_float32()
 def vocab_parallel_embedding_forward(tp: TensorParallel, table, ids, first: int):
     """Rows of this rank's table shard for the ids it owns, zeros for the others, summed over tp by the region's
     exit (all-reduce; under SP a reduce-scatter, so the result is this rank's sequence chunk).
@@ -312,6 +284,7 @@ def vocab_parallel_embedding_forward(tp: TensorParallel, table, ids, first: int)
     return tp.exit(x), local
 
 
+@computes_in_float32("dtable")
 def vocab_parallel_embedding_backward(tp: TensorParallel, local, dx, dtable):
     """Adds into this rank's table shard; returns the full-sequence gradient (for learned positions)."""
     dx = tp.exit_backward(dx)
@@ -327,6 +300,7 @@ def mask_vocab_padding(logits, real_columns: int):
     return logits
 
 
+@computes_in_float32()
 def vocab_parallel_cross_entropy_forward(tp: TensorParallel, logits, targets, first: int):
     """Sum over tokens of -log softmax(logits)[target] from this rank's vocabulary columns of the logits.
 
@@ -353,6 +327,7 @@ def vocab_parallel_cross_entropy_forward(tp: TensorParallel, logits, targets, fi
     return loss_sum, (exp, local_targets, logits.shape)
 
 
+@computes_in_float32()
 def vocab_parallel_cross_entropy_backward(saved, dloss):
     """d(dloss * loss_sum)/d(local logits) = dloss (softmax - onehot(target)), on this rank's columns only."""
     probs, local_targets, shape = saved
