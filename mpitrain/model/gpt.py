@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from mpitrain.config import ModelConfig
 from mpitrain.layers import ops
 from mpitrain.layers.tensor_parallel import TensorParallel
@@ -115,6 +117,17 @@ class GPT:
                 ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp, dtype)
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
+
+    def saved_bytes(self, micro_batch: int, dtype) -> tuple[int, int]:
+        """Bytes the saved state of one micro-batch holds on this rank, over all its chunks, by the layers' own
+        declaration (`saved_arrays`), and the bytes shared by all micro-batches (the rotary tables of `context`)."""
+        def total(arrays):
+            return sum(math.prod(shape) * np.dtype(kind).itemsize for shape, kind in arrays)
+        seq_len = self.cfg.seq_len
+        per_micro_batch = sum(total(self.units[i].saved_arrays(micro_batch, seq_len, dtype))
+                              for chunk in self.chunks for i in chunk)
+        rope = [((seq_len, self.cfg.head_dim // 2), dtype)] * 2 if self.cfg.arch == "llama" else []
+        return per_micro_batch, total(rope)
 
     def _sequence_length(self, x) -> int:
         """Token ids are (batch, T); activations between units are (batch, T/t, C) under sequence parallelism."""
