@@ -26,11 +26,13 @@ from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
+from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
+from mpitrain.resilience.faults import FaultPlan
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.zero import ZeroState
 
@@ -70,7 +72,7 @@ class Trainer:
                                                                     cfg.train.global_batch, cfg.train.seed)
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
-        self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
+        self.backend = make_backend(cfg.train.device, cfg.precision.compute, world_rank, cfg.precision.master)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
@@ -79,6 +81,8 @@ class Trainer:
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         o = cfg.optim
         self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
+        self.faults = FaultPlan.from_environment(world_rank)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
         program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
@@ -111,18 +115,18 @@ class Trainer:
             group.reset_counters()
         start = time.perf_counter()
         state.zero_grads()
-        dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
+        loss_scale = self.loss_scale.scale  # float16 only; else 1
+        dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(step, self._rows(micro)),
                                           dloss)
-        grad_norm = self.global_grad_norm()
-        scale = clip_scale(grad_norm, cfg.optim.clip)
-        if scale != 1.0:
-            for segment in self.optimizer.segments:
-                segment.grads *= scale
+        if self.faults.due("nan", step + 1):
+            self.optimizer.segments[0].grads[:1] = float("nan")
+        grad_norm = self.global_grad_norm() / loss_scale
         o = cfg.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
-        self.optimizer.step(lr)
-        state.after_step()
+        if self.loss_scale.update(grad_norm):  # False: fp16 overflow, the step is skipped
+            self.optimizer.step(lr, clip_scale(grad_norm, cfg.optim.clip) / loss_scale)
+            state.after_step()
         loss = self._total(loss_sum) / self.tokens_per_step
         self.backend.synchronize()
         seconds = time.perf_counter() - start
@@ -136,9 +140,13 @@ class Trainer:
     def global_grad_norm(self) -> float:
         """The norm of the whole model's gradient: squares summed over tp (sharded tensors), then over the pipeline
         stages; the tied embedding's copy on the last stage is left out (counted once, on the first)."""
-        tp_sharded, tp_replicated = self.state.grad_sq_sums()
-        copy_sharded, copy_replicated = self.pipeline.tied_copy_grad_squares()
-        stage = self.mesh.tp.all_reduce_scalar(tp_sharded - copy_sharded) + (tp_replicated - copy_replicated)
+        copy = self.pipeline.tied_copy_grad_squares()
+        stage = 0.0
+        for groups, squares in self.state.grad_sq_sums().items():  # keyed by ParamSpec.norm_groups
+            squares -= copy.get(groups, 0.0)
+            for name in groups:
+                squares = getattr(self.mesh, name).all_reduce_scalar(squares)
+            stage += squares
         return math.sqrt(self.mesh.pp.all_reduce_scalar(stage))
 
     def _total(self, loss_sum: float) -> float:
@@ -161,6 +169,8 @@ class Trainer:
         record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                   "comm_bytes": result.comm_bytes}
+        if self.cfg.precision.compute == "float16":
+            record["loss_scale"], record["skipped_steps"] = self.loss_scale.scale, self.loss_scale.skipped
         if result.bubble is not None:
             record["bubble"] = result.bubble
         return record
@@ -169,9 +179,12 @@ class Trainer:
 def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
     p = cfg.parallel
+    reduce = cfg.precision.grad_reduce
     if p.zero == 0:
-        return ReplicatedState(model.layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap)
-    return ZeroState(model.layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward)
+        return ReplicatedState(model.layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap,
+                               reduce)
+    return ZeroState(model.layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward,
+                     reduce)
 
 
 def format_log_line(record: dict, total_steps: int) -> str:

@@ -7,7 +7,7 @@ import pytest
 from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.config import load_config
 from mpitrain.model.gpt import GPT
-from mpitrain.plan.memory import activation_bytes
+from mpitrain.plan.memory import activation_bytes, memory_report
 from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_train_parity import assert_same_run, dataset, train_run  # noqa: F401 (fixture)
@@ -67,31 +67,44 @@ world = MPI.COMM_WORLD
 out = {}
 for stage in (0, 1, 2, 3):
     cfg = load_config("configs/bench-small.toml", [f"parallel.zero={stage}", "train.micro_batch=1",
-                                                   f"train.global_batch={world.size}"])
+                                                   f"train.global_batch={world.size}", "precision.compute=COMPUTE"])
     resolve_layout(cfg, world.size)
-    backend = make_backend("cpu", "float32")
+    backend = make_backend("cpu", "COMPUTE")
     model = GPT(cfg.model, backend)
     state = make_state(cfg, model, backend, Mesh(world, dp=world.size))
     optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
     held = state.memory()
-    out[stage] = {**held, "optimizer": optimizer.state_nbytes(), "psi": model.n_params}
+    out[stage] = {"total": sum(held.values()) + optimizer.state_nbytes(), "psi": model.n_params}
 if world.rank == world.size - 1:
     print("RESULTS " + json.dumps(out))
 """
 
 
+# bytes per parameter kept between steps: (whole, sharded over N) per ZeRO stage, as mpitrain/plan/memory.py says
+STATE_BYTES = {"float32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},  # the params are the master
+               "bfloat16": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}}  # 2 + 2 + fp32 master, m, v
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_state_memory_per_rank_falls_as_the_formulas_say(n):
-    """Bytes of the arrays a rank really holds, against 16 Psi (ZeRO-0), 8 Psi + 12 Psi/N (ZeRO-1: params, full and
-    sharded grads, moments), 4 Psi + 12 Psi/N (ZeRO-2) and 16 Psi/N (ZeRO-3) at float32."""
-    measured = {int(k): v for k, v in run_python_mpi_results(n, MEMORY_JOB, timeout=120).items()}
+def test_state_memory_per_rank_falls_as_the_formulas_say(n, compute):
+    """Bytes of the arrays a rank really holds (params, grads, master, moments) against the formulas: at bfloat16
+    16 Psi (ZeRO-0), 4 + 12/N (ZeRO-1), 2 + 14/N (ZeRO-2), 16/N (ZeRO-3) bytes per parameter; and what
+    `mpitrain memory` prints for the same layout."""
+    measured = {int(k): v for k, v in run_python_mpi_results(n, MEMORY_JOB.replace("COMPUTE", compute),
+                                                             timeout=120).items()}
     psi = measured[0]["psi"]
-    expected_total = {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
     padding = 4 * 4 * n * (4 + 2)  # at most n-1 padding elements per unit, 6 units, in 4 arrays of 4 bytes
-    for stage, expected in expected_total.items():
-        held = measured[stage]
-        total = held["params"] + held["grads"] + held["optimizer"]
-        assert abs(total - expected) <= 0.02 * expected + padding, (stage, total, expected)
+    for stage, (whole, sharded) in STATE_BYTES[compute].items():
+        expected = (whole + sharded / n) * psi
+        total = measured[stage]["total"]
+        assert expected <= total <= expected + padding, (stage, total, expected)
+        cfg = load_config("configs/bench-small.toml", [f"parallel.zero={stage}", f"precision.compute={compute}"])
+        cfg.parallel.dp = n
+        report = memory_report(cfg, psi)
+        assert report["bytes"]["state"] == pytest.approx(expected, rel=1e-12)
+        printed = " + ".join(([str(whole)] if whole else []) + ([f"{sharded}/N"] if sharded else []))
+        assert report["formulas"]["state"] == printed + " bytes per parameter"
 
 
 def test_activation_estimate_is_what_the_saved_state_holds():

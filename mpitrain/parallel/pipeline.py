@@ -34,11 +34,12 @@ from collections import Counter, defaultdict, deque
 
 import numpy as np
 
-from mpitrain.backend import nbytes_of
+from mpitrain.backend import nbytes_of, wire_view
 from mpitrain.parallel.schedule import Instruction, forward_only_program
 from mpitrain.profile.timeline import Timeline
 from mpitrain.state.params import intersect
-from mpitrain.state.replicated import squared_sum
+from mpitrain.state.reduce import add_into
+from mpitrain.state.strategy import norm_ranges, squared_sum
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
 
@@ -105,16 +106,15 @@ class StepGradients:
             self.state.unit_done(unit)
 
 
-def unit_grad_squares(state, unit: int) -> tuple[float, float]:
-    """The (tensor-parallel-sharded, replicated) sums of squares of `unit`'s gradient that state.grad_sq_sums()
-    counts for it (summed over the dp group under ZeRO, as there)."""
+def unit_grad_squares(state, unit: int) -> dict:
+    """The sums of squares of `unit`'s gradient by norm groups that state.grad_sq_sums() counts for it (summed over
+    the dp group under ZeRO, as there)."""
     geometry, window, values = state.reduced_grad_window(unit)
-    sums = []
-    for replicated in (False, True):
-        ranges = intersect(geometry.ranges(lambda spec, r=replicated: spec.tp_replicated == r), *window)
-        local = squared_sum(values, ranges)
-        sums.append(state.group.all_reduce_scalar(local) if state.sharded else local)
-    return sums[0], sums[1]
+    sums = {}
+    for key, ranges in norm_ranges(geometry).items():
+        local = squared_sum(values, intersect(ranges, *window))
+        sums[key] = state.group.all_reduce_scalar(local) if state.sharded else local
+    return sums
 
 
 # ------------------------------------------------------------------------------------------------ the executor
@@ -215,9 +215,10 @@ class PipelineExecutor:
         queue = self._receives[channel]
         if queue:
             ins = queue.popleft()
-            buffer = np.empty(self.shape, dtype=self.backend.dtype)
+            buffer = self.backend.empty(self.shape)
             direction = "forward" if ins.op == "recv_forward" else "backward"
-            self._posted[channel] = (ins, buffer, self.group.irecv(buffer, source=ins.peer, tag=TAGS[direction]))
+            self._posted[channel] = (ins, buffer, self.group.irecv(wire_view(buffer), source=ins.peer,
+                                                               tag=TAGS[direction]))
 
     def _receive(self, ins: Instruction):
         channel = (ins.op, ins.peer)
@@ -231,7 +232,7 @@ class PipelineExecutor:
     def _send(self, ins: Instruction, array, direction: str) -> None:
         with self._timeline.record(ins.op, ins.micro, ins.chunk):
             host = np.ascontiguousarray(self.backend.to_host(array))
-            self._sends.append(self.group.isend(host, dest=ins.peer, tag=TAGS[direction]))
+            self._sends.append(self.group.isend(wire_view(host), dest=ins.peer, tag=TAGS[direction]))
 
     def _recv_forward(self, ins):
         self._inputs[ins.micro, ins.chunk] = self._receive(ins)
@@ -301,15 +302,16 @@ class PipelineExecutor:
         if self.tied_peer is None:
             return
         _, _, mine = self.state.reduced_grad_window(self.model.tied_unit)
-        theirs = np.empty_like(mine)
-        receive = self.group.irecv(theirs, source=self.tied_peer, tag=TAGS["tied"])
-        self.group.send(np.ascontiguousarray(mine), dest=self.tied_peer, tag=TAGS["tied"])
+        theirs = self.backend.empty(mine.shape, mine.dtype)
+        receive = self.group.irecv(wire_view(theirs), source=self.tied_peer, tag=TAGS["tied"])
+        self.group.send(wire_view(np.ascontiguousarray(self.backend.to_host(mine))), dest=self.tied_peer,
+                        tag=TAGS["tied"])
         receive.wait()
-        mine += theirs
+        add_into(mine, self.backend.from_host(theirs))
 
-    def tied_copy_grad_squares(self) -> tuple[float, float]:
+    def tied_copy_grad_squares(self) -> dict:
         """What the tied copy adds to state.grad_sq_sums() on this rank (zero where there is none): the global
         norm counts the tied embedding once, on the first stage."""
         if not self.model.tied_copies:
-            return 0.0, 0.0
+            return {}
         return unit_grad_squares(self.state, self.model.tied_unit)
