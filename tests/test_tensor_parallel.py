@@ -173,11 +173,13 @@ class RecordingGroup:
 
 
 def test_column_parallel_backward_starts_the_reduction_before_the_weight_gradient():
-    from mpitrain.layers.tensor_parallel import TensorParallel, column_parallel_backward
+    from mpitrain.layers.linear import ColumnParallelLinear
+    from mpitrain.layers.tensor_parallel import TensorParallel
     rng = np.random.default_rng(0)
     x, w, dy = rng.normal(size=(2, 5, 8)), rng.normal(size=(8, 6)), rng.normal(size=(2, 5, 6))
     dw, log = np.zeros_like(w), []
-    dx = column_parallel_backward(TensorParallel(RecordingGroup(log, dw)), x, [w], [dy], [dw])
+    linear = ColumnParallelLinear(TensorParallel(RecordingGroup(log, dw)), 8, ["w"])
+    dx = linear.backward({"w": w}, {"w": dw}, x, [dy])
     assert log == [("start", False), ("wait", True)]  # issued before dW, completed after it
     np.testing.assert_allclose(dx, dy @ w.T)
     np.testing.assert_allclose(dw, x.reshape(-1, 8).T @ dy.reshape(-1, 6))
