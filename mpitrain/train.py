@@ -33,6 +33,7 @@ from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.faults import FaultPlan
+from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.zero import ZeroState
 
@@ -138,12 +139,11 @@ class Trainer:
         return result
 
     def global_grad_norm(self) -> float:
-        """The norm of the whole model's gradient: squares summed over tp (sharded tensors), then over the pipeline
-        stages; the tied embedding's copy on the last stage is left out (counted once, on the first)."""
-        copy = self.pipeline.tied_copy_grad_squares()
+        """The norm of the whole model's gradient: squares summed over the groups each tensor is split over (tp),
+        then over the pipeline stages; tied copies (the embedding beside a gpt2 head on the last stage) are left out
+        by the state, so each tensor counts once."""
         stage = 0.0
         for groups, squares in self.state.grad_sq_sums().items():  # keyed by ParamSpec.norm_groups
-            squares -= copy.get(groups, 0.0)
             for name in groups:
                 squares = getattr(self.mesh, name).all_reduce_scalar(squares)
             stage += squares
@@ -179,12 +179,12 @@ class Trainer:
 def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
     p = cfg.parallel
-    reduce = cfg.precision.grad_reduce
+    reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
     if p.zero == 0:
-        return ReplicatedState(model.layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap,
-                               reduce)
-    return ZeroState(model.layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward,
-                     reduce)
+        state = ReplicatedState(layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap, reduce)
+    else:
+        state = ZeroState(layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward, reduce)
+    return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 
 def format_log_line(record: dict, total_steps: int) -> str:

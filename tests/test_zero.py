@@ -117,3 +117,60 @@ def test_activation_estimate_is_what_the_saved_state_holds():
         tokens = rng.integers(0, 256, (cfg.train.micro_batch, cfg.model.seq_len))
         _, saved = model.forward(state, tokens, rng.integers(0, 256, tokens.shape))
         assert nbytes_of(saved) == activation_bytes(cfg), overrides
+
+
+FROZEN_JOB = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend
+from mpitrain.comm.group import Group
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.state.frozen import WithFrozen, split_frozen
+from mpitrain.state.params import ParamSpec, UnitLayout
+from mpitrain.state.replicated import ReplicatedState
+from mpitrain.state.zero import ZeroState
+group = Group(MPI.COMM_WORLD, "dp")
+backend = make_backend("cpu", "COMPUTE")
+out = {}
+for stage in (0, 1, 2, 3):
+    layouts = [UnitLayout(f"u{i}", [ParamSpec("w", (5, 3), "normal", 0.1),
+                                    ParamSpec("base", (7, 3), "normal", 0.1, trainable=False)]) for i in range(2)]
+    trainable, frozen = split_frozen(layouts)
+    inner = (ReplicatedState(trainable, backend, 0, group) if stage == 0 else
+             ZeroState(trainable, backend, 0, group, stage))
+    state = WithFrozen(inner, frozen, backend, 0)
+    optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
+    before = {u: {k: np.array(v, dtype=np.float64) for k, v in state.acquire(u, "forward").items()} for u in (0, 1)}
+    state.zero_grads()
+    state.begin_micro_batch(last=True)
+    names = set()
+    for u in (1, 0):
+        names |= set(state.acquire(u, "backward"))
+        grads = state.grad_views(u)
+        assert set(grads) == {"w"}, grads.keys()
+        grads["w"][...] = 1.0
+        state.release(u, "backward")
+        state.unit_done(u)
+    state.finish()
+    optimizer.step(1e-2)
+    state.after_step()
+    after = {u: {k: np.array(v, dtype=np.float64) for k, v in state.acquire(u, "forward").items()} for u in (0, 1)}
+    out[stage] = {"names": sorted(names), "moments": int(optimizer.exp_avg.size), "grads": state.memory()["grads"],
+                  "frozen_same": all(np.array_equal(before[u]["base"], after[u]["base"]) for u in (0, 1)),
+                  "trained": all(not np.array_equal(before[u]["w"], after[u]["w"]) for u in (0, 1)),
+                  "checkpointed": state.checkpoint_layout()["frozen"].size}
+if group.rank == 0:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("compute", ["float64", "bfloat16"])
+def test_frozen_tensors_get_no_gradient_no_optimizer_state_and_stay_put(compute):
+    n, trainable, frozen, itemsize = 2, 2 * 15, 2 * 21, {"float64": 8, "bfloat16": 2}[compute]
+    for stage, held in run_python_mpi_results(n, FROZEN_JOB.replace("COMPUTE", compute)).items():
+        assert held["names"] == ["base", "w"] and held["frozen_same"] and held["trained"], (stage, held)
+        shards = 1 if stage == "0" else n
+        assert held["moments"] <= trainable // shards + 2 * (n - 1), (stage, held)  # padding: n-1 per unit
+        assert held["grads"] <= (trainable // (n if stage in "23" else 1) + 2 * (n - 1)) * itemsize, (stage, held)
+        assert held["checkpointed"] == frozen

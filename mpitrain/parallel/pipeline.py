@@ -37,9 +37,7 @@ import numpy as np
 from mpitrain.backend import nbytes_of, wire_view
 from mpitrain.parallel.schedule import Instruction, forward_only_program
 from mpitrain.profile.timeline import Timeline
-from mpitrain.state.params import intersect
 from mpitrain.state.reduce import add_into
-from mpitrain.state.strategy import norm_ranges, squared_sum
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
 
@@ -106,15 +104,20 @@ class StepGradients:
             self.state.unit_done(unit)
 
 
-def unit_grad_squares(state, unit: int) -> dict:
-    """The sums of squares of `unit`'s gradient by norm groups that state.grad_sq_sums() counts for it (summed over
-    the dp group under ZeRO, as there)."""
-    geometry, window, values = state.reduced_grad_window(unit)
-    sums = {}
-    for key, ranges in norm_ranges(geometry).items():
-        local = squared_sum(values, intersect(ranges, *window))
-        sums[key] = state.group.all_reduce_scalar(local) if state.sharded else local
-    return sums
+def tie_peer(model, group) -> int | None:
+    """The pp rank holding the other side of this rank's tied unit, found from the tensors' `tied_to` (a copy names
+    its original), not assumed: gpt2's embedding on the first stage and its copy beside the head on the last are one
+    case. Collective over the pp group (once, at start-up)."""
+    if group.size == 1:
+        return None
+    specs = [(f"{layout.name}.{spec.name}", spec.tied_to) for layout in model.layouts for spec in layout.specs]
+    copies, owned = {tied for _, tied in specs if tied}, {name for name, tied in specs if not tied}
+    everyone = group.broadcast_object(group.gather_object((copies, owned)))
+    peers = [rank for rank, (their_copies, their_owned) in enumerate(everyone)
+             if rank != group.rank and (copies & their_owned or their_copies & owned)]
+    if len(peers) > 1:
+        raise NotImplementedError(f"pp rank {group.rank} shares tied tensors with ranks {peers}; one peer is supported")
+    return peers[0] if peers and model.tied_unit is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ the executor
@@ -136,9 +139,7 @@ class PipelineExecutor:
         self.timeline = Timeline(rank=self.rank)
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
         self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
-        self.tied_peer = None
-        if model.tied_unit is not None:
-            self.tied_peer = self.p - 1 if self.rank == 0 else 0
+        self.tied_peer = tie_peer(model, group)
         self._dispatch = {op: getattr(self, "_" + op) for op in
                           ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_input",
                            "backward_weight", "send_backward", "reduce_grads")}
@@ -308,10 +309,3 @@ class PipelineExecutor:
                         tag=TAGS["tied"])
         receive.wait()
         add_into(mine, self.backend.from_host(theirs))
-
-    def tied_copy_grad_squares(self) -> dict:
-        """What the tied copy adds to state.grad_sq_sums() on this rank (zero where there is none): the global
-        norm counts the tied embedding once, on the first stage."""
-        if not self.model.tied_copies:
-            return {}
-        return unit_grad_squares(self.state, self.model.tied_unit)
