@@ -67,23 +67,25 @@ def test_split_backward_defers_exactly_the_weight_matmuls():
         np.testing.assert_array_equal(grads[1][name], grads[0][name], err_msg=name)
 
 
+def arrays_in(tree):
+    """The arrays of a nested dict/tuple/list (a saved state)."""
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (tuple, list)):
+        for node in tree:
+            yield from arrays_in(node)
+    elif hasattr(tree, "nbytes"):
+        yield tree
+
+
 def distinct_arrays(tree, leave_out=()):
     """(size, dtype) of each array a saved state keeps alive (views counted as their base, once), as nbytes_of."""
     found = {}
-
-    def visit(node):
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, (tuple, list)):
-            for child in node:
-                visit(child)
-        elif hasattr(node, "nbytes") and not any(node is other for other in leave_out):
-            owner = node
-            while getattr(owner, "base", None) is not None:
-                owner = owner.base
-            found[id(owner)] = (owner.size, owner.dtype)
-
-    visit(tree)
+    for array in arrays_in(tree):
+        if not any(array is other for other in leave_out):
+            while getattr(array, "base", None) is not None:
+                array = array.base
+            found[id(array)] = (array.size, array.dtype)
     return sorted(found.values(), key=str)
 
 
@@ -127,19 +129,7 @@ def rel_err(expected, actual) -> float:
 
 
 def all_floating(tree):
-    leaves = []
-
-    def visit(node):
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, (tuple, list)):
-            for child in node:
-                visit(child)
-        elif hasattr(node, "dtype") and node.dtype.kind in "fV":
-            leaves.append(node)
-
-    visit(tree)
-    return leaves
+    return [array for array in arrays_in(tree) if array.dtype.kind in "fV"]  # V: ml_dtypes' bfloat16
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
