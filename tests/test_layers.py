@@ -102,7 +102,7 @@ def test_units_save_exactly_the_arrays_they_declare(arch, extra, dtype):
     for unit, unit_input in runs:
         p = {k: v.astype(dtype) for k, v in random_params(unit.layout.specs, rng).items()}
         p.update({name: rng.normal(size=(cfg.vocab_size, cfg.d_model)).astype(dtype) for name in unit.borrows})
-        _, saved = unit.forward(p, unit_input, tokens if unit is head else ctx)
+        _, saved = unit.forward(p, unit_input, {**ctx, "targets": tokens})
         shared = [ctx.get("cos"), ctx.get("sin")]  # the model's tables, declared once by GPT.saved_bytes
         declared = [(int(np.prod(shape)), np.dtype(kind)) for shape, kind in unit.saved_arrays(batch, cfg.seq_len,
                                                                                                np.dtype(dtype))]

@@ -194,7 +194,7 @@ def head_case(rng, arch):
     targets = rng.integers(0, cfg.vocab_size, size=(2, cfg.seq_len))
     return OpCase(
         {"x": rng.normal(size=(2, cfg.seq_len, cfg.d_model))}, params,
-        lambda i, p: _one(head.forward(p, i["x"], targets)),
+        lambda i, p: _one(head.forward(p, i["x"], {"targets": targets})),
         lambda s, i, p, dys, g: (head.backward(p, g, s, dys[0]),))
 
 

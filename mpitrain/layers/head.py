@@ -44,12 +44,12 @@ class LMHead:
         h, _ = self.norm.forward(p, x)
         return ops.linear_forward(h, self.local(p)[PROJECTION])[0]
 
-    def forward(self, p, x, targets):
-        """(sum of token losses, saved)."""
+    def forward(self, p, x, ctx):
+        """(sum of token losses, saved); the target token ids are ctx["targets"]."""
         h, norm = self.norm.forward(p, x)
         (logits,), h = self.projection.forward(self.local(p), h)
         logits = tensor.mask_vocab_padding(logits, self.vocab_real)
-        loss_sum, loss = tensor.vocab_parallel_cross_entropy_forward(self.tp, logits, targets, self.vocab_first)
+        loss_sum, loss = tensor.vocab_parallel_cross_entropy_forward(self.tp, logits, ctx["targets"], self.vocab_first)
         return loss_sum, {"norm": norm, "h": h, "loss": loss}
 
     def backward(self, p, g, s, dloss, deferred=None):

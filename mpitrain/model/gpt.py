@@ -167,11 +167,13 @@ class GPT:
         (output, saved state per unit of the chunk): the sum of token losses when the chunk ends with the head
         (`targets` needed), else the activation for the next stage."""
         ctx = self.context(self._sequence_length(x))
+        if targets is not None:
+            ctx = {**ctx, "targets": targets}  # read by the head
         saved = []
         for i in self.chunks[chunk]:
             unit = self.units[i]
             p = self._params(state, i, "forward")
-            x, s = unit.forward(p, x, targets) if isinstance(unit, Head) else unit.forward(p, x, ctx)
+            x, s = unit.forward(p, x, ctx)
             self._release(state, i, "forward")
             saved.append(s)
         return x, saved

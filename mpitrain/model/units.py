@@ -118,8 +118,8 @@ class Head(Unit):
     def logits(self, p, x):
         return self.head.logits(p, x)
 
-    def forward(self, p, x, targets):
-        return self.head.forward(p, x, targets)
+    def forward(self, p, x, ctx):
+        return self.head.forward(p, x, ctx)
 
     def backward(self, p, g, s, dloss, deferred=None):
         partial = self.partial(g, deferred)
