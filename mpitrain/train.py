@@ -35,6 +35,7 @@ from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.replicated import ReplicatedState
+from mpitrain.state.strategy import reduction_group
 from mpitrain.state.zero import ZeroState
 
 
@@ -180,10 +181,11 @@ def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
     p = cfg.parallel
     reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
+    group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
     if p.zero == 0:
-        state = ReplicatedState(layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap, reduce)
+        state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce)
     else:
-        state = ZeroState(layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward, reduce)
+        state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce)
     return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 

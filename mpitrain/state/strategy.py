@@ -100,3 +100,12 @@ def add_up(sums: list[dict]) -> dict:
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + value
     return total
+
+
+def reduction_group(layouts, mesh):
+    """The mesh group that sums the gradients, named by the tensors' `reduce_over` ("dp" today). Tensors reducing
+    over different groups (experts over expert-dp) need one state per group, which is not built yet: refused."""
+    names = sorted({spec.reduce_over for layout in layouts for spec in layout.specs} or {"dp"})
+    if len(names) > 1:
+        raise NotImplementedError(f"tensors reduce their gradients over several groups {names}; one is supported")
+    return getattr(mesh, names[0])
