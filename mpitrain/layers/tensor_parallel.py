@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
-from mpitrain.layers.precision import computes_in_float32
+from mpitrain.layers.precision import LOW_PRECISION, computes_in_float32
 from mpitrain.state.params import ParamSpec
 
 TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -65,11 +65,16 @@ class TensorParallel:
     def _timed(self, kind: str, start: float) -> None:
         self.seconds[kind] += time.perf_counter() - start
 
+    # bfloat16/float16 arrays are summed in float32 (MPI has no 16-bit float sum, and fp32 accumulation is the rule)
+    # and moved as raw 16-bit words where nothing is summed (all-gather).
     def all_reduce(self, buf, op: str = "sum"):
         """In place; returns buf."""
         if self.size > 1:
             start = time.perf_counter()
-            self.group.all_reduce(buf, op)
+            wide = _widened(buf)
+            self.group.all_reduce(wide, op)
+            if wide is not buf:
+                buf[...] = wide
             self._timed("all_reduce", start)
         return buf
 
@@ -77,9 +82,10 @@ class TensorParallel:
         if self.size == 1:
             return Pending.done(buf)
         start = time.perf_counter()
-        handle = self.group.iall_reduce(buf)
+        wide = _widened(buf)
+        handle = self.group.iall_reduce(wide)
         self._timed("all_reduce", start)
-        return Pending(self, "all_reduce", handle, lambda: buf)
+        return Pending(self, "all_reduce", handle, lambda: buf if wide is buf else wide.astype(buf.dtype))
 
     def gather_sequence(self, x):
         """(B, T/t, ...) chunks of every rank -> (B, T, ...); rank r's chunk goes to positions [r T/t, (r+1) T/t)."""
@@ -88,7 +94,8 @@ class TensorParallel:
         start = time.perf_counter()
         send = _sequence_first(x)
         recv = array_module(x).empty((self.size * send.shape[0],) + send.shape[1:], dtype=x.dtype)
-        self.group.all_gather(send, recv)
+        words = np.uint16 if x.dtype in LOW_PRECISION else x.dtype  # 16-bit floats travel as their bits
+        self.group.all_gather(send.view(words), recv.view(words))
         self._timed("all_gather", start)
         return _sequence_second(recv)
 
@@ -100,11 +107,11 @@ class TensorParallel:
             raise ValueError(f"sequence parallelism: sequence length {x.shape[1]} is not divisible by tp = "
                              f"{self.size}")
         start = time.perf_counter()
-        send = _sequence_first(x)
-        recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=x.dtype)
+        send = _sequence_first(_widened(x))
+        recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=send.dtype)
         handle = self.group.ireduce_scatter(send, recv)
         self._timed("reduce_scatter", start)
-        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv))
+        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv).astype(x.dtype, copy=False))
 
     def reduce_scatter_sequence(self, x):
         return self.start_reduce_scatter_sequence(x).wait()
@@ -153,6 +160,11 @@ class Pending:
             self.tp._timed(self.kind, start)
             self.handle = None
         return self.result()
+
+
+def _widened(x):
+    """float32 for a bfloat16/float16 array (summed in fp32), else the array itself."""
+    return x.astype(np.float32) if x.dtype in LOW_PRECISION else x
 
 
 def _sequence_first(x):
