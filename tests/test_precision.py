@@ -35,9 +35,14 @@ def final(metrics, key="loss"):
     return np.mean([m[key] for m in metrics[-5:]])  # the last five steps: less noise than one
 
 
+@pytest.fixture(scope="module")
+def float32_run(tmp_path_factory, dataset):
+    return run(1, tmp_path_factory.mktemp("fp32"), dataset)
+
+
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
-def test_low_precision_trains_like_float32(tmp_path, dataset, compute):
-    reference = run(1, tmp_path / "fp32", dataset)
+def test_low_precision_trains_like_float32(tmp_path, dataset, float32_run, compute):
+    reference = float32_run
     low = run(1, tmp_path / compute, dataset, f"precision.compute={compute}")
     assert final(reference) < reference[0]["loss"] - 0.5  # it learned: the comparison means something
     assert final(low) == pytest.approx(final(reference), rel=0.02)
