@@ -33,9 +33,15 @@ import numpy as np
 
 from mpitrain.config import ModelConfig
 from mpitrain.layers import ops
+from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
 from mpitrain.state.params import UnitLayout
+
+
+def rope_table_dtype(compute_dtype):
+    """Rotary tables stay float32 under bf16/fp16 compute: 8 bits of mantissa would turn far positions' angles."""
+    return np.dtype(np.float32) if compute_dtype in LOW_PRECISION else compute_dtype
 
 
 class GPT:
@@ -114,7 +120,8 @@ class GPT:
             xp, dtype, cfg = self.backend.xp, self.backend.dtype, self.cfg
             ctx = {"xp": xp, "positions": xp.arange(seq_len), "bias": ops.causal_bias(seq_len, seq_len, xp, dtype)}
             if cfg.arch == "llama":
-                ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp, dtype)
+                ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp,
+                                                         rope_table_dtype(dtype))
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
 
@@ -126,7 +133,7 @@ class GPT:
         seq_len = self.cfg.seq_len
         per_micro_batch = sum(total(self.units[i].saved_arrays(micro_batch, seq_len, dtype))
                               for chunk in self.chunks for i in chunk)
-        rope = [((seq_len, self.cfg.head_dim // 2), dtype)] * 2 if self.cfg.arch == "llama" else []
+        rope = [((seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2 if self.cfg.arch == "llama" else []
         return per_micro_batch, total(rope)
 
     def _sequence_length(self, x) -> int:
