@@ -139,7 +139,7 @@ def _mpitrain_reference(cfg, inputs, targets):
     from mpitrain.model.gpt import GPT
     backend = make_backend("cpu", "float32")
     try:
-        from mpitrain.parallel.data import ReplicatedState
+        from mpitrain.state.replicated import ReplicatedState
         gpt = GPT(cfg.model, backend)
         state = ReplicatedState(gpt.layouts, backend, cfg.train.seed)
         loss_sum, params = gpt.forward(state, inputs, targets)[0], state.params

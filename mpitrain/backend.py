@@ -8,18 +8,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mpitrain.errors import ConfigError
 
-COMPUTE_DTYPES = {"float32": np.float32, "float64": np.float64}
+COMPUTE_DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
+                  "float16": np.float16}
+MASTER_DTYPES = {"float32": np.float32}
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @dataclass(frozen=True)
 class Backend:
     device: str  # "cpu" | "cuda"
     xp: Any  # the numpy or cupy module
-    dtype: Any  # compute dtype (numpy dtype object)
+    dtype: Any  # compute dtype (numpy dtype object): parameters, gradients and activations as the ops see them
+    master_dtype: Any = None  # optimizer dtype (fp32 master weights and moments); None: the compute dtype
+
+    @property
+    def optimizer_dtype(self):
+        return self.master_dtype or self.dtype
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a lower precision than the master weights: a separate fp32 master copy is kept."""
+        return self.optimizer_dtype != self.dtype
+
+    def empty(self, shape, dtype=None, host: bool = True):
+        """A buffer to receive into. host: where MPI groups need it (MPI never sees GPU memory, design 5); device
+        groups (NCCL) will ask for host=False."""
+        return (np if host else self.xp).empty(shape, dtype=dtype or self.dtype)
 
     def to_host(self, array) -> np.ndarray:
         return array if self.xp is np else self.xp.asnumpy(array)
@@ -39,6 +58,12 @@ def array_module(array):
         import cupy
         return cupy
     return np
+
+
+def wire_view(array):
+    """The array as MPI can carry it: bfloat16 has no MPI datatype (nor a DLPack one), so it travels as its bits,
+    uint16 (copies only: never reduce with MPI on this view). Other dtypes unchanged."""
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
 
 
 def to_host(array) -> np.ndarray:
@@ -64,12 +89,19 @@ def keep_freed_memory() -> bool:
                 and mallopt(m_top_pad, 256 << 20))
 
 
-def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int = 0) -> Backend:
+def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int = 0,
+                 master: str = "float32") -> Backend:
+    """master: the optimizer's dtype when compute is lower (bfloat16, float16); float32/float64 runs keep one copy."""
     if compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute = {compute!r} is not supported here; allowed: {sorted(COMPUTE_DTYPES)}")
+    if master not in MASTER_DTYPES:
+        raise ConfigError(f"precision.master = {master!r} is not supported; allowed: {sorted(MASTER_DTYPES)}")
+    dtype = np.dtype(COMPUTE_DTYPES[compute])
+    master_dtype = np.dtype(MASTER_DTYPES[master])
+    master_dtype = None if dtype.itemsize >= master_dtype.itemsize else master_dtype  # float32/64: one copy
     if device == "cpu":
         keep_freed_memory()
-        return Backend("cpu", np, np.dtype(COMPUTE_DTYPES[compute]))
+        return Backend("cpu", np, dtype, master_dtype)
     if device == "cuda":
         try:
             import cupy
@@ -77,7 +109,7 @@ def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int 
             raise ConfigError("device = 'cuda' needs CuPy: pip install 'mpitrain[cuda12]' (or cuda13)") from exc
         n_devices = cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(local_rank % n_devices).use()  # one GPU per rank on a node; shared GPUs only in tests
-        return Backend("cuda", cupy, np.dtype(COMPUTE_DTYPES[compute]))
+        return Backend("cuda", cupy, dtype, master_dtype)
     raise ConfigError(f"device = {device!r} is not allowed; allowed: 'cpu', 'cuda'")
 
 

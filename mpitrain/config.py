@@ -94,7 +94,10 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    compute: str = "float32"
+    compute: str = "float32"  # parameters, gradients, activations; bfloat16/float16 keep fp32 master weights
+    master: str = "float32"  # master weights and Adam moments when compute is lower (float64 runs keep float64)
+    grad_reduce: str = "float32"  # bfloat16: gradients travel in bf16 (half the bytes), summed in fp32
+    loss_scale_window: int = 1000  # float16: double the loss scale after this many steps without overflow
 
 
 @dataclass
@@ -147,7 +150,9 @@ class Config:
 ALLOWED = {
     "model.arch": ("gpt2", "llama"),
     "train.device": ("cpu", "cuda"),
-    "precision.compute": ("float32", "float64"),
+    "precision.compute": ("float32", "float64", "bfloat16", "float16"),
+    "precision.master": ("float32",),
+    "precision.grad_reduce": ("float32", "bfloat16"),
     "parallel.zero": (0, 1, 2, 3),
     "parallel.schedule": SCHEDULE_KINDS,
 }
@@ -266,7 +271,7 @@ def validate(cfg: Config) -> None:
     positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
                 "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "parallel.pp",
-                "parallel.virtual_stages", "model.rope_theta", "model.norm_eps",
+                "parallel.virtual_stages", "model.rope_theta", "model.norm_eps", "precision.loss_scale_window",
                 "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps"]
     for key in positive:
         section, name = key.split(".")

@@ -12,7 +12,7 @@ from mpitrain.checkpoint.store import STEP_DIR, Checkpoint, CheckpointError, com
 from mpitrain.config import config_from_dict
 from mpitrain.data.tokenizer import tokenizer_from_description
 from mpitrain.model.gpt import GPT
-from mpitrain.parallel.data import ReplicatedState
+from mpitrain.state.replicated import ReplicatedState
 
 
 def sample(model: GPT, state, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,

@@ -27,21 +27,24 @@ from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
+from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
-from mpitrain.parallel.data import ReplicatedState
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
-from mpitrain.parallel.zero import ZeroState
 from mpitrain.profile.flops import measure_matmul_peak
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
-from mpitrain.resilience.guard import GOOD, BadStepGuard
+from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.inject import strike_hang
 from mpitrain.resilience.restart import strike_kill
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
+from mpitrain.state.frozen import WithFrozen, split_frozen
+from mpitrain.state.replicated import ReplicatedState
+from mpitrain.state.strategy import reduction_group
+from mpitrain.state.zero import ZeroState
 
 
 @dataclass
@@ -86,7 +89,7 @@ class Trainer:
                                                                     cfg.train.global_batch, cfg.train.seed)
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
-        self.backend = make_backend(cfg.train.device, cfg.precision.compute, local_rank=world_rank)
+        self.backend = make_backend(cfg.train.device, cfg.precision.compute, world_rank, cfg.precision.master)
         self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
@@ -96,6 +99,7 @@ class Trainer:
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         o = cfg.optim
         self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
         program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
@@ -129,25 +133,26 @@ class Trainer:
             group.reset_counters()
         start = time.perf_counter()
         state.zero_grads()
-        dloss = 1.0 / self.tokens_per_step  # the loss is the mean over every token of the global batch
+        loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
+        dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
         loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(batch, self._rows(micro)),
                                           dloss)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
         self.guard.inject(step + 1, self.optimizer.segments)
-        grad_norm = self.global_grad_norm()
+        grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / self.tokens_per_step
         verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
+        if verdict == NONFINITE_GRAD and self.loss_scale.dynamic:
+            verdict = OVERFLOW  # float16: the scale was too large for this step's gradients, no sign of trouble
+        if verdict in (GOOD, OVERFLOW):
+            self.loss_scale.update(grad_norm if verdict == GOOD else math.inf)  # halves on overflow
         self.guard.record(verdict, loss)
         o = cfg.optim
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
         if verdict == GOOD:
-            scale = clip_scale(grad_norm, cfg.optim.clip)
-            if scale != 1.0:
-                for segment in self.optimizer.segments:
-                    segment.grads *= scale
-            self.optimizer.step(lr)
+            self.optimizer.step(lr, clip_scale(grad_norm, o.clip) / loss_scale)
         state.after_step()
         if self.guard.strikes("flip", step + 1):
             flip_one_bit(self.optimizer.segments)
@@ -162,11 +167,14 @@ class Trainer:
         return result
 
     def global_grad_norm(self) -> float:
-        """The norm of the whole model's gradient: squares summed over tp (sharded tensors), then over the pipeline
-        stages; the tied embedding's copy on the last stage is left out (counted once, on the first)."""
-        tp_sharded, tp_replicated = self.state.grad_sq_sums()
-        copy_sharded, copy_replicated = self.pipeline.tied_copy_grad_squares()
-        stage = self.mesh.tp.all_reduce_scalar(tp_sharded - copy_sharded) + (tp_replicated - copy_replicated)
+        """The norm of the whole model's gradient: squares summed over the groups each tensor is split over (tp),
+        then over the pipeline stages; tied copies (the embedding beside a gpt2 head on the last stage) are left out
+        by the state, so each tensor counts once."""
+        stage = 0.0
+        for groups, squares in self.state.grad_sq_sums().items():  # keyed by ParamSpec.norm_groups
+            for name in groups:
+                squares = getattr(self.mesh, name).all_reduce_scalar(squares)
+            stage += squares
         return math.sqrt(self.mesh.pp.all_reduce_scalar(stage))
 
     def _total(self, loss_sum: float) -> float:
@@ -190,6 +198,8 @@ class Trainer:
         record = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
                   "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
+        if self.loss_scale.dynamic:
+            record["loss_scale"], record["overflow_steps"] = self.loss_scale.scale, self.loss_scale.skipped
         if result.bubble is not None:
             record["bubble"] = result.bubble
         record.update(self.guard.metrics(result.skipped))
@@ -206,9 +216,13 @@ class Trainer:
 def make_state(cfg: Config, model: GPT, backend, mesh):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
     p = cfg.parallel
+    reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
+    group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
     if p.zero == 0:
-        return ReplicatedState(model.layouts, backend, cfg.train.seed, mesh.dp, int(p.bucket_mb * 2**20), p.overlap)
-    return ZeroState(model.layouts, backend, cfg.train.seed, mesh.dp, p.zero, p.overlap, p.reshard_after_forward)
+        state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce)
+    else:
+        state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce)
+    return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 
 def format_log_line(record: dict, total_steps: int) -> str:
@@ -285,7 +299,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     stragglers = StragglerWatch(trainer.mesh.world, cfg.fault.straggler_factor, cfg.fault.straggler_steps)
     advice = AdviceReporter(cfg.fault.mtbf_hours if logger else 0.0, c.every, echo)  # Young/Daly, printed once
     sdc = ReplicaCheck(cfg.fault.sdc_every, cfg.parallel.zero, trainer.mesh, run_dir, say,
-                       lambda: replicated_arrays(trainer.state, trainer.optimizer, cfg.parallel.zero))
+                       lambda: replicated_arrays(trainer.state, trainer.optimizer))
     try:
         with StopRequest() as stop:
             step = start

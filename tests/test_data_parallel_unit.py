@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from mpitrain.backend import make_backend
-from mpitrain.model.params import ParamSpec, UnitLayout
-from mpitrain.parallel.data import ReplicatedState
+from mpitrain.state.params import ParamSpec, UnitLayout
+from mpitrain.state.replicated import ReplicatedState
 
 
 class RecordingGroup:

@@ -1,6 +1,7 @@
 """Gradient checks of every forward/backward pair the model runs, against central finite differences: the ops of
-mpitrain.model.ops and, with one rank (their serial form), the linear, embedding and loss ops of
-mpitrain.parallel.tensor.
+mpitrain.layers.ops, and with one rank (their serial form) the tensor-parallel linears, the embedding and loss ops,
+and every sublayer (norm, attention, MLP, embedding, head) and whole block. Sublayer-level properties (frozen
+linears, the split backward, declared saved arrays, low precision) are in tests/test_layers.py.
 
 Each case is an op with its differentiable inputs (whose gradients backward returns) and its parameters (whose
 gradients backward ADDS into given arrays). The scalar checked is a random projection of the outputs,
@@ -16,8 +17,16 @@ import numpy as np
 import pytest
 
 from mpitrain.backend import nbytes_of
-from mpitrain.model import ops
-from mpitrain.parallel import tensor
+from mpitrain.config import ModelConfig
+from mpitrain.layers import ops
+from mpitrain.layers import tensor_parallel as tensor
+from mpitrain.layers.attention import Attention
+from mpitrain.layers.embedding import TokenEmbedding
+from mpitrain.layers.head import LMHead
+from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpitrain.layers.mlp import MLP
+from mpitrain.layers.norm import Norm
+from mpitrain.model.units import Block
 
 ONE_RANK = tensor.TensorParallel(None)
 
@@ -39,25 +48,28 @@ class OpCase:
 
 
 # ----------------------------------------------------------------------------- the cases
-def linear_case(rng, bias, lead):
-    params = {"w": rng.normal(size=(5, 4))}
-    if bias:
-        params["b"] = rng.normal(size=4)
+def linear_case(rng, bias, lead, n_weights=1):
+    """Column-parallel linear(s) sharing one input (one rank: plain linears)."""
+    names = [f"w{i}" for i in range(n_weights)]
+    params = {name: rng.normal(size=(5, 4 + i)) for i, name in enumerate(names)}
+    biases = [f"b{i}" if bias else None for i in range(n_weights)]
+    params.update({f"b{i}": rng.normal(size=4 + i) for i in range(n_weights) if bias})
+    linear = ColumnParallelLinear(ONE_RANK, 5, names, biases)
     return OpCase(
         {"x": rng.normal(size=(*lead, 5))}, params,
-        lambda i, p: _one(ops.linear_forward(i["x"], p["w"], p.get("b"))),
-        lambda s, i, p, dys, g: (tensor.column_parallel_backward(ONE_RANK, s, [p["w"]], [dys[0]], [g["w"]],
-                                                                 [g.get("b")]),))
+        lambda i, p: tuple(linear.forward(p, i["x"])),
+        lambda s, i, p, dys, g: (linear.backward(p, g, s, list(dys)),))
 
 
 def row_parallel_case(rng, bias):
     params = {"w": rng.normal(size=(5, 4))}
     if bias:
         params["b"] = rng.normal(size=4)
+    linear = RowParallelLinear(ONE_RANK, 5, "w", "b" if bias else None)
     return OpCase(
         {"x": rng.normal(size=(2, 3, 5))}, params,
-        lambda i, p: ((tensor.row_parallel_forward(ONE_RANK, i["x"], p["w"], p.get("b")),), i["x"]),
-        lambda s, i, p, dys, g: (tensor.row_parallel_backward(ONE_RANK, s, p["w"], dys[0], g["w"], g.get("b")),))
+        lambda i, p: _one(linear.forward(p, i["x"])),
+        lambda s, i, p, dys, g: (linear.backward(p, g, s, dys[0]),))
 
 
 def layernorm_case(rng):
@@ -119,7 +131,7 @@ def attention_case(rng, n_head, n_kv_head, t_q, t_k, bias):
     return OpCase(
         {"q": rng.normal(size=(b, n_head, t_q, d)), "k": rng.normal(size=(b, n_kv_head, t_k, d)),
          "v": rng.normal(size=(b, n_kv_head, t_k, d))}, {},
-        lambda i, p: _one(ops.attention_forward(i["q"], i["k"], i["v"], mask)),
+        lambda i, p: _out_only(ops.attention_forward(i["q"], i["k"], i["v"], mask)),
         lambda s, i, p, dys, g: ops.attention_backward(s, dys[0]))
 
 
@@ -131,16 +143,78 @@ def cross_entropy_case(rng):
         lambda s, i, p, dys, g: (tensor.vocab_parallel_cross_entropy_backward(s, dys[0]),))
 
 
+# ----------------------------------------------------------------------------- sublayers and blocks (one rank)
+SUBLAYER_MODEL = {"n_layer": 1, "d_model": 8, "n_head": 2, "vocab_size": 7, "seq_len": 4, "d_ff": 12}
+
+
+def sublayer_context(cfg: ModelConfig, t: int, dtype=np.float64) -> dict:
+    """What GPT.context hands every unit: positions, the causal mask, rotary tables."""
+    ctx = {"xp": np, "positions": np.arange(t), "bias": ops.causal_bias(t, t, np, dtype)}
+    if cfg.arch == "llama":
+        ctx["cos"], ctx["sin"] = ops.rope_tables(np.arange(t), cfg.head_dim, cfg.rope_theta, np, dtype)
+    return ctx
+
+
+def random_params(specs, rng) -> dict:
+    """Every tensor off its initial value (norm gains 1, biases 0), so that each one matters to the output."""
+    return {spec.name: (1.0 if spec.init == "ones" else 0.0) + 0.4 * rng.normal(size=spec.shape) for spec in specs}
+
+
+def sublayer_case(rng, make, arch, **model):
+    cfg = ModelConfig(arch=arch, **{**SUBLAYER_MODEL, **model})
+    layer, ctx = make(cfg), sublayer_context(cfg, cfg.seq_len)
+    specs = layer.layout.specs if hasattr(layer, "layout") else layer.specs
+    return OpCase(
+        {"x": rng.normal(size=(2, cfg.seq_len, cfg.d_model))}, random_params(specs, rng),
+        lambda i, p: _one(layer.forward(p, i["x"], ctx)),
+        lambda s, i, p, dys, g: (layer.backward(p, g, s, dys[0]),))
+
+
+def token_embedding_case(rng, arch):
+    cfg = ModelConfig(arch=arch, **SUBLAYER_MODEL)
+    layer, ctx = TokenEmbedding(cfg, ONE_RANK), sublayer_context(cfg, cfg.seq_len)
+    tokens = np.array([[0, 3, 3, 6], [6, 1, 3, 0]])
+
+    def backward(saved, inputs, params, dys, grads):
+        layer.backward(params, grads, saved, dys[0])
+        return ()
+
+    return OpCase({}, random_params(layer.specs, rng), lambda i, p: _one(layer.forward(p, tokens.copy(), ctx)),
+                  backward)
+
+
+def head_case(rng, arch):
+    """The loss (a scalar) of the final norm, the projection (gpt2: the borrowed embedding, transposed) and the
+    cross-entropy."""
+    cfg = ModelConfig(arch=arch, **SUBLAYER_MODEL)
+    head = LMHead(cfg, ONE_RANK)
+    params = random_params(head.specs, rng)
+    if head.tied:
+        params["wte"] = rng.normal(size=(cfg.vocab_size, cfg.d_model))
+    targets = rng.integers(0, cfg.vocab_size, size=(2, cfg.seq_len))
+    return OpCase(
+        {"x": rng.normal(size=(2, cfg.seq_len, cfg.d_model))}, params,
+        lambda i, p: _one(head.forward(p, i["x"], {"targets": targets})),
+        lambda s, i, p, dys, g: (head.backward(p, g, s, dys[0]),))
+
+
 def _one(result):
     """(y, saved) -> ((y,), saved)."""
     y, saved = result
     return (y,), saved
 
 
+def _out_only(result):
+    """((out, lse), saved) of the attention core -> ((out,), saved): lse's values are pinned separately."""
+    (out, _), saved = result
+    return (out,), saved
+
+
 CASES = {
     "linear-bias-3d": lambda rng: linear_case(rng, True, (2, 3)),
     "linear-bias-2d": lambda rng: linear_case(rng, True, (4,)),
     "linear-nobias-3d": lambda rng: linear_case(rng, False, (2, 3)),
+    "linear-three-sharing-input": lambda rng: linear_case(rng, True, (2, 3), n_weights=3),
     "row-parallel-linear-bias": lambda rng: row_parallel_case(rng, True),
     "row-parallel-linear-nobias": lambda rng: row_parallel_case(rng, False),
     "layernorm": layernorm_case,
@@ -157,8 +231,22 @@ CASES = {
     "attention-gqa-causal-chunk": lambda rng: attention_case(rng, 4, 2, 2, 5, "causal"),  # t_q < t_k, offset > 0
     "attention-gqa-nobias": lambda rng: attention_case(rng, 4, 2, 3, 3, "none"),
     "cross_entropy": cross_entropy_case,
+    "sublayer-layernorm": lambda rng: sublayer_case(rng, lambda c: Norm("layernorm", "n", 8, 1e-5, ONE_RANK), "gpt2"),
+    "sublayer-rmsnorm": lambda rng: sublayer_case(rng, lambda c: Norm("rmsnorm", "n", 8, 1e-5, ONE_RANK), "llama"),
+    "sublayer-attention-gpt2": lambda rng: sublayer_case(rng, lambda c: Attention(c, ONE_RANK), "gpt2"),
+    "sublayer-attention-llama-gqa": lambda rng: sublayer_case(rng, lambda c: Attention(c, ONE_RANK), "llama",
+                                                              n_head=4, n_kv_head=2),
+    "sublayer-mlp-gpt2": lambda rng: sublayer_case(rng, lambda c: MLP(c, ONE_RANK), "gpt2"),
+    "sublayer-mlp-llama": lambda rng: sublayer_case(rng, lambda c: MLP(c, ONE_RANK), "llama"),
+    "sublayer-embedding-gpt2": lambda rng: token_embedding_case(rng, "gpt2"),
+    "sublayer-embedding-llama": lambda rng: token_embedding_case(rng, "llama"),
+    "sublayer-head-gpt2-tied": lambda rng: head_case(rng, "gpt2"),
+    "sublayer-head-llama": lambda rng: head_case(rng, "llama"),
+    "block-gpt2": lambda rng: sublayer_case(rng, lambda c: Block(c, 0, ONE_RANK), "gpt2"),
+    "block-llama-mqa": lambda rng: sublayer_case(rng, lambda c: Block(c, 0, ONE_RANK), "llama", n_kv_head=1),
 }
-PARAM_CASES = [name for name in CASES if name.startswith(("linear", "layernorm", "rmsnorm", "embedding"))]
+PARAM_CASES = [name for name in CASES if name.startswith(("linear", "layernorm", "rmsnorm", "embedding", "sublayer",
+                                                          "block"))]
 
 
 def make_case(name, seed=0):
@@ -293,18 +381,38 @@ def test_attention_forward_matches_naive_loop(n_head, n_kv_head):
     rng = np.random.default_rng(3)
     b, t, d = 2, 4, 3
     q, k, v = (rng.normal(size=(b, n, t, d)) for n in (n_head, n_kv_head, n_kv_head))
-    out, _ = ops.attention_forward(q, k, v, ops.causal_bias(t, t, np, np.float64))
+    (out, lse), _ = ops.attention_forward(q, k, v, ops.causal_bias(t, t, np, np.float64))
     group = n_head // n_kv_head
-    expected = np.zeros_like(q)
+    expected, expected_lse = np.zeros_like(q), np.zeros(q.shape[:3])
     for bi in range(b):
         for h in range(n_head):
             kv = h // group  # query head h reads key/value head h // group (HF's repeat_kv order)
             for i in range(t):
                 s = np.array([q[bi, h, i] @ k[bi, kv, j] / np.sqrt(d) for j in range(i + 1)])
                 w = np.exp(s - s.max())
+                expected_lse[bi, h, i] = s.max() + np.log(w.sum())
                 w /= w.sum()
                 expected[bi, h, i] = w @ v[bi, kv, : i + 1]
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12, atol=1e-14)
+
+
+def test_attention_over_key_blocks_merges_by_log_sum_exp():
+    """The core on a block of queries against each block of keys (causal mask with the blocks' position offset),
+    merged by log-sum-exp, is attention over all keys: what context parallelism will do with sequence chunks."""
+    rng = np.random.default_rng(8)
+    b, h, hkv, t, d, split = 2, 4, 2, 6, 3, 2
+    q, k, v = (rng.normal(size=(b, n, t, d)) for n in (h, hkv, hkv))
+    (full, full_lse), _ = ops.attention_forward(q, k, v, ops.causal_bias(t, t, np, np.float64))
+    queries = q[:, :, split:]  # positions split..t-1 against keys [0, split) and [split, t)
+    (out1, lse1), _ = ops.attention_forward(queries, k[:, :, :split], v[:, :, :split],
+                                            ops.causal_bias(t - split, split, np, np.float64, offset=split))
+    (out2, lse2), _ = ops.attention_forward(queries, k[:, :, split:], v[:, :, split:],
+                                            ops.causal_bias(t - split, t - split, np, np.float64))
+    lse = np.logaddexp(lse1, lse2)
+    merged = np.exp(lse1 - lse)[..., None] * out1 + np.exp(lse2 - lse)[..., None] * out2
+    np.testing.assert_allclose(lse, full_lse[:, :, split:], rtol=1e-12)
+    np.testing.assert_allclose(merged, full[:, :, split:], rtol=1e-12, atol=1e-14)
 
 
 def test_rope_is_the_rotate_half_rotation():

@@ -21,7 +21,6 @@ from mpitrain.checkpoint.store import Checkpoint, committed_checkpoints
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
-from mpitrain.parallel.data import ReplicatedState
 from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import (
     ScheduleError,
@@ -31,6 +30,7 @@ from mpitrain.parallel.schedule import (
     theoretical_bubble,
 )
 from mpitrain.profile.timeline import recorded_program, replay
+from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
 from tests.test_checkpoint import PREEMPTED, losses, saved_state, train
 from tests.test_tensor_parallel import assert_exact

@@ -51,13 +51,26 @@ def test_the_digest_sees_any_single_bit_and_only_changes(dtype):
     assert digest([np.zeros(5), values]) != reference  # the order of the arrays counts
 
 
-def test_what_is_compared_for_each_zero_stage():
-    state = SimpleNamespace(params=SimpleNamespace(data=np.zeros(4)))
-    optimizer = SimpleNamespace(exp_avg=np.ones(4), exp_avg_sq=np.full(4, 2.0))
-    assert [a[0] for a in replicated_arrays(state, optimizer, 0)] == [0.0, 1.0, 2.0]  # params and both moments
-    assert [a[0] for a in replicated_arrays(state, optimizer, 1)] == [0.0]  # moments are sharded
-    assert [a[0] for a in replicated_arrays(state, optimizer, 2)] == [0.0]
-    assert replicated_arrays(state, optimizer, 3) == []  # one copy of everything: nothing to compare
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_what_is_compared_for_each_zero_stage(zero):
+    """The arrays come from the state's own declaration (what checkpoints write once as dp-replicated)."""
+    from mpi4py import MPI
+
+    from mpitrain.config import load_config
+    from mpitrain.train import Trainer
+
+    cfg = load_config("configs/tiny.toml", ["data.synthetic=true", f"parallel.zero={zero}", "logging.peak_flops=1e9"])
+    trainer = Trainer(cfg, MPI.COMM_SELF)
+    arrays = replicated_arrays(trainer.state, trainer.optimizer)
+    moments = [trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq]
+    if zero == 3:
+        assert arrays == []  # one copy of everything at rest: nothing to compare
+        return
+    assert sum(a.size for a in arrays[:1]) >= trainer.model.n_params  # the full parameters, padded for ZeRO
+    if zero == 0:
+        assert len(arrays) == 3 and arrays[1] is moments[0] and arrays[2] is moments[1]
+    else:
+        assert len(arrays) == 1  # moments are sharded: one copy each
 
 
 # ----------------------------------------------------------------------------- MPI runs

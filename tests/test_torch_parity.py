@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is the gradient reference: 
 from mpitrain.backend import make_backend  # noqa: E402
 from mpitrain.config import Config, ModelConfig, validate  # noqa: E402
 from mpitrain.model.gpt import GPT  # noqa: E402
-from mpitrain.parallel.data import ReplicatedState  # noqa: E402
+from mpitrain.state.replicated import ReplicatedState  # noqa: E402
 
 try:
     import torch_reference as ref

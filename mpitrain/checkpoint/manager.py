@@ -70,6 +70,9 @@ class CheckpointManager:
         load_only = getattr(trainer.model, "tied_copies", ())
         held = held_pieces("param", layout["geometry"], layout["param_windows"], layout["params_dp_replicated"],
                            dp, tp, load_only)
+        if "frozen" in layout:  # trainable = False tensors, whole on every rank (mpitrain/state/frozen.py)
+            held += held_pieces("param", layout["frozen"], [(0, layout["frozen"].size, layout["frozen"].data, 0)],
+                                True, dp, tp, load_only)
         optimizer = trainer.optimizer
         for kind, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout["segment_windows"],

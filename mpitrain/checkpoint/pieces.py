@@ -76,7 +76,7 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
     for unit, layout in enumerate(geometry.layouts):
         offset = geometry.offsets[unit]
         for spec in layout.specs:
-            name = f"{layout.name}.{spec.name}"
+            name = spec.tied_to or f"{layout.name}.{spec.name}"  # a tied copy is read back from its original
             for g0, g1, array, a0 in windows:
                 lo, hi = max(offset, g0), min(offset + spec.size, g1)
                 if lo >= hi:
@@ -88,7 +88,7 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
                     replicas, index = replicas * tp[0], index * tp[0] + tp[1]
                 piece = Piece(kind, name, tuple(spec.full_shape), tuple(spec.start), tuple(spec.shape),
                               (lo - offset, hi - offset))
-                writer = name not in load_only and _replica_writer(kind, name, replicas, index)
+                writer = not spec.tied_to and name not in load_only and _replica_writer(kind, name, replicas, index)
                 held.append(HeldPiece(piece, array, a0 + lo - g0, writer))
             offset += spec.size
     return held

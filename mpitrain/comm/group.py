@@ -136,6 +136,14 @@ class GroupBase(abc.ABC):
     def barrier(self) -> None: ...
 
     @abc.abstractmethod
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Every rank's picklable `obj` as a list on `root` (None elsewhere); counted under "control"."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj, root: int = 0):
+        """`root`'s picklable `obj` on every rank; counted under "control"."""
+
+    @abc.abstractmethod
     def iall_reduce(self, buf, op: str = "sum") -> Handle: ...
 
     @abc.abstractmethod

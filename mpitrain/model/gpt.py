@@ -2,22 +2,23 @@
 
 The model holds no parameters: `forward`/`backward` ask a *state* object for each unit's parameter and gradient
 views. The state decides where they live: one full flat buffer (data parallelism, ZeRO-1/2) or a shard that is
-all-gathered just before use and freed after (ZeRO-3). See `mpitrain/parallel/data.py` for the protocol:
+all-gathered just before use and freed after (ZeRO-3). See `mpitrain/state/replicated.py` for the protocol:
 
     state.acquire(unit, phase) -> dict of parameter views   (phase: "forward" | "backward")
     state.release(unit, phase)                               after the unit's last reader in that phase
     state.grad_views(unit) -> dict of gradient views         (added into by backward)
     state.unit_done(unit)                                    its gradients for this micro-batch are complete
 
-Most units read only their own parameters; the gpt2 head also reads the embedding's `wte` (tied weights), so
-"last reader" is tracked per unit and phase.
+Most units read only their own parameters; a unit may also borrow tensors of another (`unit.borrows`, local name ->
+global name: gpt2's head reads the embedding's `wte`, tied weights), so "last reader" is tracked per unit and phase.
 
 Pipeline parallelism. The global units are 0 (embedding), 1..n_layer (blocks "blocks.0".. ) and n_layer + 1 (head);
 a pipeline rank holds one contiguous range of them per model chunk (`stages`, v ranges under the interleaved
 schedule) and runs `forward`/`backward` one chunk at a time. Unit names stay global, so checkpoints reshard across
-pp. A gpt2 head on a rank without the embedding reads a COPY of the embedding unit (the last local unit, same layout
-and name "embed"): the pipeline sums the two copies' gradients after each step so that they get the same update;
-`tied_copies` names its tensors, which checkpoints load but never write.
+pp. A unit that borrows from a unit on another rank (gpt2's head on a rank without the embedding) reads a COPY of
+that unit (the last local unit, same layout and name, its tensors marked `tied_to` the originals): the pipeline
+sums the two copies' gradients after each step so that they get the same update; `tied_copies` names its
+tensors, which checkpoints load but never write.
 
 zb1p splits a chunk's backward in two: `backward(..., deferred=work)` computes the input gradient (B) and the cheap
 gradients at once and leaves the weight-gradient matmuls in `work`; `backward_weight(state, work, chunk)` (W) runs
@@ -26,11 +27,21 @@ them. The state hears `unit_done` only after W.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+
+import numpy as np
 
 from mpitrain.config import ModelConfig
-from mpitrain.model import ops
+from mpitrain.layers import ops
+from mpitrain.layers.precision import LOW_PRECISION
+from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
-from mpitrain.parallel.tensor import TensorParallel
+from mpitrain.state.params import UnitLayout
+
+
+def rope_table_dtype(compute_dtype):
+    """Rotary tables stay float32 under bf16/fp16 compute: 8 bits of mantissa would turn far positions' angles."""
+    return np.dtype(np.float32) if compute_dtype in LOW_PRECISION else compute_dtype
 
 
 class GPT:
@@ -42,29 +53,20 @@ class GPT:
         (None: the whole model, one chunk)."""
         self.cfg, self.backend = cfg, backend
         self.tp = tp or TensorParallel(tp_group, sequence_parallel)
-        every = ([Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)]
-                 + [Head(cfg, self.tp)])  # layouts only, no arrays: cheap to build whole
+        every = self._all_units()  # layouts only, no arrays: cheap to build whole
         self.n_params = sum(math.prod(spec.full_shape) for unit in every for spec in unit.layout.specs)
         stages = stages or [(0, len(every))]
         self.units, self.chunks = [], []  # chunks[c]: local indices of chunk c's units, in data order
         for first, end in stages:
             self.chunks.append(list(range(len(self.units), len(self.units) + end - first)))
             self.units += every[first:end]
-        # reads[i]: the units whose parameters unit i uses
-        self.reads = {i: [i] for i in range(len(self.units))}
         self.tied_copies: tuple[str, ...] = ()  # tensor names this rank holds as a copy of another rank's
-        self.tied_unit: int | None = None  # local index of an embedding whose gradient another rank also has
-        head = next((i for i, unit in enumerate(self.units) if isinstance(unit, Head)), None)
-        embed = next((i for i, unit in enumerate(self.units) if isinstance(unit, Embedding)), None)
-        if head is not None and self.units[head].tied and embed is None:
-            self.units.append(Embedding(cfg, self.tp))  # the copy: read by the head only, never run
-            embed = self.tied_unit = len(self.units) - 1
-            self.reads[embed] = [embed]
-            self.tied_copies = tuple(f"embed.{spec.name}" for spec in self.units[embed].layout.specs)
-        elif embed is not None and head is None and every[-1].tied:
-            self.tied_unit = embed  # the first stage: the last one holds the copy
-        if head is not None and self.units[head].tied:
-            self.reads[head].append(embed)
+        self.tied_unit: int | None = None  # local index of a unit whose gradient another pipeline rank also has
+        self.reads = {i: [i] for i in range(len(self.units))}  # reads[i]: the units whose parameters unit i uses
+        self.borrowed = {i: {} for i in range(len(self.units))}  # borrowed[i]: local name -> (unit, tensor name)
+        for reader in every:
+            for local_name, global_name in reader.borrows.items():
+                self._tie(reader, local_name, global_name, every)
         self.layouts = [u.layout for u in self.units]
         self.last_reader = {"forward": {}, "backward": {}}
         for i in range(len(self.units)):  # forward runs units in ascending order, backward in descending
@@ -72,6 +74,33 @@ class GPT:
                 self.last_reader["forward"][j] = max(i, self.last_reader["forward"].get(j, i))
                 self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
+
+    def _all_units(self) -> list:
+        cfg = self.cfg
+        return [Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)] + [Head(cfg, self.tp)]
+
+    def _tie(self, reader, local_name: str, global_name: str, every: list) -> None:
+        """Unit `reader` reads tensor `global_name` ("embed.wte") of another unit as `local_name`. A rank holding the
+        reader but not the owner holds a copy of the owner unit (read only, never run; its tensors marked tied_to
+        their originals); a rank holding the owner but not the reader has the original. On both the owner is the
+        `tied_unit` whose gradient the pipeline sums between the two ranks after each step (same update)."""
+        unit_name, tensor_name = global_name.rsplit(".", 1)
+        local = {id(unit): i for i, unit in enumerate(self.units)}
+        owner = next((i for i, unit in enumerate(self.units) if unit.layout.name == unit_name), None)
+        if id(reader) not in local:
+            if owner is not None:
+                self.tied_unit = owner
+            return
+        if owner is None:
+            copy = next(unit for unit in every if unit.layout.name == unit_name)
+            copy.layout = UnitLayout(unit_name, [replace(spec, tied_to=f"{unit_name}.{spec.name}")
+                                                 for spec in copy.layout.specs])
+            self.units.append(copy)
+            owner = self.tied_unit = len(self.units) - 1
+            self.reads[owner], self.borrowed[owner] = [owner], {}
+            self.tied_copies += tuple(f"{unit_name}.{spec.name}" for spec in copy.layout.specs)
+        self.reads[local[id(reader)]].append(owner)
+        self.borrowed[local[id(reader)]][local_name] = (owner, tensor_name)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token of the whole model: 6 per matmul weight (forward 2, backward 4) plus attention's
@@ -91,9 +120,21 @@ class GPT:
             xp, dtype, cfg = self.backend.xp, self.backend.dtype, self.cfg
             ctx = {"xp": xp, "positions": xp.arange(seq_len), "bias": ops.causal_bias(seq_len, seq_len, xp, dtype)}
             if cfg.arch == "llama":
-                ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp, dtype)
+                ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp,
+                                                         rope_table_dtype(dtype))
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
+
+    def saved_bytes(self, micro_batch: int, dtype) -> tuple[int, int]:
+        """Bytes the saved state of one micro-batch holds on this rank, over all its chunks, by the layers' own
+        declaration (`saved_arrays`), and the bytes shared by all micro-batches (the rotary tables of `context`)."""
+        def total(arrays):
+            return sum(math.prod(shape) * np.dtype(kind).itemsize for shape, kind in arrays)
+        seq_len = self.cfg.seq_len
+        per_micro_batch = sum(total(self.units[i].saved_arrays(micro_batch, seq_len, dtype))
+                              for chunk in self.chunks for i in chunk)
+        rope = [((seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2 if self.cfg.arch == "llama" else []
+        return per_micro_batch, total(rope)
 
     def _sequence_length(self, x) -> int:
         """Token ids are (batch, T); activations between units are (batch, T/t, C) under sequence parallelism."""
@@ -103,17 +144,17 @@ class GPT:
 
     # -- parameter access through the state
     def _params(self, state, unit: int, phase: str) -> dict:
-        views = {}
-        for j in reversed(self.reads[unit]):  # the unit's own tensors win over borrowed ones of the same name
-            own = state.acquire(j, phase)
-            views.update(own if j == unit else {"wte": own["wte"]})
-        return views
+        return self._views(unit, lambda j: state.acquire(j, phase))
 
     def _grads(self, state, unit: int) -> dict:
-        views = {}
-        for j in reversed(self.reads[unit]):
-            own = state.grad_views(j)
-            views.update(own if j == unit else {"wte": own["wte"]})
+        return self._views(unit, state.grad_views)
+
+    def _views(self, unit: int, views_of) -> dict:
+        """The unit's own views plus the tensors it borrows (tied weights), under their local names."""
+        owners = {owner: views_of(owner) for owner, _ in self.borrowed[unit].values()}  # once per owner
+        views = dict(views_of(unit))
+        for local_name, (owner, tensor_name) in self.borrowed[unit].items():
+            views[local_name] = owners[owner][tensor_name]
         return views
 
     def _release(self, state, unit: int, phase: str) -> None:
@@ -133,11 +174,13 @@ class GPT:
         (output, saved state per unit of the chunk): the sum of token losses when the chunk ends with the head
         (`targets` needed), else the activation for the next stage."""
         ctx = self.context(self._sequence_length(x))
+        if targets is not None:
+            ctx = {**ctx, "targets": targets}  # read by the head
         saved = []
         for i in self.chunks[chunk]:
             unit = self.units[i]
             p = self._params(state, i, "forward")
-            x, s = unit.forward(p, x, targets) if isinstance(unit, Head) else unit.forward(p, x, ctx)
+            x, s = unit.forward(p, x, ctx)
             self._release(state, i, "forward")
             saved.append(s)
         return x, saved

@@ -36,7 +36,7 @@ class AdamW:
         for segment in segments:
             self.bounds.append((total, total + segment.params.size))
             total += segment.params.size
-        # Moments in the master dtype: float32 (float64 in parity runs), never lower.
+        # Moments in the master weights' dtype: float32 (float64 in parity runs), never lower.
         dtype = state_dtype or segments[0].params.dtype
         self.exp_avg = xp.zeros(total, dtype=dtype)
         self.exp_avg_sq = xp.zeros(total, dtype=dtype)
@@ -45,15 +45,20 @@ class AdamW:
     def state_nbytes(self) -> int:
         return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes)
 
-    def step(self, lr: float) -> None:
-        """One update of every segment's parameters in place from its gradients (already averaged and clipped)."""
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One update of every segment's parameters in place from its gradients (already averaged) times grad_scale
+        (the clipping factor, divided by the loss scale under fp16). The gradients themselves are left unchanged."""
         self.steps_taken += 1
         for segment, (start, end) in zip(self.segments, self.bounds):
-            self._update(segment, self.exp_avg[start:end], self.exp_avg_sq[start:end], lr)
+            self._update(segment, self.exp_avg[start:end], self.exp_avg_sq[start:end], lr, grad_scale)
 
-    def _update(self, segment: Segment, m, v, lr: float) -> None:
+    def _update(self, segment: Segment, m, v, lr: float, grad_scale: float) -> None:
         h, xp, t = self.hyper, array_module(segment.params), self.steps_taken
         p, g = segment.params, segment.grads
+        if g.dtype != m.dtype:  # low-precision gradients, fp32 master and moments: the update is computed in fp32
+            g = g.astype(m.dtype)
+        if grad_scale != 1.0:
+            g = g * grad_scale
         if h.weight_decay and lr:
             shrink = 1.0 - lr * h.weight_decay  # decoupled: p <- p (1 - lr wd), before the Adam update (as torch)
             for start, end in segment.decay_ranges:

@@ -34,11 +34,10 @@ from collections import Counter, defaultdict, deque
 
 import numpy as np
 
-from mpitrain.backend import nbytes_of
-from mpitrain.model.params import intersect
-from mpitrain.parallel.data import squared_sum
+from mpitrain.backend import nbytes_of, wire_view
 from mpitrain.parallel.schedule import Instruction, forward_only_program
 from mpitrain.profile.timeline import Timeline
+from mpitrain.state.reduce import add_into
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO
 
@@ -105,16 +104,20 @@ class StepGradients:
             self.state.unit_done(unit)
 
 
-def unit_grad_squares(state, unit: int) -> tuple[float, float]:
-    """The (tensor-parallel-sharded, replicated) sums of squares of `unit`'s gradient that state.grad_sq_sums()
-    counts for it (summed over the dp group under ZeRO, as there)."""
-    geometry, window, values = state.reduced_grad_window(unit)
-    sums = []
-    for replicated in (False, True):
-        ranges = intersect(geometry.ranges(lambda spec, r=replicated: spec.tp_replicated == r), *window)
-        local = squared_sum(values, ranges)
-        sums.append(state.group.all_reduce_scalar(local) if state.sharded else local)
-    return sums[0], sums[1]
+def tie_peer(model, group) -> int | None:
+    """The pp rank holding the other side of this rank's tied unit, found from the tensors' `tied_to` (a copy names
+    its original), not assumed: gpt2's embedding on the first stage and its copy beside the head on the last are one
+    case. Collective over the pp group (once, at start-up)."""
+    if group.size == 1:
+        return None
+    specs = [(f"{layout.name}.{spec.name}", spec.tied_to) for layout in model.layouts for spec in layout.specs]
+    copies, owned = {tied for _, tied in specs if tied}, {name for name, tied in specs if not tied}
+    everyone = group.broadcast_object(group.gather_object((copies, owned)))
+    peers = [rank for rank, (their_copies, their_owned) in enumerate(everyone)
+             if rank != group.rank and (copies & their_owned or their_copies & owned)]
+    if len(peers) > 1:
+        raise NotImplementedError(f"pp rank {group.rank} shares tied tensors with ranks {peers}; one peer is supported")
+    return peers[0] if peers and model.tied_unit is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ the executor
@@ -136,9 +139,7 @@ class PipelineExecutor:
         self.timeline = Timeline(rank=self.rank)
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
         self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
-        self.tied_peer = None
-        if model.tied_unit is not None:
-            self.tied_peer = self.p - 1 if self.rank == 0 else 0
+        self.tied_peer = tie_peer(model, group)
         self._dispatch = {op: getattr(self, "_" + op) for op in
                           ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_input",
                            "backward_weight", "send_backward", "reduce_grads")}
@@ -215,9 +216,10 @@ class PipelineExecutor:
         queue = self._receives[channel]
         if queue:
             ins = queue.popleft()
-            buffer = np.empty(self.shape, dtype=self.backend.dtype)
+            buffer = self.backend.empty(self.shape)
             direction = "forward" if ins.op == "recv_forward" else "backward"
-            self._posted[channel] = (ins, buffer, self.group.irecv(buffer, source=ins.peer, tag=TAGS[direction]))
+            self._posted[channel] = (ins, buffer, self.group.irecv(wire_view(buffer), source=ins.peer,
+                                                               tag=TAGS[direction]))
 
     def _receive(self, ins: Instruction):
         channel = (ins.op, ins.peer)
@@ -231,7 +233,7 @@ class PipelineExecutor:
     def _send(self, ins: Instruction, array, direction: str) -> None:
         with self._timeline.record(ins.op, ins.micro, ins.chunk):
             host = np.ascontiguousarray(self.backend.to_host(array))
-            self._sends.append(self.group.isend(host, dest=ins.peer, tag=TAGS[direction]))
+            self._sends.append(self.group.isend(wire_view(host), dest=ins.peer, tag=TAGS[direction]))
 
     def _recv_forward(self, ins):
         self._inputs[ins.micro, ins.chunk] = self._receive(ins)
@@ -301,15 +303,9 @@ class PipelineExecutor:
         if self.tied_peer is None:
             return
         _, _, mine = self.state.reduced_grad_window(self.model.tied_unit)
-        theirs = np.empty_like(mine)
-        receive = self.group.irecv(theirs, source=self.tied_peer, tag=TAGS["tied"])
-        self.group.send(np.ascontiguousarray(mine), dest=self.tied_peer, tag=TAGS["tied"])
+        theirs = self.backend.empty(mine.shape, mine.dtype)
+        receive = self.group.irecv(wire_view(theirs), source=self.tied_peer, tag=TAGS["tied"])
+        self.group.send(wire_view(np.ascontiguousarray(self.backend.to_host(mine))), dest=self.tied_peer,
+                        tag=TAGS["tied"])
         receive.wait()
-        mine += theirs
-
-    def tied_copy_grad_squares(self) -> tuple[float, float]:
-        """What the tied copy adds to state.grad_sq_sums() on this rank (zero where there is none): the global
-        norm counts the tied embedding once, on the first stage."""
-        if not self.model.tied_copies:
-            return 0.0, 0.0
-        return unit_grad_squares(self.state, self.model.tied_unit)
+        add_into(mine, self.backend.from_host(theirs))

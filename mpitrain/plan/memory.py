@@ -1,102 +1,101 @@
 """Per-rank memory of a layout, from formulas: what `mpitrain memory CONFIG` prints.
 
 Model state (Psi = parameters this rank's pipeline stage and tensor-parallel slice hold, N = data-parallel size,
-e = bytes per element of the compute dtype). On CPU the float32/float64 parameters are their own master copy, and
-the Adam moments are kept in the same dtype, so:
+e = bytes per element of the compute dtype, o = optimizer bytes per parameter). float32/float64 parameters are their
+own master copy and Adam's moments take their dtype (o = 2e); bfloat16/float16 compute keeps an fp32 master copy
+beside the fp32 moments (o = 4 + 8 = 12). Master weights and moments are sharded from ZeRO-1 on:
 
-    ZeRO-0  params e*Psi      grads e*Psi               moments 2e*Psi        (16 Psi bytes at float32)
-    ZeRO-1  params e*Psi      grads e*Psi + e*Psi/N     moments 2e*Psi/N      (the shard of reduced gradients)
-    ZeRO-2  params e*Psi      grads e*Psi/N             moments 2e*Psi/N
-    ZeRO-3  params e*Psi/N    grads e*Psi/N             moments 2e*Psi/N      (16 Psi / N at float32)
+    ZeRO-0  params e*Psi      grads e*Psi      optimizer o*Psi       bf16: 16 Psi     float32: 16 Psi
+    ZeRO-1  params e*Psi      grads e*Psi      optimizer o*Psi/N     bf16: 4 + 12/N   float32: 8 + 8/N
+    ZeRO-2  params e*Psi      grads e*Psi/N    optimizer o*Psi/N     bf16: 2 + 14/N   float32: 4 + 12/N
+    ZeRO-3  params e*Psi/N    grads e*Psi/N    optimizer o*Psi/N     bf16: 16/N       float32: 16/N
 
-With mixed precision (bf16/fp16 compute on GPUs, a later issue) a separate fp32 master copy joins the moments:
-2 + 2 + 12 bytes per parameter, and ZeRO-1 shards the 12 (12 Psi / N), as in the ZeRO paper.
+(ZeRO-1 writes each reduced gradient shard over its own window of the full gradient, so it keeps no separate shard.)
+These are the bytes of the arrays mpitrain/state/ allocates, padding aside (tests/test_zero.py and test_precision.py).
 
-Activations are the bytes the saved state of one micro-batch holds (exactly what `nbytes_of(saved)` counts for the
-units as written in mpitrain/model/units.py), times the micro-batches in flight (1 without pipelining).
+Activations are the bytes the saved state of one micro-batch holds (what `nbytes_of(saved)` counts), as each sublayer
+declares it (`saved_arrays`), times the micro-batches in flight (1 without pipelining).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
 
-STAGE_FORMULAS = {
-    0: ("e*Psi", "e*Psi", "2e*Psi"),
-    1: ("e*Psi", "e*Psi + e*Psi/N", "2e*Psi/N"),
-    2: ("e*Psi", "e*Psi/N", "2e*Psi/N"),
-    3: ("e*Psi/N", "e*Psi/N", "2e*Psi/N"),
-}
+SHARDED = {"params": (3,), "grads": (2, 3), "optimizer": (1, 2, 3)}  # the ZeRO stages that split each kind
 
 
-def model_state_bytes(n_params: int, itemsize: int, zero: int, dp: int) -> dict:
-    """Bytes of parameters, gradients and optimizer moments one rank keeps between steps (padding not counted)."""
-    psi, e, n = n_params, itemsize, dp
-    params = e * psi / n if zero == 3 else e * psi
-    grads = {0: e * psi, 1: e * psi + e * psi / n, 2: e * psi / n, 3: e * psi / n}[zero]
-    moments = 2 * e * psi / n if zero else 2 * e * psi
-    return {"params": params, "grads": grads, "optimizer": moments}
+def bytes_per_param(compute: str) -> dict:
+    """Bytes per parameter of each kind of model state, before sharding."""
+    e = np.dtype(COMPUTE_DTYPES[compute]).itemsize
+    return {"params": e, "grads": e, "optimizer": 12 if e < 4 else 2 * e}
+
+
+def model_state_bytes(n_params: int, compute: str, zero: int, dp: int) -> dict:
+    """Bytes of parameters, gradients and optimizer state (master + moments) one rank keeps between steps (padding
+    not counted)."""
+    return {kind: n_params * each / (dp if zero in SHARDED[kind] else 1)
+            for kind, each in bytes_per_param(compute).items()}
+
+
+def state_formulas(compute: str, zero: int) -> dict:
+    """The formula of each row, and the whole state's bytes per parameter (e.g. "4 + 12/N" for bf16 at ZeRO-1)."""
+    each = bytes_per_param(compute)
+    names = {"params": "e*Psi", "grads": "e*Psi", "optimizer": "12*Psi (fp32 master 4 + moments 8)"
+             if each["optimizer"] == 12 else "2e*Psi (moments; the params are the master)"}
+    formulas = {kind: name.replace("Psi", "Psi/N", 1) if zero in SHARDED[kind] else name
+                for kind, name in names.items()}
+    whole = sum(v for k, v in each.items() if zero not in SHARDED[k])
+    split = sum(v for k, v in each.items() if zero in SHARDED[k])
+    formulas["state"] = " + ".join(([str(whole)] if whole else []) + ([f"{split}/N"] if split else [])) + \
+        " bytes per parameter"
+    return formulas
 
 
 def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
-    """Saved-state bytes of one micro-batch's forward on one rank, counted array by array as units.py saves them
-    (exact at tp = 1, where a test compares it with the saved state; under tensor parallelism the split tensors are
-    divided by t, and with sequence parallelism the norms too, while the inputs of column-parallel linears are kept
-    whole)."""
-    m, p = cfg.model, cfg.parallel
-    b, t, c, e = micro_batch or cfg.train.micro_batch, m.seq_len, m.d_model, np.dtype(cfg.precision.compute).itemsize
-    tp, bt, f = p.tp, b * t, m.ff_dim
-    norm_share = tp if p.sequence_parallel else 1  # the norm regions hold 1/t of the sequence under SP
-    kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else 1  # split, or the one shared head a rank needs
-    per_block = (
-        2 * (bt * c + bt) // norm_share  # norms 1 and 2: normalised input, 1/std
-        + 2 * bt * c  # their outputs, the column-parallel projections' inputs (whole)
-        + bt * (c // tp + 2 * kv_heads * m.head_dim)  # q, k, v of this rank's heads
-        + b * (m.n_head // tp) * t * t  # attention probabilities
-        + bt * c // tp  # attention output, the output projection's input
-        + bt * (f // tp) * (1 if m.arch == "gpt2" else 2)  # MLP up (gpt2) or gate and up (llama)
-        + bt * f // tp  # activation output, the down projection's input
-    )
-    vocab = -(-m.vocab_size // tp)
-    head = (bt * c + bt) // norm_share + bt * c + bt * vocab  # final norm, its output, softmax probabilities
-    rope = t * m.head_dim if m.arch == "llama" else 0  # cos and sin tables, shared by all blocks
+    """Saved-state bytes of one micro-batch's forward on one rank (tp rank 0 of the first pipeline stage): the arrays
+    each sublayer declares that it saves (`saved_arrays` in mpitrain/layers, the declaration the layers are tested
+    against), plus the rotary tables shared by all micro-batches; with a pipeline, times the micro-batches the first
+    stage holds at once (1F1B: p; GPipe: m), which is the most of any stage."""
+    p = cfg.parallel
+    b = micro_batch or cfg.train.micro_batch
+    per_micro_batch, shared = rank_model(cfg).saved_bytes(b, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]))
     if p.pp == 1:
-        return int(e * (m.n_layer * per_block + head + rope) + 2 * bt * 8)  # + int64 token ids and targets
-    # with a pipeline: the first stage, which holds the most micro-batches at once (1F1B: p; GPipe: m)
-    from mpitrain.parallel.pipeline import rank_stages
+        return per_micro_batch + shared
     from mpitrain.parallel.schedule import make_schedule, peak_activations
-    chunks = rank_stages(m.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    blocks = sum(min(end, m.n_layer + 1) - max(first, 1) for first, end in chunks)
-    has_head = any(end == m.n_layer + 2 for _, end in chunks)
-    per_micro_batch = e * (blocks * per_block + has_head * head) + bt * 8 * (1 + has_head)
     micro_batches = cfg.train.global_batch // (p.dp * b)
     in_flight = peak_activations(make_schedule(p.schedule, p.pp, micro_batches, p.virtual_stages))[0]
-    return int(per_micro_batch * in_flight / p.virtual_stages + e * rope)
+    return int(per_micro_batch * in_flight / p.virtual_stages + shared)
 
 
-def rank_param_count(cfg: Config) -> int:
-    """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
+def rank_model(cfg: Config):
+    """The model of tp rank 0 and pipeline rank 0, built without a group: only its shapes are used."""
     from mpitrain.backend import make_backend
+    from mpitrain.layers.tensor_parallel import TensorParallel
     from mpitrain.model.gpt import GPT
     from mpitrain.parallel.pipeline import rank_stages
-    from mpitrain.parallel.tensor import TensorParallel
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
-    return sum(layout.size for layout in model.layouts)
+    return GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
+
+
+def rank_param_count(cfg: Config) -> int:
+    """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
+    return sum(layout.size for layout in rank_model(cfg).layouts)
 
 
 def memory_report(cfg: Config, n_params: int) -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size)."""
     p = cfg.parallel
-    itemsize = np.dtype(cfg.precision.compute).itemsize
-    state = model_state_bytes(n_params, itemsize, p.zero, p.dp)
+    itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
+    state = model_state_bytes(n_params, cfg.precision.compute, p.zero, p.dp)
     activations = activation_bytes(cfg)
-    formulas = dict(zip(("params", "grads", "optimizer"), STAGE_FORMULAS[p.zero]))
+    formulas = state_formulas(cfg.precision.compute, p.zero)
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
-    rows = {**state, "activations": activations}
+    rows = {**state, "state": sum(state.values()), "activations": activations}  # "state": the subtotal
     return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
-            "total": sum(rows.values())}
+            "total": rows["state"] + activations}

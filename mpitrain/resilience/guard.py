@@ -25,8 +25,10 @@ from mpitrain.errors import MpitrainError
 ROLLBACKS_TO_ONE_CHECKPOINT = 3  # then the bad steps come from the state, not from the data: stop
 # verdicts, in the order of precedence the max all-reduce gives them
 GOOD, TOLD_TO_SKIP, SPIKE, NONFINITE_GRAD, NONFINITE_LOSS = range(5)
+OVERFLOW = 5  # a NONFINITE_GRAD under float16's dynamic loss scale: the trainer halves the scale (never reduced)
 REASONS = {TOLD_TO_SKIP: "fault.skip_steps names it", SPIKE: "loss spike",
-           NONFINITE_GRAD: "non-finite gradient norm on some rank", NONFINITE_LOSS: "non-finite loss"}
+           OVERFLOW: "float16 overflow, loss scale halved", NONFINITE_GRAD: "non-finite gradient norm on some rank",
+           NONFINITE_LOSS: "non-finite loss"}
 
 
 class TrainingDiverged(MpitrainError):
@@ -89,7 +91,7 @@ class BadStepGuard:
             self.good_losses.append(loss)
             return
         self.skipped_steps += 1
-        if verdict != TOLD_TO_SKIP:  # a skip asked for is no sign of trouble: it never triggers a rollback
+        if verdict not in (TOLD_TO_SKIP, OVERFLOW):  # no sign of trouble: these never trigger a rollback
             self.bad_in_a_row += 1
 
     def describe_skip(self, done: int, verdict: int, loss: float, grad_norm: float) -> str:

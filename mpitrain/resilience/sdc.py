@@ -61,13 +61,15 @@ def odd_ones_out(hashes: list[int]) -> tuple[list[int], bool]:
     return [i for i, h in enumerate(hashes) if h != majority], False
 
 
-def replicated_arrays(state, optimizer, zero: int) -> list:
-    """What every data-parallel replica holds bitwise the same between steps (see the module table)."""
-    if zero == 0:
-        return [state.params.data, optimizer.exp_avg, optimizer.exp_avg_sq]
-    if zero in (1, 2):
-        return [state.params.data]
-    return []
+def replicated_arrays(state, optimizer) -> list:
+    """What every data-parallel replica holds bitwise the same between steps, as the state declares it for
+    checkpoints (which write a replicated tensor once): the parameter windows when they are dp-replicated, the Adam
+    moments when they are (see the module table)."""
+    layout = state.checkpoint_layout()
+    arrays = [window[2] for window in layout["param_windows"]] if layout["params_dp_replicated"] else []
+    if layout["moments_dp_replicated"]:
+        arrays += [optimizer.exp_avg, optimizer.exp_avg_sq]
+    return arrays
 
 
 def flip_one_bit(segments) -> None:

@@ -4,14 +4,18 @@ Convention (design decision 1): `y, saved = op_forward(..., x)` returns the outp
 `dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the given arrays in
 place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what `saved` holds.
 Linear weights are stored (in_features, out_features), so forward is `x @ w`. The ops that talk to other ranks when
-a layer is split (linear backward, embedding, loss) live in mpitrain/parallel/tensor.py, one code path for every tp
-degree; with one rank they are the plain ops.
+a layer is split (embedding, loss) live in mpitrain/layers/tensor_parallel.py, and the linears' collectives in
+mpitrain/layers/linear.py; with one rank they are the plain ops.
+
+Every op computes in float32 when handed bfloat16/float16 arrays and rounds its outputs back (the one cast rule, in
+mpitrain/layers/precision.py); float32/float64 arrays pass through untouched.
 """
 from __future__ import annotations
 
 import math
 
 from mpitrain.backend import array_module as _xp
+from mpitrain.layers.precision import computes_in_float32
 
 GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -21,6 +25,7 @@ def _rows(x):
 
 
 # ----------------------------------------------------------------------------- linear
+@computes_in_float32()
 def linear_forward(x, w, b=None):
     y = _rows(x) @ w
     if b is not None:
@@ -28,7 +33,31 @@ def linear_forward(x, w, b=None):
     return y.reshape(*x.shape[:-1], w.shape[1]), x
 
 
+@computes_in_float32()
+def linear_input_grad(weights, output_grads):
+    """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up)."""
+    dx = None
+    for w, dy in zip(weights, output_grads):
+        part = _rows(dy) @ w.T
+        if dx is None:
+            dx = part
+        else:
+            dx += part
+    return dx.reshape(*output_grads[0].shape[:-1], weights[0].shape[0])
+
+
+@computes_in_float32("dw")
+def add_weight_grad(dw, x, dy) -> None:
+    dw += _rows(x).T @ _rows(dy)
+
+
+@computes_in_float32("db")
+def add_bias_grad(db, dy) -> None:
+    db += _rows(dy).sum(axis=0)
+
+
 # ----------------------------------------------------------------------------- norms
+@computes_in_float32()
 def layernorm_forward(x, w, b, eps):
     mean = x.mean(axis=-1, keepdims=True)
     xc = x - mean
@@ -40,6 +69,7 @@ def layernorm_forward(x, w, b, eps):
     return y, (xhat, rstd)
 
 
+@computes_in_float32("dw", "db")
 def layernorm_backward(saved, w, dy, dw, db):
     xhat, rstd = saved
     dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
@@ -51,12 +81,14 @@ def layernorm_backward(saved, w, dy, dw, db):
     return dx
 
 
+@computes_in_float32()
 def rmsnorm_forward(x, w, eps):
     rstd = 1.0 / _xp(x).sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     xhat = x * rstd
     return xhat * w, (xhat, rstd)
 
 
+@computes_in_float32("dw")
 def rmsnorm_backward(saved, w, dy, dw):
     xhat, rstd = saved
     dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
@@ -67,6 +99,7 @@ def rmsnorm_backward(saved, w, dy, dw):
 
 
 # ----------------------------------------------------------------------------- activations
+@computes_in_float32()
 def gelu_forward(x):
     """GELU, tanh approximation (GPT-2). Saves only x; tanh is recomputed in backward (memory over speed)."""
     xp = _xp(x)
@@ -81,6 +114,7 @@ def gelu_forward(x):
     return y, x
 
 
+@computes_in_float32()
 def gelu_backward(x, dy):
     xp = _xp(x)
     x2 = x * x
@@ -102,6 +136,7 @@ def gelu_backward(x, dy):
     return slope
 
 
+@computes_in_float32()
 def swiglu_forward(gate, up):
     """silu(gate) * up (llama's MLP). Saves both inputs."""
     xp = _xp(gate)
@@ -109,6 +144,7 @@ def swiglu_forward(gate, up):
     return gate * sig * up, (gate, up)
 
 
+@computes_in_float32()
 def swiglu_backward(saved, dy):
     gate, up = saved
     xp = _xp(gate)
@@ -133,6 +169,7 @@ def rope_tables(positions, head_dim, theta, xp, dtype):
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 
+@computes_in_float32()
 def rope_forward(x, cos, sin):
     """Rotate the two halves of each head (x: (B, H, T, D)); the 'rotate half' convention of Llama in HF."""
     half = x.shape[-1] // 2
@@ -143,6 +180,7 @@ def rope_forward(x, cos, sin):
     return y
 
 
+@computes_in_float32()
 def rope_backward(dy, cos, sin):
     """The rotation's transpose: rotate by -angle."""
     half = dy.shape[-1] // 2
@@ -161,29 +199,37 @@ def causal_bias(t_q, t_k, xp, dtype, offset=0):
     return xp.where(k <= q, 0.0, -xp.inf).astype(dtype)
 
 
+@computes_in_float32()
 def attention_forward(q, k, v, bias):
-    """Softmax(q k^T / sqrt(D) + bias) v with grouped-query heads.
+    """((out, lse), saved): softmax(q k^T / sqrt(D) + bias) v with grouped-query heads, and each query row's
+    log-sum-exp of its scores, lse (B, H, Tq), by which attention over several key blocks is merged.
 
-    q: (B, H, T, D); k, v: (B, Hkv, T, D) with H a multiple of Hkv. Query heads that share a key/value head are
-    stacked along the time axis, (B, Hkv, G*T, D), so each product is one large matmul and K/V are never copied.
+    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv; bias (Tq, Tk), e.g. causal_bias with the
+    block's position offset, so that a block of queries can be run against a block of keys (context parallelism).
+    Query heads that share a key/value head are stacked along the time axis, (B, Hkv, G*Tq, D), so each product is
+    one large matmul and K/V are never copied.
     """
     xp = _xp(q)
     b, h, t, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
     qg = q.reshape(b, hkv, group * t, d)
-    scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*T, Tk)
+    scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*Tq, Tk)
     scores *= 1.0 / math.sqrt(d)
     scores = scores.reshape(b, hkv, group, t, -1)
     scores += bias
-    scores -= scores.max(axis=-1, keepdims=True)
+    row_max = scores.max(axis=-1, keepdims=True)
+    scores -= row_max
     probs = xp.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs /= row_sum
     probs = probs.reshape(b, hkv, group * t, -1)
     out = (probs @ v).reshape(b, h, t, d)
-    return out, (q, k, v, probs)
+    lse = (row_max + xp.log(row_sum)).reshape(b, h, t)
+    return (out, lse), (q, k, v, probs)
 
 
+@computes_in_float32()
 def attention_backward(saved, dout):
     q, k, v, probs = saved
     b, h, t, d = q.shape

@@ -1,11 +1,9 @@
 """Data parallelism: every rank holds the whole model and sums gradients over the data-parallel group.
 
-`ReplicatedState` is the parameter/gradient state for `parallel.zero = 0` and the reference for the ZeRO states
-(`zero.py`), which offer the same methods. The model calls the first four during forward/backward; the trainer calls
-the rest around them:
-
-    acquire(unit, phase) -> views   release(unit, phase)   grad_views(unit) -> views   unit_done(unit)
-    zero_grads()   begin_micro_batch(last)   finish()   grad_sq_sums()   optimizer_segments()   after_step()
+`ReplicatedState` is the parameter/gradient state for `parallel.zero = 0`; it and the ZeRO states (`zero.py`)
+implement the interface declared in `strategy.py`. With a low-precision compute dtype (bfloat16, float16) it keeps a
+full fp32 master copy that the optimizer updates and the compute-dtype parameters are rounded from after each step:
+2 + 2 + 4 (+ 8 for Adam's moments) = 16 bytes per parameter.
 
 Gradients are reduced in buckets: contiguous ranges of the flat gradient buffer, formed from the last unit backwards
 (the order backward finishes them). During the last micro-batch's backward, a bucket's non-blocking all-reduce starts
@@ -14,18 +12,16 @@ the remaining layers compute. `finish()` waits for the rest before the optimizer
 """
 from __future__ import annotations
 
-from mpitrain.model.params import FlatBuffer, initial_unit_flat
 from mpitrain.optim.adamw import Segment
+from mpitrain.state.params import FlatBuffer, initial_unit_flat
+from mpitrain.state.reduce import GradReducer
+from mpitrain.state.strategy import StateStrategy, norm_ranges, squared_sum
 
 
 def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
     for index, layout in enumerate(buffer.layouts):
         start, end = buffer.unit_range(index)
         buffer.data[start:end] = backend.from_host(initial_unit_flat(layout, seed, end - start), buffer.data.dtype)
-
-
-def squared_sum(flat, ranges: list[tuple[int, int]]) -> float:
-    return float(sum(flat[a:b] @ flat[a:b] for a, b in ranges))
 
 
 def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, set[int]]]:
@@ -40,7 +36,7 @@ def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, s
     return buckets
 
 
-class ReplicatedState:
+class ReplicatedState(StateStrategy):
     """parallel.zero = 0: full parameters and gradients on every rank; gradients summed by bucketed all-reduce.
 
     `group` is the data-parallel group (None: a single process, e.g. generation)."""
@@ -48,18 +44,23 @@ class ReplicatedState:
     sharded = False
 
     def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
-                 overlap: bool = True):
+                 overlap: bool = True, grad_reduce: str = "float32"):
         """seed None: parameters left at zero, for the caller to fill (generation from a checkpoint)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
-        self.params = FlatBuffer.allocate(layouts, xp, dtype)
+        self.master = FlatBuffer.allocate(layouts, xp, backend.optimizer_dtype)
         if seed is not None:
-            initialise(self.params, seed, backend)
+            initialise(self.master, seed, backend)
+        self.params = self.master  # one copy when the compute dtype is the optimizer's
+        if backend.mixed:
+            self.params = FlatBuffer.allocate(layouts, xp, dtype)
+            self.after_restore()
         self.grads = FlatBuffer.allocate(layouts, xp, dtype)
+        self.reducer = GradReducer(group, dtype, grad_reduce) if group is not None else None
         self.buckets = make_buckets(self.grads, bucket_bytes)
         self.bucket_of_unit = {u: b for b, (_, _, units) in enumerate(self.buckets) for u in units}
         self._remaining: list[int] = []
-        self._handles: list = []
+        self._pending: list = []
         self._syncing = False
 
     # -- what the model calls
@@ -79,9 +80,9 @@ class ReplicatedState:
         self._remaining[bucket] -= 1
         if self._remaining[bucket] == 0 and self.overlap:
             start, end, _ = self.buckets[bucket]
-            self._handles.append(self.group.iall_reduce(self.grads.data[start:end]))
-        for handle in self._handles:  # drive progress of the reductions already in flight
-            handle.test()
+            self._pending.append(self.reducer.all_reduce(self.grads.data[start:end]))
+        for pending in self._pending:  # drive progress of the reductions already in flight
+            pending.test()
 
     # -- what the trainer calls
     def zero_grads(self) -> None:
@@ -97,38 +98,35 @@ class ReplicatedState:
             return
         if not self.overlap:
             for start, end, _ in self.buckets:
-                self.group.all_reduce(self.grads.data[start:end])
-        for handle in self._handles:
-            handle.wait()
-        self._handles = []
+                self.reducer.all_reduce(self.grads.data[start:end]).wait()
+        for pending in self._pending:
+            pending.wait()
+        self._pending = []
         self._syncing = False
 
-    def grad_sq_sums(self) -> tuple[float, float]:
-        """Sums of squared gradients of (tensor-parallel-sharded, tensor-parallel-replicated) tensors; every dp rank
-        holds all of them after the all-reduce. The caller sums the first over the tp group, the second not."""
-        return tuple(squared_sum(self.grads.data, self.grads.ranges(lambda spec, r=replicated: spec.tp_replicated == r))
-                     for replicated in (False, True))
+    def grad_sq_sums(self) -> dict:
+        """Every dp rank holds all reduced gradients: the sums are local."""
+        return {key: squared_sum(self.grads.data, ranges) for key, ranges in norm_ranges(self.grads).items()}
 
     def reduced_grad_window(self, unit: int):
-        """(geometry, (start, end) in it, values): the reduced gradient of `unit` this rank holds after finish()."""
         start, end = self.grads.unit_range(unit)
         return self.grads, (start, end), self.grads.data[start:end]
 
     def optimizer_segments(self) -> list[Segment]:
-        return [Segment(self.params.data, self.grads.data, self.params.ranges(lambda spec: spec.decay))]
+        return [Segment(self.master.data, self.grads.data, self.master.ranges(lambda spec: spec.decay))]
 
     def after_step(self) -> None:
-        pass
+        if self.params is not self.master:
+            self.params.data[...] = self.master.data  # rounded to the compute dtype
 
     def checkpoint_layout(self) -> dict:
-        """Where this rank's state sits in the flat geometry (see mpitrain/checkpoint/pieces.py)."""
-        return {"geometry": self.params, "param_windows": [(0, self.params.size, self.params.data, 0)],
-                "params_dp_replicated": True, "segment_windows": [(0, self.params.size)],
+        return {"geometry": self.master, "param_windows": [(0, self.master.size, self.master.data, 0)],
+                "params_dp_replicated": True, "segment_windows": [(0, self.master.size)],
                 "moments_dp_replicated": True}
 
     def after_restore(self) -> None:
-        """Called after a checkpoint was loaded into the arrays."""
+        self.after_step()
 
     def memory(self) -> dict:
-        """Bytes of the arrays this state keeps between steps."""
-        return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes)}
+        master = 0 if self.params is self.master else int(self.master.data.nbytes)
+        return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes), "master": master}

@@ -24,6 +24,11 @@ class ParamSpec:
     global_shape: tuple[int, ...] | None = None  # None: the piece is the whole tensor
     offset: tuple[int, ...] | None = None  # where the piece starts in the global tensor
     tp_replicated: bool = True  # identical on every tensor-parallel rank (counted once in norms, saved once)
+    # What the state strategies derive everything from (gradient buffers, reductions, norms, checkpoint replicas):
+    trainable: bool = True  # False: no gradient buffer, no optimizer state, no reduction (frozen, e.g. under LoRA)
+    tp_axis: int | None = None  # the axis split over the tensor-parallel ranks (None: replicated or tp = 1)
+    reduce_over: str = "dp"  # the mesh group that sums its gradient ("dp"; later "edp" for experts, "dp_cp")
+    tied_to: str | None = None  # global name of the tensor this one is a copy of (gpt2's head copy of "embed.wte")
 
     @property
     def size(self) -> int:
@@ -42,6 +47,12 @@ class ParamSpec:
         """Decoupled weight decay on matrices only (embeddings included), never on biases or norm gains."""
         return len(self.shape) >= 2
 
+    @property
+    def norm_groups(self) -> tuple[str, ...]:
+        """Mesh groups over which the squares of this tensor's gradient are summed into the global norm, beyond the
+        ranks that share its reduction (a tp-split tensor's pieces differ per tp rank; a replicated one does not)."""
+        return () if self.tp_replicated else ("tp",)
+
     def piece(self, full: np.ndarray) -> np.ndarray:
         """This rank's piece of the full tensor."""
         return full[tuple(slice(s, s + n) for s, n in zip(self.start, self.shape))]
@@ -53,9 +64,9 @@ class UnitLayout:
     specs: list[ParamSpec]
 
     def __post_init__(self):
-        # Stable order: decayed tensors first, then the rest; tensor-parallel-sharded before replicated within each,
-        # so "decayed" and "replicated" are each a few contiguous ranges of the unit.
-        self.specs = sorted(self.specs, key=lambda s: (not s.decay, s.tp_replicated))
+        # Stable order: trainable tensors first (frozen ones form the unit's tail), decayed before the rest,
+        # tensor-parallel-sharded before replicated within each: each such class is a few contiguous ranges.
+        self.specs = sorted(self.specs, key=lambda s: (not s.trainable, not s.decay, s.tp_replicated))
 
     @property
     def size(self) -> int:

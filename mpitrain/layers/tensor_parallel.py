@@ -23,9 +23,8 @@ contiguous LEADING blocks. So the sequence operators move the sequence to the fr
 free when B = 1), communicate, and move it back.
 
 Also here: the vocabulary-parallel embedding and cross-entropy (each rank holds ceil(V/t) rows of the vocabulary;
-the full logits are never gathered), the column-parallel backward whose input-gradient reduction overlaps the
-weight-gradient matmul, gradients of replicated tensors that each rank only partly computes, and assembling full
-tensors from the pieces.
+the full logits are never gathered), gradients of replicated tensors that each rank only partly computes, and the
+description of a rank's piece of a split tensor. The linears that use these operators are mpitrain/layers/linear.py.
 """
 from __future__ import annotations
 
@@ -35,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
-from mpitrain.model.params import ParamSpec
+from mpitrain.layers.precision import LOW_PRECISION, computes_in_float32
+from mpitrain.state.params import ParamSpec
 
 TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -65,11 +65,16 @@ class TensorParallel:
     def _timed(self, kind: str, start: float) -> None:
         self.seconds[kind] += time.perf_counter() - start
 
+    # bfloat16/float16 arrays are summed in float32 (MPI has no 16-bit float sum, and fp32 accumulation is the rule)
+    # and moved as raw 16-bit words where nothing is summed (all-gather).
     def all_reduce(self, buf, op: str = "sum"):
         """In place; returns buf."""
         if self.size > 1:
             start = time.perf_counter()
-            self.group.all_reduce(buf, op)
+            wide = _widened(buf)
+            self.group.all_reduce(wide, op)
+            if wide is not buf:
+                buf[...] = wide
             self._timed("all_reduce", start)
         return buf
 
@@ -77,9 +82,10 @@ class TensorParallel:
         if self.size == 1:
             return Pending.done(buf)
         start = time.perf_counter()
-        handle = self.group.iall_reduce(buf)
+        wide = _widened(buf)
+        handle = self.group.iall_reduce(wide)
         self._timed("all_reduce", start)
-        return Pending(self, "all_reduce", handle, lambda: buf)
+        return Pending(self, "all_reduce", handle, lambda: buf if wide is buf else wide.astype(buf.dtype))
 
     def gather_sequence(self, x):
         """(B, T/t, ...) chunks of every rank -> (B, T, ...); rank r's chunk goes to positions [r T/t, (r+1) T/t)."""
@@ -88,7 +94,8 @@ class TensorParallel:
         start = time.perf_counter()
         send = _sequence_first(x)
         recv = array_module(x).empty((self.size * send.shape[0],) + send.shape[1:], dtype=x.dtype)
-        self.group.all_gather(send, recv)
+        words = np.uint16 if x.dtype in LOW_PRECISION else x.dtype  # 16-bit floats travel as their bits
+        self.group.all_gather(send.view(words), recv.view(words))
         self._timed("all_gather", start)
         return _sequence_second(recv)
 
@@ -100,11 +107,11 @@ class TensorParallel:
             raise ValueError(f"sequence parallelism: sequence length {x.shape[1]} is not divisible by tp = "
                              f"{self.size}")
         start = time.perf_counter()
-        send = _sequence_first(x)
-        recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=x.dtype)
+        send = _sequence_first(_widened(x))
+        recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=send.dtype)
         handle = self.group.ireduce_scatter(send, recv)
         self._timed("reduce_scatter", start)
-        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv))
+        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv).astype(x.dtype, copy=False))
 
     def reduce_scatter_sequence(self, x):
         return self.start_reduce_scatter_sequence(x).wait()
@@ -155,6 +162,11 @@ class Pending:
         return self.result()
 
 
+def _widened(x):
+    """float32 for a bfloat16/float16 array (summed in fp32), else the array itself."""
+    return x.astype(np.float32) if x.dtype in LOW_PRECISION else x
+
+
 def _sequence_first(x):
     """(B, T, ...) -> contiguous (T, B, ...): MPI blocks are leading blocks (no copy when B = 1)."""
     return array_module(x).ascontiguousarray(x.swapaxes(0, 1))
@@ -197,52 +209,23 @@ def scatter_to_sp_backward(tp: TensorParallel, dx):
     return tp.gather_sequence(dx)
 
 
-# ------------------------------------------------------------------------------------- linears split over tp
 def _rows(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def column_parallel_backward(tp: TensorParallel, x, weights, output_grads, weight_grads, bias_grads=None):
-    """Backward of column-parallel linears that share the input x (the gathered one under SP): Q/K/V, gate/up.
-
-    Their input gradient sum_i dy_i w_i^T is a partial sum over the tp ranks (each holds some output columns). Its
-    reduction (the backward of `enter`) starts before the weight-gradient matmuls and is waited for after them, so
-    the communication overlaps compute. Returns the reduced input gradient (this rank's sequence chunk under SP).
-    """
-    bias_grads = bias_grads or [None] * len(weights)
-    dx = None
-    for w, dy in zip(weights, output_grads):
-        part = _rows(dy) @ w.T
-        if dx is None:
-            dx = part
-        else:
-            dx += part
-    pending = tp.start_enter_backward(dx.reshape(x.shape))
-    x2 = _rows(x)
-    for dy, dw, db in zip(output_grads, weight_grads, bias_grads):
-        dw += x2.T @ _rows(dy)
-        if db is not None:
-            db += _rows(dy).sum(axis=0)
-    return pending.wait()
-
-
-def row_parallel_forward(tp: TensorParallel, x, w, b=None):
-    """x @ w on this rank's input columns, summed over tp (the region's exit), then the replicated bias once."""
-    y = tp.exit((_rows(x) @ w).reshape(*x.shape[:-1], w.shape[1]))
-    if b is not None:
-        y += b
-    return y
-
-
-def row_parallel_backward(tp: TensorParallel, x, w, dy, dw, db=None):
-    """dy arrives replicated (or as this rank's sequence chunk under SP, then all-gathered): the bias gradient is
-    taken from the full dy, so it is complete and identical on every rank."""
-    dy = tp.exit_backward(dy)
-    dy2 = _rows(dy)
-    if db is not None:
-        db += dy2.sum(axis=0)
-    dw += _rows(x).T @ dy2
-    return (dy2 @ w.T).reshape(*dy.shape[:-1], w.shape[0])
+# ------------------------------------------------------------------------------------- split parameters
+def split_spec(name, global_shape, axis, tp: TensorParallel, init="normal", std=0.0, per_rank=None) -> ParamSpec:
+    """This tp rank's block of a tensor split along `axis`: per_rank (default: an equal share) consecutive slices.
+    A block that hangs over the tensor's end (vocabulary padding) is a VocabShardSpec. One rank: the whole tensor."""
+    global_shape = tuple(global_shape)
+    if tp.size == 1:
+        return ParamSpec(name, global_shape, init, std)
+    per_rank = per_rank or global_shape[axis] // tp.size
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    shape[axis], offset[axis] = per_rank, tp.rank * per_rank
+    kind = ParamSpec if per_rank * tp.size == global_shape[axis] else VocabShardSpec
+    return kind(name, tuple(shape), init, std, global_shape, tuple(offset), tp_replicated=False,
+                tp_axis=axis % len(global_shape))
 
 
 class PartialGrads:
@@ -299,6 +282,7 @@ def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     return first, rows, max(0, min(rows, vocab_size - first))
 
 
+@computes_in_float32()
 def vocab_parallel_embedding_forward(tp: TensorParallel, table, ids, first: int):
     """Rows of this rank's table shard for the ids it owns, zeros for the others, summed over tp by the region's
     exit (all-reduce; under SP a reduce-scatter, so the result is this rank's sequence chunk).
@@ -312,6 +296,7 @@ def vocab_parallel_embedding_forward(tp: TensorParallel, table, ids, first: int)
     return tp.exit(x), local
 
 
+@computes_in_float32("dtable")
 def vocab_parallel_embedding_backward(tp: TensorParallel, local, dx, dtable):
     """Adds into this rank's table shard; returns the full-sequence gradient (for learned positions)."""
     dx = tp.exit_backward(dx)
@@ -327,6 +312,7 @@ def mask_vocab_padding(logits, real_columns: int):
     return logits
 
 
+@computes_in_float32()
 def vocab_parallel_cross_entropy_forward(tp: TensorParallel, logits, targets, first: int):
     """Sum over tokens of -log softmax(logits)[target] from this rank's vocabulary columns of the logits.
 
@@ -353,6 +339,7 @@ def vocab_parallel_cross_entropy_forward(tp: TensorParallel, logits, targets, fi
     return loss_sum, (exp, local_targets, logits.shape)
 
 
+@computes_in_float32()
 def vocab_parallel_cross_entropy_backward(saved, dloss):
     """d(dloss * loss_sum)/d(local logits) = dloss (softmax - onehot(target)), on this rank's columns only."""
     probs, local_targets, shape = saved

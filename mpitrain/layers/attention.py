@@ -1,0 +1,108 @@
+"""Causal self-attention as a sublayer, on the normalised input: Q/K/V column-parallel by heads, RoPE (llama),
+the attention core, the output projection row-parallel.
+
+Tensor parallelism: rank r holds query heads [r H/t, (r+1) H/t). Grouped-query K/V heads are split too when n_kv_head
+is a multiple of t; otherwise t is a multiple of n_kv_head (config rule), every rank's query heads share ONE K/V
+head, and the K/V weights are replicated on every rank, each rank computing only the head it needs (a column slice
+of the weights); their gradients are then partial sums over the ranks (each back-propagates its own query heads),
+named in `partial_grads` for the unit to all-reduce.
+
+The core (ops.attention_forward) takes a block of queries against a block of keys with the causal mask of their
+positions and returns each query row's log-sum-exp with the output: context parallelism runs it on sequence chunks
+and merges the results by log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+
+from mpitrain.backend import array_module
+from mpitrain.config import ModelConfig
+from mpitrain.layers import ops
+from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
+from mpitrain.state.params import ParamSpec
+
+KV_TENSORS = ("wk", "wv", "bv")
+
+
+def split_heads(x, n_heads: int):
+    """(B, T, n_heads * D) -> contiguous (B, n_heads, T, D)."""
+    b, t, _ = x.shape
+    return array_module(x).ascontiguousarray(x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3))
+
+
+def merge_heads(x):
+    b, h, t, d = x.shape
+    return array_module(x).ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(b, t, h * d)
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        c, d, t = cfg.d_model, cfg.head_dim, tp.size
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual init
+        self.heads, self.head_dim, self.rope = cfg.n_head // t, d, cfg.arch == "llama"
+        biases = cfg.arch == "gpt2"
+        kv_split = cfg.kv_heads % t == 0
+        if kv_split:
+            self.kv_heads, self.kv_columns = cfg.kv_heads // t, None
+        else:  # all of this rank's query heads use K/V head `kv`
+            kv = tp.rank * cfg.kv_heads // t
+            self.kv_heads, self.kv_columns = 1, slice(kv * d, (kv + 1) * d)
+
+        def column(name, cols, init="normal"):  # a column-parallel weight, or its bias
+            return split_spec(name, (c, cols) if init == "normal" else (cols,), -1, tp, init, std)
+
+        def kv_tensor(name, init="normal"):
+            if kv_split:
+                return column(name, cfg.kv_heads * d, init)
+            shape = (c, cfg.kv_heads * d) if init == "normal" else (cfg.kv_heads * d,)
+            return ParamSpec(name, shape, init, std)
+
+        self.specs = [column("wq", cfg.n_head * d), kv_tensor("wk"), kv_tensor("wv"),
+                      split_spec("wo", (cfg.n_head * d, c), 0, tp, "normal", out_std)]
+        if biases:
+            # No key bias: softmax is invariant to adding q.b_k to a whole row of scores, so its gradient is exactly
+            # zero and it would train only on rounding noise, which Adam amplifies to full-size steps.
+            self.specs += [column("bq", cfg.n_head * d, "zeros"), kv_tensor("bv", "zeros"),
+                           ParamSpec("bo", (c,), "zeros")]
+        self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None)
+        self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
+        self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
+
+    def local(self, tensors: dict) -> dict:
+        """The views the linears use: with replicated K/V weights, the columns of this rank's K/V head."""
+        if self.kv_columns is None:
+            return tensors
+        views = dict(tensors)
+        for name in KV_TENSORS:
+            if name in views:
+                views[name] = views[name][..., self.kv_columns]
+        return views
+
+    def forward(self, p, x, ctx):
+        p = self.local(p)
+        (q, k, v), h = self.qkv.forward(p, x)
+        q, k, v = split_heads(q, self.heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
+        if self.rope:
+            q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
+        (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
+        y, merged = self.out.forward(p, merge_heads(out))
+        saved = {"qkv": h, "core": core, "out": merged}
+        if self.rope:
+            saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
+        return y, saved
+
+    def backward(self, p, g, s, dy, deferred=None):
+        p, g = self.local(p), self.local(g)
+        d_out = self.out.backward(p, g, s["out"], dy, deferred)
+        dq, dk, dv = ops.attention_backward(s["core"], split_heads(d_out, self.heads))
+        if self.rope:
+            cos, sin = s["rope"]
+            dq, dk = ops.rope_backward(dq, cos, sin), ops.rope_backward(dk, cos, sin)
+        return self.qkv.backward(p, g, s["qkv"], [merge_heads(dq), merge_heads(dk), merge_heads(dv)], deferred)
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's)."""
+        b, t, d, h, kv = batch, seq_len, self.head_dim, self.heads, self.kv_heads
+        core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
+        return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)

@@ -1,0 +1,36 @@
+"""The token embedding as a sublayer: split over tp by vocabulary rows (ceil(V/t) per rank, the overhang zero
+padding), plus learned positions for gpt2 (replicated; under sequence parallelism a rank adds its chunk's)."""
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.config import ModelConfig
+from mpitrain.layers import tensor_parallel as tensor
+from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
+from mpitrain.state.params import ParamSpec
+
+
+class TokenEmbedding:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        self.tp = tp
+        self.vocab_first, rows, _ = tensor.vocab_shard(cfg.vocab_size, tp)
+        self.specs = [split_spec("wte", (cfg.vocab_size, cfg.d_model), 0, tp, "normal", cfg.init_std, per_rank=rows)]
+        if cfg.arch == "gpt2":
+            self.specs.append(ParamSpec("wpe", (cfg.seq_len, cfg.d_model), "normal", cfg.init_std))
+        self.partial_grads: list[str] = []
+
+    def forward(self, p, tokens, ctx):
+        """(x, saved): x is this rank's sequence chunk under SP; saved are the token ids local to this rank's rows."""
+        x, ids = tensor.vocab_parallel_embedding_forward(self.tp, p["wte"], tokens, self.vocab_first)
+        if "wpe" in p:
+            x += p["wpe"][ctx["positions"][self.tp.sequence_chunk(tokens.shape[1])]]
+        return x, ids
+
+    def backward(self, p, g, ids, dx, deferred=None) -> None:
+        """Adds the rows' gradients (a scatter, not a matmul: done at once even in a split backward)."""
+        dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, g["wte"])  # dx: the whole sequence now
+        if "wpe" in g:
+            g["wpe"][: dx.shape[1]] += dx.sum(axis=0)  # positions are 0..T-1 without context parallelism
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        return [((batch, seq_len), np.dtype(np.int64))]

@@ -1,0 +1,92 @@
+"""Linears split over the tensor-parallel group, owning their collectives (Megatron's f and g, see
+mpitrain/layers/tensor_parallel.py), their deferred weight gradients and a frozen mode.
+
+    ColumnParallelLinear   y_i = enter(x) @ w_i (+ b_i): each rank holds some output columns of every w_i. Several
+                           weights may share the input (Q/K/V, gate/up): the input is entered (gathered under
+                           sequence parallelism) and saved once.
+    RowParallelLinear      y = exit(x @ w) (+ b): each rank holds some input rows; the outputs are summed (or
+                           reduce-scattered along the sequence), and the replicated bias is added once after that.
+
+Parameters are looked up by name in the dict of views the caller hands in, so the same linear serves a flat
+buffer, a ZeRO-3 gather, a column slice of a replicated K/V weight or a tied (transposed) embedding.
+
+Weight gradients, one code path: backward makes each dW += x^T dy a work item (name, x, dy). Without a `deferred`
+list it runs them at once (for a column-parallel linear between starting and waiting for the input-gradient
+reduction, so that the communication overlaps the matmuls); with one (zero-bubble schedules, B) it appends them for
+`run_weight_grads` (W), which looks the gradient views up again then (under ZeRO-2/3 a unit's full gradient is a
+fresh buffer after each reduce-scatter). Bias gradients are cheap and always taken at once.
+
+Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
+"""
+from __future__ import annotations
+
+from mpitrain.layers import ops
+from mpitrain.layers.tensor_parallel import TensorParallel
+
+
+def run_weight_grads(work, grads) -> None:
+    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass)."""
+    for name, x, dy in work:
+        ops.add_weight_grad(grads[name], x, dy)
+
+
+def _weight_grads(work, grads, deferred) -> None:
+    if deferred is None:
+        run_weight_grads(work, grads)
+    else:
+        deferred.extend(work)
+
+
+class ColumnParallelLinear:
+    def __init__(self, tp: TensorParallel, in_features: int, weights: list[str],
+                 biases: list[str | None] | None = None, trainable: bool = True):
+        self.tp, self.in_features, self.weights, self.trainable = tp, in_features, list(weights), trainable
+        self.biases = list(biases) if biases else [None] * len(self.weights)
+
+    def forward(self, p, x):
+        """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
+        h = self.tp.enter(x)
+        return [ops.linear_forward(h, p[w], p[b] if b else None)[0] for w, b in zip(self.weights, self.biases)], h
+
+    def backward(self, p, g, h, output_grads, deferred=None):
+        """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
+        dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
+        pending = self.tp.start_enter_backward(dh)
+        if self.trainable:
+            for bias, dy in zip(self.biases, output_grads):
+                if bias:
+                    ops.add_bias_grad(g[bias], dy)
+            _weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred)
+        return pending.wait()
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """(shape, dtype) of what forward saves: the entered input, (batch, seq_len, in_features)."""
+        return [((batch, seq_len, self.in_features), dtype)]
+
+
+class RowParallelLinear:
+    def __init__(self, tp: TensorParallel, in_features: int, weight: str, bias: str | None = None,
+                 trainable: bool = True):
+        """in_features: this rank's input columns (the split dimension's share)."""
+        self.tp, self.in_features, self.weight, self.bias, self.trainable = tp, in_features, weight, bias, trainable
+
+    def forward(self, p, x):
+        """(y, saved): x holds this rank's input columns; y is summed over tp (this rank's chunk under SP)."""
+        y = self.tp.exit(ops.linear_forward(x, p[self.weight])[0])
+        if self.bias:
+            y += p[self.bias]
+        return y, x
+
+    def backward(self, p, g, x, dy, deferred=None):
+        """dy arrives replicated (or as this rank's chunk under SP, then all-gathered): the bias gradient is taken
+        from the full dy, so it is complete and identical on every rank."""
+        dy = self.tp.exit_backward(dy)
+        if self.trainable:
+            if self.bias:
+                ops.add_bias_grad(g[self.bias], dy)
+            _weight_grads([(self.weight, x, dy)], g, deferred)
+        return ops.linear_input_grad([p[self.weight]], [dy])
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """(shape, dtype) of what forward saves: the input, (batch, seq_len, this rank's in_features)."""
+        return [((batch, seq_len, self.in_features), dtype)]

@@ -1,0 +1,102 @@
+"""How gradients travel and are summed over their reduction group (`precision.grad_reduce`).
+
+    native     float32/float64 gradients summed by MPI in their own dtype, in place: no copy, no cast
+    float32    bfloat16/float16 gradients widened to fp32, summed by MPI in fp32, rounded back once
+    bfloat16   gradients rounded to bf16 for the wire (half the bytes of fp32) and summed in fp32 by the rank that
+               owns the block: reduce-scatter = all_to_all of bf16 blocks + a local fp32 sum in rank order (the same
+               on every rank, so deterministic); all-reduce = that + an all_gather of the bf16 sums. Blocking: the
+               group interface has no non-blocking all_to_all
+
+Every reduction returns a `Pending`; its result is ready (and its completion action run) once test() or wait() says
+so. reduce_scatter's result is a separate shard, in the reducer's sum dtype: the caller adds or copies it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.backend import BFLOAT16, wire_view
+from mpitrain.state.params import padded
+
+GRAD_REDUCE = ("float32", "bfloat16")
+
+
+class Pending:
+    """A reduction in flight (or done: handle None) and what to run once it completes."""
+
+    def __init__(self, handle=None, result=None, on_done=None):
+        self.handle, self.result, self._on_done = handle, result, on_done
+        if handle is None or getattr(handle, "done", False):
+            self._complete()
+
+    @property
+    def done(self) -> bool:
+        return self.handle is None
+
+    def test(self) -> bool:
+        if self.handle is not None and self.handle.test():
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self._complete()
+
+    def _complete(self) -> None:
+        self.handle = None
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+
+
+def add_into(target, values) -> None:
+    """target += values, summed in the wider dtype and rounded once (bf16 + fp32 sums in fp32)."""
+    if target.dtype == values.dtype:
+        target += values
+    else:
+        target[...] = target.astype(values.dtype) + values
+
+
+class GradReducer:
+    def __init__(self, group, grad_dtype, grad_reduce: str = "float32"):
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"precision.grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+        self.group = group
+        if grad_reduce == "bfloat16":
+            self.mode = "bfloat16"
+        else:
+            self.mode = "native" if np.dtype(grad_dtype).itemsize >= 4 else "float32"
+
+    def all_reduce(self, buf) -> Pending:
+        """Sum `buf` over the group, in place."""
+        if self.mode == "native":
+            return Pending(self.group.iall_reduce(buf))
+        if self.mode == "float32":
+            wide = buf.astype(np.float32)
+            return Pending(self.group.iall_reduce(wide), on_done=lambda: buf.__setitem__(Ellipsis, wide))
+        n = self.group.size
+        wire = np.zeros(padded(buf.size, n), dtype=BFLOAT16)
+        wire[:buf.size] = buf
+        own = self._sum_own_block(wire).astype(BFLOAT16)
+        gathered = np.empty_like(wire)
+        self.group.all_gather(wire_view(own), wire_view(gathered))
+        buf[...] = gathered[:buf.size]
+        return Pending()
+
+    def reduce_scatter(self, send) -> Pending:
+        """This rank's block of the sum of `send` (group.size equal blocks) as `Pending.result`."""
+        shard = send.size // self.group.size
+        if self.mode == "native":
+            received = np.empty(shard, send.dtype)
+            return Pending(self.group.ireduce_scatter(send, received), received)
+        if self.mode == "float32":
+            received = np.empty(shard, np.float32)
+            return Pending(self.group.ireduce_scatter(send.astype(np.float32), received), received)
+        return Pending(result=self._sum_own_block(send.astype(BFLOAT16)))
+
+    def _sum_own_block(self, wire) -> np.ndarray:
+        """all_to_all of the bf16 blocks, then the fp32 sum of the N copies of this rank's block, in rank order."""
+        n = self.group.size
+        blocks = np.empty_like(wire)
+        self.group.all_to_all(wire_view(wire), wire_view(blocks))
+        return blocks.reshape(n, -1).astype(np.float32).sum(axis=0)
