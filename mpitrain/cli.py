@@ -294,13 +294,12 @@ def memory(config, overrides, world_size):
 @_user_errors
 def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, instructions):
     """Simulate a pipeline schedule: timeline, bubble (theoretical and simulated), peak activations per rank."""
-    from mpitrain.parallel.schedule import (
+    from mpitrain.parallel.schedule import make_schedule, theoretical_bubble
+    from mpitrain.parallel.schedule_analysis import (
         bubble_fraction,
         format_schedule,
-        make_schedule,
         peak_activations,
         simulate,
-        theoretical_bubble,
         validate,
     )
     from mpitrain.profile.timeline import render_png, render_text

@@ -22,13 +22,8 @@ from mpitrain.config import load_config, resolve_layout
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
 from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
-from mpitrain.parallel.schedule import (
-    ScheduleError,
-    bubble_fraction,
-    format_schedule,
-    make_schedule,
-    theoretical_bubble,
-)
+from mpitrain.parallel.schedule import ScheduleError, make_schedule, theoretical_bubble
+from mpitrain.parallel.schedule_analysis import bubble_fraction, format_schedule
 from mpitrain.profile.timeline import recorded_program, replay
 from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
@@ -139,7 +134,8 @@ MEMORY_JOB = """
 import json
 from mpi4py import MPI
 from mpitrain.config import load_config
-from mpitrain.parallel.schedule import make_schedule, peak_activations
+from mpitrain.parallel.schedule import make_schedule
+from mpitrain.parallel.schedule_analysis import peak_activations
 from mpitrain.train import Trainer
 
 world = MPI.COMM_WORLD

@@ -15,18 +15,14 @@ from mpitrain.parallel.schedule import (
     Instruction,
     ScheduleArgumentError,
     ScheduleError,
-    bubble_fraction,
-    format_schedule,
     gpipe,
     interleaved,
     make_schedule,
     one_f_one_b,
-    peak_activations,
-    simulate,
     theoretical_bubble,
-    validate,
     zb1p,
 )
+from mpitrain.parallel.schedule_analysis import bubble_fraction, format_schedule, peak_activations, simulate, validate
 from mpitrain.profile.timeline import Timeline, merge_events, render_png, render_text
 
 

@@ -1,4 +1,5 @@
-"""Pipeline schedules as pure functions: per-rank instruction lists, their validation, and a timing simulator.
+"""Pipeline schedules as pure functions: per-rank instruction lists and their textbook bubble. Validation, the timing
+simulator and the other measures of a schedule are in parallel/schedule_analysis.py.
 
 A schedule for p pipeline ranks and m micro-batches is `list[list[Instruction]]`: for each pipeline rank, the
 instructions it executes in order (DeepSpeed's idea: a schedule can be printed and tested with no communication; an
@@ -23,7 +24,7 @@ What an executor does with each instruction (stage s = chunk*p + rank, last = v*
                                        embedding gradients of the first and last stage)
     optimizer_step                     the update
 
-Communication contract (what `validate` proves, so that an executor may rely on it):
+Communication contract (what schedule_analysis.validate proves, so that an executor may rely on it):
   * sends are non-blocking (`Isend`): the executor keeps each send buffer alive until its request completes and
     waits for all of them before `reduce_grads`; a receive blocks until its data is there. Under these semantics every
     schedule here completes on every rank (no deadlock), whatever the timing.
@@ -42,7 +43,6 @@ Schedules ("kind"):
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -265,207 +265,6 @@ def _check_args(kind: str, p: int, m: int, v: int) -> None:
             f"use a multiple of {p}, e.g. {m + (-m) % p}")
 
 
-# ------------------------------------------------------------------------------------------------ validation
-
-def _stage(rank: int, chunk: int, p: int) -> int:
-    return chunk * p + rank
-
-
-def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
-    """Raise ScheduleError unless `schedule` is a correct pipeline program for p ranks, m micro-batches, v chunks:
-
-    1. each rank ends with reduce_grads then optimizer_step, and every instruction names a valid micro-batch, chunk
-       and peer (the neighbouring stage's rank);
-    2. on every virtual stage every micro-batch is forwarded once and backwarded once (a full backward, or one
-       backward_input and one backward_weight), forward before backward before weight gradient;
-    3. a stage receives its input before its forward and its output gradient before its backward, and sends the
-       forward's output (the backward's input gradient) after computing it, exactly when a neighbouring stage needs
-       it;
-    4. per (sender, receiver, direction) the sends and receives carry the same micro-batches in the same order;
-    5. run with blocking receives and buffered sends, every rank gets to its end (no deadlock).
-    """
-    if len(schedule) != p:
-        raise ScheduleError(f"schedule has {len(schedule)} ranks, expected p = {p}")
-    for rank, program in enumerate(schedule):
-        _check_rank(rank, program, p, m, v)
-    _check_channels(schedule, p)
-    _, stuck = _execute(schedule, _zero_durations, t_comm=0.0)
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(f"rank {rank} waits at step {pc} {schedule[rank][pc]}"
-                                                      for rank, pc in stuck))
-
-
-def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int) -> None:
-    where = f"rank {rank}"
-    last = v * p - 1
-    if [ins.op for ins in program[-2:]] != list(STEP_OPS) or \
-            sum(ins.op in STEP_OPS for ins in program) != 2:
-        raise ScheduleError(f"{where}: must end with reduce_grads, optimizer_step (once each)")
-    expected_peer = {"recv_forward": (rank - 1) % p, "send_backward": (rank - 1) % p,
-                     "send_forward": (rank + 1) % p, "recv_backward": (rank + 1) % p}
-    positions: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    for index, ins in enumerate(program[:-2]):
-        if not isinstance(ins.micro, int) or not 0 <= ins.micro < m:
-            raise ScheduleError(f"{where} step {index}: {ins} has micro-batch {ins.micro!r} outside 0..{m - 1}")
-        if not isinstance(ins.chunk, int) or not 0 <= ins.chunk < v:
-            raise ScheduleError(f"{where} step {index}: {ins} has chunk {ins.chunk!r} outside 0..{v - 1}")
-        if ins.op in COMM_OPS and ins.peer != expected_peer[ins.op]:
-            raise ScheduleError(f"{where} step {index}: {ins} should name peer rank {expected_peer[ins.op]}")
-        if ins.op in COMPUTE_OPS and ins.peer is not None:
-            raise ScheduleError(f"{where} step {index}: {ins} is a computation and names a peer")
-        positions[ins.op, ins.micro, ins.chunk].append(index)
-
-    def count(op: str, micro: int, chunk: int, expected: int, why: str) -> None:
-        found = len(positions.get((op, micro, chunk), ()))
-        if found != expected:
-            raise ScheduleError(f"{where}: virtual stage {_stage(rank, chunk, p)} has {found} {op}(micro={micro}, "
-                                f"chunk={chunk}), expected {expected} ({why})")
-
-    def first(op: str, micro: int, chunk: int) -> int:
-        return positions[op, micro, chunk][0]
-
-    def before(op_a: str, op_b: str, micro: int, chunk: int) -> None:
-        if first(op_a, micro, chunk) > first(op_b, micro, chunk):
-            raise ScheduleError(f"{where}: {op_b}(micro={micro}, chunk={chunk}) at step {first(op_b, micro, chunk)} "
-                                f"comes before its {op_a} at step {first(op_a, micro, chunk)}")
-
-    # counts first: every micro-batch forwarded and backwarded once on each of this rank's virtual stages
-    for chunk in range(v):
-        stage = _stage(rank, chunk, p)
-        for micro in range(m):
-            count("forward", micro, chunk, 1, "each micro-batch is forwarded once per stage")
-            split = (("backward_input", micro, chunk) in positions or ("backward_weight", micro, chunk) in positions)
-            if split:
-                count("backward", micro, chunk, 0, "a split backward has no full backward")
-                count("backward_input", micro, chunk, 1, "B once")
-                count("backward_weight", micro, chunk, 1, "W once")
-            else:
-                count("backward", micro, chunk, 1, "each micro-batch is backwarded once per stage")
-            count("recv_forward", micro, chunk, int(stage > 0), "every stage but the first receives its input")
-            count("send_forward", micro, chunk, int(stage < last), "every stage but the last sends its output")
-            count("recv_backward", micro, chunk, int(stage < last), "every stage but the last receives dy")
-            count("send_backward", micro, chunk, int(stage > 0), "every stage but the first sends dx")
-    # then the order of each micro-batch's instructions on this rank
-    for chunk in range(v):
-        stage = _stage(rank, chunk, p)
-        for micro in range(m):
-            gradient = "backward_input" if ("backward_input", micro, chunk) in positions else "backward"
-            before("forward", gradient, micro, chunk)
-            if gradient == "backward_input":
-                before("backward_input", "backward_weight", micro, chunk)
-            if stage > 0:
-                before("recv_forward", "forward", micro, chunk)
-                before(gradient, "send_backward", micro, chunk)
-            if stage < last:
-                before("forward", "send_forward", micro, chunk)
-                before("recv_backward", gradient, micro, chunk)
-
-
-def _channel(rank: int, ins: Instruction, p: int) -> tuple[tuple[int, int, str], tuple[int, int]]:
-    """(sender, receiver, direction) of a send or receive, and what the message is: (micro, receiving stage)."""
-    stage = _stage(rank, ins.chunk, p)
-    if ins.op == "send_forward":
-        return (rank, ins.peer, "forward"), (ins.micro, stage + 1)
-    if ins.op == "recv_forward":
-        return (ins.peer, rank, "forward"), (ins.micro, stage)
-    if ins.op == "send_backward":
-        return (rank, ins.peer, "backward"), (ins.micro, stage - 1)
-    return (ins.peer, rank, "backward"), (ins.micro, stage)  # recv_backward
-
-
-def _check_channels(schedule: Schedule, p: int) -> None:
-    sent: dict[tuple, list] = defaultdict(list)
-    received: dict[tuple, list] = defaultdict(list)
-    for rank, program in enumerate(schedule):
-        for ins in program:
-            if ins.op in COMM_OPS:
-                channel, message = _channel(rank, ins, p)
-                (sent if ins.op.startswith("send") else received)[channel].append(message)
-    for channel in sorted(set(sent) | set(received)):
-        sends, recvs = sent.get(channel, []), received.get(channel, [])
-        src, dst, direction = channel
-        name = f"{direction} messages from rank {src} to rank {dst}"
-        if len(sends) != len(recvs):
-            raise ScheduleError(f"{name}: {len(sends)} sends but {len(recvs)} receives")
-        for k, (message, expected) in enumerate(zip(sends, recvs, strict=True)):
-            if message != expected:
-                raise ScheduleError(
-                    f"{name} are out of order: send #{k} carries micro-batch {message[0]} for stage {message[1]}, "
-                    f"receive #{k} expects micro-batch {expected[0]} for stage {expected[1]}")
-
-
-# ------------------------------------------------------------------------------------------------ execution
-
-def _zero_durations(ins: Instruction) -> float:
-    return 0.0
-
-
-def _execute(schedule: Schedule, duration, t_comm: float) -> tuple[PerRankEvents, list[tuple[int, int]]]:
-    """Run all ranks with buffered sends and blocking receives. Returns the timeline and, for ranks that could not
-    finish, (rank, index of the receive they wait at). Compute takes duration(instruction); a message arrives t_comm
-    after its send. The times do not depend on the order ranks are visited in, only on the dependencies."""
-    p = len(schedule)
-    clock = [0.0] * p
-    pc = [0] * p
-    timeline: PerRankEvents = [[] for _ in range(p)]
-    mailbox: dict[tuple, deque] = defaultdict(deque)  # channel -> (message, arrival time), FIFO
-    progress = True
-    while progress:
-        progress = False
-        for rank, program in enumerate(schedule):
-            while pc[rank] < len(program):
-                ins = program[pc[rank]]
-                start = clock[rank]
-                if ins.op in ("send_forward", "send_backward"):
-                    channel, message = _channel(rank, ins, p)
-                    mailbox[channel].append((message, start + t_comm))
-                    end = start
-                elif ins.op in ("recv_forward", "recv_backward"):
-                    channel, expected = _channel(rank, ins, p)
-                    if not mailbox[channel]:
-                        break  # blocked: the matching send has not been issued yet
-                    message, arrival = mailbox[channel].popleft()
-                    if message != expected:
-                        raise ScheduleError(f"rank {rank}: {ins} received micro-batch {message[0]} for stage "
-                                            f"{message[1]} (messages out of order)")
-                    end = max(start, arrival)
-                else:
-                    end = start + duration(ins)
-                timeline[rank].append(Event(start, end, ins))
-                clock[rank] = end
-                pc[rank] += 1
-                progress = True
-    stuck = [(rank, pc[rank]) for rank in range(p) if pc[rank] < len(schedule[rank])]
-    return timeline, stuck
-
-
-def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0, t_backward_input: float = 1.0,
-             t_backward_weight: float = 1.0, t_comm: float = 0.0) -> PerRankEvents:
-    """Per rank, the list of Event(start, end, instruction) when each instruction runs as soon as its rank is free
-    and its input has arrived. Sends, reduce_grads and optimizer_step take no time; a receive lasts from when its
-    rank reaches it to when the message arrives (t_comm after the send), i.e. it is the time spent waiting on a peer."""
-    durations = {"forward": t_forward, "backward": t_backward, "backward_input": t_backward_input,
-                 "backward_weight": t_backward_weight}
-    timeline, stuck = _execute(schedule, lambda ins: durations.get(ins.op, 0.0), t_comm)
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(f"rank {rank} waits at step {pc} {schedule[rank][pc]}"
-                                                      for rank, pc in stuck))
-    return timeline
-
-
-def bubble_fraction(timeline: PerRankEvents) -> float:
-    """Idle time / (ranks x makespan), counting only compute (forward, backward, backward_input, backward_weight)
-    as busy; the makespan runs from the first compute start to the last compute end over all ranks."""
-    compute = [event for events in timeline for event in events if event.instruction.op in COMPUTE_OPS]
-    if not compute:
-        return 0.0
-    makespan = max(e.end for e in compute) - min(e.start for e in compute)
-    if makespan <= 0:
-        return 0.0
-    busy = sum(e.end - e.start for e in compute)
-    return 1.0 - busy / (len(timeline) * makespan)
-
-
 def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble fraction with t_backward = 2 t_forward (zb1p: F = B = W, so B + W = 2 F as well):
 
@@ -487,28 +286,3 @@ def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
         makespan = max(3 * m + p - 1, 2 * (m + p) - 1)
         return (makespan - 3 * m) / makespan
     return (p - 1) / (m + p - 1)
-
-
-def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most (micro-batch, chunk) pairs whose forward is done and whose backward (B for zb1p) is not:
-    the activations the rank holds at its worst moment. GPipe: m; 1F1B and zb1p: p - rank. For interleaved, each
-    pair holds one chunk's activations, 1/v of what a micro-batch holds on a non-interleaved stage."""
-    peaks = []
-    for program in schedule:
-        in_flight = peak = 0
-        for ins in program:
-            if ins.op == "forward":
-                in_flight += 1
-                peak = max(peak, in_flight)
-            elif ins.op in ("backward", "backward_input"):
-                in_flight -= 1
-        peaks.append(peak)
-    return peaks
-
-
-def format_schedule(schedule: Schedule) -> str:
-    """The instruction lists, one rank per block: what each rank will execute, in order."""
-    blocks = []
-    for rank, program in enumerate(schedule):
-        blocks.append(f"rank {rank}:\n" + "\n".join(f"  {index:>4}  {ins}" for index, ins in enumerate(program)))
-    return "\n".join(blocks)

@@ -63,7 +63,8 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
     per_micro_batch, shared = rank_model(cfg).saved_bytes(b, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]))
     if p.pp == 1:
         return per_micro_batch + shared
-    from mpitrain.parallel.schedule import make_schedule, peak_activations
+    from mpitrain.parallel.schedule import make_schedule
+    from mpitrain.parallel.schedule_analysis import peak_activations
     micro_batches = cfg.train.global_batch // (p.dp * b)
     in_flight = peak_activations(make_schedule(p.schedule, p.pp, micro_batches, p.virtual_stages))[0]
     return int(per_micro_batch * in_flight / p.virtual_stages + shared)

@@ -30,16 +30,8 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from mpitrain.errors import MpitrainError
-from mpitrain.parallel.schedule import (
-    COMPUTE_OPS,
-    OPS,
-    Event,
-    Instruction,
-    PerRankEvents,
-    Schedule,
-    bubble_fraction,
-    simulate,
-)
+from mpitrain.parallel.schedule import COMPUTE_OPS, OPS, Event, Instruction, PerRankEvents, Schedule
+from mpitrain.parallel.schedule_analysis import bubble_fraction, simulate
 
 __all__ = ["Timeline", "bubble_fraction", "merge_events", "recorded_program", "render_png", "render_text", "replay"]
 
