@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from mpitrain.backend import array_module
+from mpitrain.state.offload import OnDevice, resident_nbytes
 
 
 @dataclass
@@ -28,9 +29,12 @@ class AdamWHyper:
 
 
 class AdamW:
-    def __init__(self, segments: list[Segment], hyper: AdamWHyper, state_dtype=None):
+    def __init__(self, segments: list[Segment], hyper: AdamWHyper, state_dtype=None, placement=None):
+        """placement: where the moments live and how a step reaches them (mpitrain/state/offload.py; None: the
+        device, whole segments)."""
         xp = array_module(segments[0].params)
         self.segments, self.hyper = segments, hyper
+        self.placement = placement or OnDevice(xp)
         self.bounds = []
         total = 0
         for segment in segments:
@@ -38,19 +42,19 @@ class AdamW:
             total += segment.params.size
         # Moments in the master weights' dtype: float32 (float64 in parity runs), never lower.
         dtype = state_dtype or segments[0].params.dtype
-        self.exp_avg = xp.zeros(total, dtype=dtype)
-        self.exp_avg_sq = xp.zeros(total, dtype=dtype)
+        self.exp_avg = self.placement.zeros("exp_avg", total, dtype)
+        self.exp_avg_sq = self.placement.zeros("exp_avg_sq", total, dtype)
         self.steps_taken = 0
 
     def state_nbytes(self) -> int:
-        return int(self.exp_avg.nbytes + self.exp_avg_sq.nbytes)
+        return resident_nbytes(self.exp_avg) + resident_nbytes(self.exp_avg_sq)  # offloaded moments: 0
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update of every segment's parameters in place from its gradients (already averaged) times grad_scale
         (the clipping factor, divided by the loss scale under fp16). The gradients themselves are left unchanged."""
         self.steps_taken += 1
-        for segment, (start, end) in zip(self.segments, self.bounds):
-            self._update(segment, self.exp_avg[start:end], self.exp_avg_sq[start:end], lr, grad_scale)
+        for segment, m, v in self.placement.stream(self.segments, self.bounds, [self.exp_avg, self.exp_avg_sq]):
+            self._update(segment, m, v, lr, grad_scale)  # elementwise: a chunk's update is the segment's
 
     def _update(self, segment: Segment, m, v, lr: float, grad_scale: float) -> None:
         h, xp, t = self.hyper, array_module(segment.params), self.steps_taken

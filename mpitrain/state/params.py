@@ -102,9 +102,10 @@ class FlatBuffer:
         return cls(layouts, None, np.cumsum([0] + [padded(u.size, align) for u in layouts]).tolist())
 
     @classmethod
-    def allocate(cls, layouts: list[UnitLayout], xp, dtype, align: int = 1) -> FlatBuffer:
+    def allocate(cls, layouts: list[UnitLayout], xp, dtype, align: int = 1, zeros=None) -> FlatBuffer:
+        """zeros(size, dtype): where the array lives (default xp.zeros; offloaded masters: state/offload.py)."""
         buf = cls.geometry(layouts, align)
-        buf.data = xp.zeros(buf.offsets[-1], dtype=dtype)
+        buf.data = zeros(buf.offsets[-1], dtype) if zeros else xp.zeros(buf.offsets[-1], dtype=dtype)
         buf.views = [buf._unit_views(i) for i in range(len(layouts))]
         return buf
 

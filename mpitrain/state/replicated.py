@@ -12,7 +12,10 @@ the remaining layers compute. `finish()` waits for the rest before the optimizer
 """
 from __future__ import annotations
 
+from functools import partial
+
 from mpitrain.optim.adamw import Segment
+from mpitrain.state.offload import resident_nbytes
 from mpitrain.state.params import FlatBuffer, initial_unit_flat
 from mpitrain.state.reduce import GradReducer
 from mpitrain.state.strategy import StateStrategy, norm_ranges, squared_sum
@@ -44,11 +47,14 @@ class ReplicatedState(StateStrategy):
     sharded = False
 
     def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
-                 overlap: bool = True, grad_reduce: str = "float32"):
-        """seed None: parameters left at zero, for the caller to fill (generation from a checkpoint)."""
+                 overlap: bool = True, grad_reduce: str = "float32", placement=None):
+        """seed None: parameters left at zero, for the caller to fill (generation from a checkpoint).
+        placement: where a separate master copy lives (mpitrain/state/offload.py; None: the device)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
-        self.master = FlatBuffer.allocate(layouts, xp, backend.optimizer_dtype)
+        off_device = placement is not None and backend.mixed  # parameters that are their own master stay
+        self.master = FlatBuffer.allocate(layouts, xp, backend.optimizer_dtype,
+                                          zeros=partial(placement.zeros, "master") if off_device else None)
         if seed is not None:
             initialise(self.master, seed, backend)
         self.params = self.master  # one copy when the compute dtype is the optimizer's
@@ -128,5 +134,5 @@ class ReplicatedState(StateStrategy):
         self.after_step()
 
     def memory(self) -> dict:
-        master = 0 if self.params is self.master else int(self.master.data.nbytes)
+        master = 0 if self.params is self.master else resident_nbytes(self.master.data)  # offloaded: 0
         return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes), "master": master}

@@ -25,6 +25,7 @@ import numpy as np
 
 from mpitrain.backend import wire_view
 from mpitrain.optim.adamw import Segment
+from mpitrain.state.offload import OnDevice, resident_nbytes
 from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
 from mpitrain.state.strategy import StateStrategy, add_up, norm_ranges, squared_sum
@@ -186,7 +187,8 @@ class ZeroState(StateStrategy):
     sharded = True
 
     def __init__(self, layouts, backend, seed: int, group, stage: int, overlap: bool = True,
-                 reshard_after_forward: bool = True, grad_reduce: str = "float32"):
+                 reshard_after_forward: bool = True, grad_reduce: str = "float32", placement=None):
+        """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device)."""
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.layouts, self.backend, self.group, self.stage = layouts, backend, group, stage
@@ -201,7 +203,8 @@ class ZeroState(StateStrategy):
         self.params, self.grads = params_kind(self), grads_kind(self)
         self.master = None  # None: the parameters' own shard is the master (float32/float64 compute)
         if backend.mixed:
-            self.master = backend.xp.zeros(self.shard_offsets[-1], dtype=backend.optimizer_dtype)
+            placement = placement or OnDevice(backend.xp)
+            self.master = placement.zeros("master", self.shard_offsets[-1], backend.optimizer_dtype)
         for unit, (layout, size) in enumerate(zip(layouts, self.shard_sizes)):
             # in the optimizer's dtype, rounded from there to the compute dtype (as after every step)
             full = backend.from_host(initial_unit_flat(layout, seed, size * n), backend.optimizer_dtype)
@@ -299,5 +302,5 @@ class ZeroState(StateStrategy):
 
     def memory(self) -> dict:
         """Bytes of the arrays this state keeps between steps (transient gathers and unit gradients excluded)."""
-        master = 0 if self.master is None else int(self.master.nbytes)
+        master = resident_nbytes(self.master)  # None (the params are the master) or offloaded: 0
         return {"params": self.params.nbytes, "grads": self.grads.nbytes, "master": master}

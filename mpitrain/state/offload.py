@@ -1,0 +1,140 @@
+"""Offloading the optimizer-side state (`memory.offload`): master weights and moments live off the device.
+
+A `Placement` decides where the arrays the optimizer owns are allocated (the fp32 master weights, when the compute
+dtype is lower, and the moments) and hands them to the optimizer in pieces it can update:
+
+    OnDevice   the default: ordinary device arrays, each segment updated whole (`memory.offload = none`, and
+               `host` on CPU, where host memory is the device memory)
+    Offloaded  arrays from an off-device allocator, streamed through the device in chunks; the next chunk's read runs
+               in a reader thread while the current chunk is updated (numpy releases the GIL while it copies).
+               `disk`: memory-mapped .npy files, one set per rank, in `memory.offload_dir` (default RUN_DIR/offload).
+               GPU `host` (a later issue) is the same class with the backend's pinned allocator and a device copy.
+
+The optimizer's update is elementwise, so a chunk's update is bitwise the whole segment's: offloading changes where
+the bytes live, never the numbers (tests/test_offload.py). Checkpoints read and write the state through the same
+arrays (a memory-mapped file reads like an array), so saving and restoring need nothing from here.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.errors import ConfigError
+from mpitrain.state.params import intersect
+
+KINDS = ("none", "host", "disk")
+
+
+def resident_nbytes(array) -> int:
+    """Bytes an array holds in the process's own memory: a memory-mapped file's pages belong to the file."""
+    return 0 if array is None or isinstance(array, np.memmap) else int(array.nbytes)
+
+
+class OnDevice:
+    """Master weights and moments are ordinary device arrays; the optimizer updates each segment in one go."""
+
+    kind = "none"
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def zeros(self, name: str, size: int, dtype):
+        return self.xp.zeros(size, dtype=dtype)
+
+    def stream(self, segments, bounds, moments):
+        """(segment, its slice of each moment array) for every segment; updated in place."""
+        for segment, (start, end) in zip(segments, bounds):
+            yield (segment, *[m[start:end] for m in moments])
+
+    def describe(self) -> str:
+        return "master weights and moments on the device"
+
+
+class Offloaded(OnDevice):
+    """Arrays from `allocate(name, size, dtype)` that live off the device (memory-mapped files on CPU), streamed
+    through resident buffers of at most `chunk_elements` per array, two chunks at a time (one read ahead)."""
+
+    def __init__(self, kind: str, allocate, where: str, chunk_elements: int, to_device=np.array):
+        self.kind, self.allocate, self.where = kind, allocate, where
+        self.chunk_elements = max(1, int(chunk_elements))
+        self.to_device = to_device  # copy of an off-device slice into compute memory (GPU later: cupy.asarray)
+        self.moved_nbytes = 0  # bytes of the arrays allocated off the device
+
+    def zeros(self, name: str, size: int, dtype):
+        array = self.allocate(name, size, dtype)
+        self.moved_nbytes += int(array.nbytes)
+        return array
+
+    def stream(self, segments, bounds, moments):
+        """Chunks of every segment: (a Segment over resident copies, the moments' resident chunks); after the caller
+        updated them, the copies of off-device arrays are written back. Device arrays (the parameters when they are
+        their own master) are handed out as views and updated in place."""
+        from mpitrain.optim.adamw import Segment
+        tasks = [(i, a, min(a + self.chunk_elements, end - start))
+                 for i, (start, end) in enumerate(bounds) for a in range(0, end - start, self.chunk_elements)]
+
+        def sources(task):
+            i, a, b = task
+            offset = bounds[i][0]
+            return [segments[i].params[a:b]] + [m[offset + a:offset + b] for m in moments]
+
+        def read(task):
+            return [self.to_device(s) if isinstance(s, np.memmap) else s for s in sources(task)]
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-reader") as reader:
+            ahead = reader.submit(read, tasks[0]) if tasks else None
+            for k, task in enumerate(tasks):
+                chunks = ahead.result()
+                if k + 1 < len(tasks):
+                    ahead = reader.submit(read, tasks[k + 1])  # overlaps the update below
+                i, a, b = task
+                segment = segments[i]
+                yield (Segment(chunks[0], segment.grads[a:b], intersect(segment.decay_ranges, a, b)), *chunks[1:])
+                for target, chunk in zip(sources(task), chunks):
+                    if target is not chunk:
+                        target[...] = chunk
+
+    def describe(self) -> str:
+        return f"master weights and moments ({self.moved_nbytes:,} bytes) in {self.where}"
+
+
+def memmap_allocator(directory: Path, rank: int):
+    """allocate(name, size, dtype): a zero-filled .npy file `rank_NNNNN_<name>.npy`, memory-mapped read-write (a new
+    run's or restart's files start from zeros: their contents come from initialisation or a checkpoint)."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def allocate(name: str, size: int, dtype):
+        path = directory / f"rank_{rank:05d}_{name}.npy"
+        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(size,))
+    return allocate
+
+
+def make_placement(memory_cfg, optimizer_name: str, backend, rank: int, run_dir: Path | None, say=None):
+    """The placement `memory.offload` asks for, checked: one line naming the key on bad input."""
+    kind = memory_cfg.offload
+    if kind == "none" or (kind == "host" and backend.device == "cpu"):
+        if kind == "host" and say is not None:
+            say("memory.offload = host on CPU: host memory is the device memory, nothing moves (use disk)")
+        return OnDevice(backend.xp)
+    if kind == "host":
+        raise ConfigError("memory.offload = host on a GPU needs pinned host memory, which is not built yet "
+                          "(use none or disk)")
+    if backend.device != "cpu":
+        raise ConfigError("memory.offload = disk is built for train.device = cpu only")
+    if optimizer_name != "adamw":
+        raise ConfigError(f"memory.offload = disk streams elementwise optimizer state; optim.name = "
+                          f"{optimizer_name} is not supported with it (use adamw)")
+    if memory_cfg.offload_dir:
+        directory = Path(memory_cfg.offload_dir)
+    elif run_dir is not None:
+        directory = Path(run_dir) / "offload"
+    else:
+        raise ConfigError("memory.offload = disk needs memory.offload_dir (this run has no run directory)")
+    try:
+        allocate = memmap_allocator(directory, rank)
+    except OSError as exc:
+        raise ConfigError(f"memory.offload_dir = {directory}: cannot create it on rank {rank} ({exc})") from None
+    chunk = int(memory_cfg.offload_chunk_mb * 2**20) // np.dtype(backend.optimizer_dtype).itemsize
+    return Offloaded("disk", allocate, str(directory), chunk)
