@@ -37,8 +37,7 @@ from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
-from mpitrain.resilience.inject import strike_hang
-from mpitrain.resilience.restart import strike_kill
+from mpitrain.resilience.inject import strike_hang, strike_kill
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 from mpitrain.state.frozen import WithFrozen, split_frozen

@@ -56,15 +56,12 @@ class BadStepGuard:
         self.skipped_steps = 0  # totals over the run (kept across rollbacks and resumes)
         self.rollbacks = 0
         self.data_offset = 0  # batch index = step + data_offset (batches skipped by rollbacks)
-        self._struck: set = set()  # injected faults strike once: a rolled-back run passing step S again is spared
         self._rollback_target = (None, 0)  # (checkpoint, rollbacks to it in a row)
 
     def strikes(self, kind: str, done: int) -> bool:
-        """Does an injected fault of `kind` (MPITRAIN_FAULT) strike this rank at step `done`, for the first time?"""
-        if (kind, done) in self._struck or not self.faults.due(kind, done):
-            return False
-        self._struck.add((kind, done))
-        return True
+        """Does an injected fault of `kind` (MPITRAIN_FAULT) strike this rank at step `done`? Once only: the plan
+        uses a fault up when it strikes, so a rolled-back run passing step `done` again is spared."""
+        return bool(self.faults) and self.faults.due(kind, done) is not None
 
     def inject(self, done: int, segments) -> None:
         """MPITRAIN_FAULT=nan:rank=R:step=S: this rank's gradients become NaN after backward, before the norm."""

@@ -3,8 +3,8 @@ checkpoint, and says what each failure cost.
 
 A job that ends with status 0 is done; 75 means "stopped on request, saved" (SIGUSR1/SIGTERM): never restarted here,
 the one who asked continues it. Any other status is a failure: the next attempt runs the same command with
-`--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its number, so that
-injected faults (MPITRAIN_FAULT) strike once per run (recorded in RUN_DIR/injected_faults.jsonl).
+`--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its number (for the
+job's own logs; injected faults need no attempt number: each strikes once per run, resilience/faults.py).
 
 Time lost by a restart = the wall time from the save of the checkpoint it resumes from (the index's "created") to
 the start of its first step (the first metrics.jsonl row it writes: "time" at the row's end minus "step_time_s").
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -24,23 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitrain.resilience.faults import Fault
-
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
 POLL_SECONDS = 0.25
-
-
-def strike_kill(faults, rank: int, step: int) -> None:
-    """The `kill` fault (MPITRAIN_FAULT=kill:rank=R:step=N): SIGKILL this rank at the start of step N, as a crashed
-    machine would; one line first, so that the job's output names it."""
-    fault: Fault | None = faults.due("kill", step) if faults else None
-    if fault is None:
-        return
-    sys.stdout.flush()
-    sys.stderr.write(f"fault injection: rank {rank} kills itself (SIGKILL) at the start of step {step} "
-                     f"(MPITRAIN_FAULT)\n")
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- what is on disk
