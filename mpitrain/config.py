@@ -90,6 +90,8 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    name: str = "adamw"  # adamw | adafactor | adam8bit | sgd (mpitrain/optim/factory.py)
+    momentum: float = 0.9  # sgd only
 
 
 @dataclass
@@ -296,6 +298,9 @@ def validate(cfg: Config) -> None:
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
+    _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
+             f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")
+    _require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
     _require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,

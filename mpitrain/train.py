@@ -26,7 +26,8 @@ from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
 from mpitrain.model.gpt import GPT
-from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
+from mpitrain.optim.adamw import clip_scale
+from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
@@ -96,8 +97,7 @@ class Trainer:
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
                          stages=stages)
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
-        o = cfg.optim
-        self.optimizer = AdamW(self.state.optimizer_segments(), AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        self.optimizer = make_optimizer(cfg.optim, self.state)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)

@@ -74,7 +74,7 @@ class CheckpointManager:
             held += held_pieces("param", layout["frozen"], [(0, layout["frozen"].size, layout["frozen"].data, 0)],
                                 True, dp, tp, load_only)
         optimizer = trainer.optimizer
-        for kind, moments in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+        for kind, moments in optimizer.checkpoint_arrays().items():  # element-wise, e.g. exp_avg, exp_avg_sq
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout["segment_windows"],
                                                                               optimizer.bounds)]
             held += held_pieces(kind, layout["geometry"], windows, layout["moments_dp_replicated"], dp, tp, load_only)
@@ -228,6 +228,7 @@ class CheckpointManager:
         self._check_tensors(checkpoint, held)
         checkpoint.load_into(held)
         self.trainer.state.after_restore()
+        self.trainer.optimizer.after_restore()  # e.g. 8-bit Adam's block scales from the loaded element-wise ones
         self.trainer.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
         step = int(checkpoint.index["train_state"]["next_step"])
         self.trainer.load_extra_state(checkpoint.index.get("extra_state", {}))

@@ -68,7 +68,7 @@ def replicated_arrays(state, optimizer) -> list:
     layout = state.checkpoint_layout()
     arrays = [window[2] for window in layout["param_windows"]] if layout["params_dp_replicated"] else []
     if layout["moments_dp_replicated"]:
-        arrays += [optimizer.exp_avg, optimizer.exp_avg_sq]
+        arrays += optimizer.state_arrays()
     return arrays
 
 

@@ -1,0 +1,132 @@
+"""Adafactor (Shazeer & Stern 2018) without a first moment and with relative step sizes off: the learning rate is
+our schedule's, the update is clipped to RMS <= clip_threshold, weight decay is decoupled as in our AdamW.
+
+    beta2_t = 1 - t^decay_rate;  u = g^2 + eps1
+    matrix (rows x cols):  r <- beta2_t r + (1 - beta2_t) mean_cols(u);  c <- beta2_t c + (1 - beta2_t) mean_rows(u)
+                           update = g / sqrt(outer(r, c) / mean(r))
+    anything else:         v <- beta2_t v + (1 - beta2_t) u;  update = g / sqrt(v)
+    p <- p (1 - lr wd) - lr update
+
+The paper's update clipping (update /= max(1, rms(update) / d)) is off by default (clip_threshold = 0): our global
+gradient-norm clip already bounds the step, and a per-tensor rms needs whole tensors, which ZeRO shards do not hold.
+With clip_threshold > 0 the rms is taken per segment (layout-dependent: a knob for experiments, not for parity).
+
+Factoring needs whole rows and columns. A matrix is factored where the segment holds the whole of it (every tensor
+under plain data parallelism; under tensor parallelism "the matrix" is this rank's block, so its statistics are of
+the block and the run differs from tp = 1); under ZeRO a tensor cut by a shard boundary falls back to the unfactored
+(element-wise) second moment: a small fraction of the parameters when units hold many tensors. `matrices` names the
+factored ones: per segment, (start, end, rows, cols) in segment coordinates (see factory.segment_matrices).
+
+Checkpoints hold three element-wise kinds: each element's row statistic, its column statistic, and its second
+moment (the factored estimate for factored matrices), so any layout can be restored; into the same layout, bitwise.
+"""
+from __future__ import annotations
+
+from mpitrain.backend import array_module
+from mpitrain.optim.common import decay, scaled_grad, segment_bounds
+
+
+class Adafactor:
+    def __init__(self, segments, matrices: list[list[tuple[int, int, int, int]]], weight_decay: float = 0.0,
+                 decay_rate: float = -0.8, eps1: float = 1e-30, clip_threshold: float = 0.0, state_dtype=None):
+        xp = array_module(segments[0].params)
+        self.xp, self.segments, self.matrices = xp, segments, matrices
+        self.weight_decay, self.decay_rate, self.eps1, self.clip_threshold = weight_decay, decay_rate, eps1, \
+            clip_threshold
+        self.dtype = state_dtype or segments[0].params.dtype
+        self.bounds = segment_bounds(segments)
+        # per segment: the element-wise v over what no factored matrix covers; rows/cols per matrix
+        self.unfactored = [complement([(a, b) for a, b, _, _ in mats], end - start)
+                           for mats, (start, end) in zip(matrices, self.bounds)]
+        self.v = xp.zeros(sum(b - a for ranges in self.unfactored for a, b in ranges), dtype=self.dtype)
+        self.rows = [[xp.zeros(r, dtype=self.dtype) for _, _, r, _ in mats] for mats in matrices]
+        self.cols = [[xp.zeros(c, dtype=self.dtype) for _, _, _, c in mats] for mats in matrices]
+        self.steps_taken = 0
+        self._checkpoint: dict = {}
+
+    def state_arrays(self) -> list:
+        return [self.v] + [a for group in self.rows + self.cols for a in group]
+
+    def state_nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.state_arrays()))
+
+    def _v_pieces(self):
+        """(segment index, start, end, view of v) for every unfactored range."""
+        position = 0
+        for index, ranges in enumerate(self.unfactored):
+            for a, b in ranges:
+                yield index, a, b, self.v[position:position + b - a]
+                position += b - a
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.steps_taken += 1
+        xp, beta2 = self.xp, 1.0 - self.steps_taken ** self.decay_rate
+        updates = [None] * len(self.segments)
+        for index, segment in enumerate(self.segments):
+            g = scaled_grad(segment, self.dtype, grad_scale)
+            update = xp.empty_like(g)
+            for (a, b, rows, cols), r, c in zip(self.matrices[index], self.rows[index], self.cols[index]):
+                gm = g[a:b].reshape(rows, cols)
+                u = gm * gm + self.eps1
+                r *= beta2
+                r += (1.0 - beta2) * u.mean(axis=1)
+                c *= beta2
+                c += (1.0 - beta2) * u.mean(axis=0)
+                update[a:b] = (gm / xp.sqrt(xp.outer(r / r.mean(), c))).ravel()
+            updates[index] = (g, update)
+        for index, a, b, v in self._v_pieces():
+            g, update = updates[index]
+            v *= beta2
+            v += (1.0 - beta2) * (g[a:b] * g[a:b] + self.eps1)
+            update[a:b] = g[a:b] / xp.sqrt(v)
+        for segment, (_, update) in zip(self.segments, updates):
+            if self.clip_threshold and update.size:
+                update /= max(1.0, float(xp.sqrt((update * update).mean())) / self.clip_threshold)
+            decay(segment, lr, self.weight_decay)
+            segment.params -= lr * update
+
+    # -- checkpoints
+    def checkpoint_arrays(self) -> dict:
+        xp, total = self.xp, self.bounds[-1][1]
+        row, col, v = (xp.zeros(total, dtype=self.dtype) for _ in range(3))
+        for index, (start, _) in enumerate(self.bounds):
+            for (a, b, rows, cols), r, c in zip(self.matrices[index], self.rows[index], self.cols[index]):
+                row[start + a:start + b] = xp.repeat(r, cols)
+                col[start + a:start + b] = xp.tile(c, rows)
+                mean = r.mean()
+                v[start + a:start + b] = (xp.outer(r / mean, c) if mean > 0 else xp.zeros((rows, cols))).ravel()
+        for index, a, b, piece in self._v_pieces():
+            start = self.bounds[index][0]
+            v[start + a:start + b] = piece
+        self._checkpoint = {"adafactor_row": row, "adafactor_col": col, "adafactor_v": v}
+        return self._checkpoint
+
+    def after_restore(self) -> None:
+        """Factored matrices take their statistics from the saved row/column values, or, where those are zero (the
+        checkpoint had this tensor unfactored), from the saved second moment's row and column means."""
+        saved = self._checkpoint
+        for index, (start, _) in enumerate(self.bounds):
+            for (a, b, rows, cols), r, c in zip(self.matrices[index], self.rows[index], self.cols[index]):
+                row = saved["adafactor_row"][start + a:start + b].reshape(rows, cols)
+                col = saved["adafactor_col"][start + a:start + b].reshape(rows, cols)
+                if bool((row != 0).any()):
+                    r[...], c[...] = row[:, 0], col[0, :]
+                else:
+                    v = saved["adafactor_v"][start + a:start + b].reshape(rows, cols)
+                    r[...], c[...] = v.mean(axis=1), v.mean(axis=0)
+        for index, a, b, piece in self._v_pieces():
+            start = self.bounds[index][0]
+            piece[...] = saved["adafactor_v"][start + a:start + b]
+        self._checkpoint = {}
+
+
+def complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of [0, size) outside the sorted, disjoint ranges."""
+    out, position = [], 0
+    for a, b in sorted(ranges):
+        if a > position:
+            out.append((position, a))
+        position = b
+    if position < size:
+        out.append((position, size))
+    return out

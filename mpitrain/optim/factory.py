@@ -1,0 +1,51 @@
+"""optim.name -> the optimizer over a state's segments (adamw | adafactor | adam8bit | sgd).
+
+Every optimizer runs over `state.optimizer_segments()`: one segment under plain data parallelism, one per unit shard
+under ZeRO, so each is sharded by ZeRO exactly as AdamW is.
+"""
+from __future__ import annotations
+
+from mpitrain.errors import ConfigError
+from mpitrain.optim.adafactor import Adafactor
+from mpitrain.optim.adam8bit import Adam8bit
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.optim.sgd import SGD
+
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
+
+
+def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
+    """Per optimizer segment, the 2-D tensors (this rank's block of them) that lie wholly inside it, as (start, end,
+    rows, cols) in segment coordinates; `layout` is state.checkpoint_layout() (its segment_windows follow the
+    segments' order)."""
+    geometry, out = layout["geometry"], []
+    for g0, g1 in layout["segment_windows"]:
+        found = []
+        for unit, unit_layout in enumerate(geometry.layouts):
+            offset = geometry.offsets[unit]
+            for spec in unit_layout.specs:
+                if len(spec.shape) == 2 and g0 <= offset and offset + spec.size <= g1:
+                    found.append((offset - g0, offset - g0 + spec.size, *spec.shape))
+                offset += spec.size
+        out.append(found)
+    return out
+
+
+def make_optimizer(optim_cfg, state, placement=None):
+    """placement: where AdamW's moments live (mpitrain/state/offload.py); the lean optimizers keep theirs on the
+    device (their state is small: offloading it is not supported)."""
+    o, segments = optim_cfg, state.optimizer_segments()
+    name = getattr(o, "name", "adamw")
+    if name == "adamw":
+        hyper = AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay)
+        return AdamW(segments, hyper) if placement is None else AdamW(segments, hyper, placement=placement)
+    if placement is not None and getattr(placement, "kind", "none") != "none":
+        raise ConfigError(f"memory.offload = {placement.kind!r} moves AdamW's moments only; optim.name = {name!r} "
+                          "keeps its small state on the device: set memory.offload = 'none'")
+    if name == "adam8bit":
+        return Adam8bit(segments, AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+    if name == "adafactor":
+        return Adafactor(segments, segment_matrices(state.checkpoint_layout()), weight_decay=o.weight_decay)
+    if name == "sgd":
+        return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay)
+    raise ValueError(f"optim.name = {name!r}: expected one of {', '.join(OPTIMIZERS)}")

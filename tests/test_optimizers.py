@@ -1,0 +1,322 @@
+"""The lean optimizers (optim.name = adafactor | adam8bit | sgd): against hand-written reference math in float64,
+their state's bytes per parameter, exact checkpoint round trips, and bitwise resume of a training run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpitrain.optim.adafactor import Adafactor
+from mpitrain.optim.adam8bit import BLOCK, Adam8bit, quantization_map
+from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+from mpitrain.optim.factory import segment_matrices
+from mpitrain.optim.sgd import SGD
+from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
+from tests.test_checkpoint import PREEMPTED, losses, small_epochs, train  # noqa: F401 (fixture)
+
+STEPS = 8
+LRS = [1e-2 * (1 + i % 3) for i in range(STEPS)]
+
+
+def _layout(rows=5, cols=7):
+    """Two matrices (decayed), a bias and a norm gain (not decayed)."""
+    return UnitLayout("u", [ParamSpec("b", (cols,), "zeros"), ParamSpec("w1", (rows, cols), "normal", 0.1),
+                            ParamSpec("g", (rows,), "ones"), ParamSpec("w2", (cols, 3), "normal", 0.1)])
+
+
+def _problem(layout, seed=0):
+    rng = np.random.default_rng(seed)
+    params = FlatBuffer.allocate([layout], np, np.float64)
+    grads = FlatBuffer.allocate([layout], np, np.float64)
+    params.data[:] = rng.normal(size=params.size)
+    gradients = [rng.normal(size=params.size) * (1 + rng.random()) for _ in range(STEPS)]
+    return params, grads, gradients
+
+
+def _tensors(layout):
+    """(start, end, shape, decayed) of every tensor in the flat buffer."""
+    out, offset = [], 0
+    for spec in layout.specs:
+        out.append((offset, offset + spec.size, spec.shape, spec.decay))
+        offset += spec.size
+    return out
+
+
+def _run(optimizer, grads, gradients, grad_scale=0.5):
+    for step, g in enumerate(gradients):
+        grads.data[:] = g
+        optimizer.step(LRS[step], grad_scale)
+
+
+# -- Adafactor
+def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=True):
+    p = params.copy()
+    state = {}
+    for t, g_all in enumerate(gradients, start=1):
+        beta2, lr = 1.0 - t ** -0.8, LRS[t - 1]
+        for start, end, shape, decayed in tensors:
+            g = g_all[start:end].reshape(shape) * grad_scale
+            u = g ** 2 + 1e-30
+            if len(shape) == 2 and factor_2d:
+                r, c = state.get(start, (np.zeros(shape[0]), np.zeros(shape[1])))
+                r = beta2 * r + (1 - beta2) * u.mean(axis=1)
+                c = beta2 * c + (1 - beta2) * u.mean(axis=0)
+                state[start] = (r, c)
+                v_hat = np.outer(r, c) / r.mean()
+            else:
+                v_hat = beta2 * state.get(start, np.zeros(shape)) + (1 - beta2) * u
+                state[start] = v_hat
+            if decayed:
+                p[start:end] *= 1 - lr * wd
+            p[start:end] -= lr * (g / np.sqrt(v_hat)).ravel()
+    return p
+
+
+def test_adafactor_matches_reference_math():
+    layout = _layout()
+    params, grads, gradients = _problem(layout)
+    start = params.data.copy()
+    segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
+    layout_dict = {"geometry": params, "segment_windows": [(0, params.size)]}
+    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1)
+    assert [m[2:] for m in optimizer.matrices[0]] == [(5, 7), (7, 3)]  # both matrices factored, whole in the segment
+    _run(optimizer, grads, gradients)
+    expected = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5)
+    np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_adafactor_on_a_cut_matrix_falls_back_to_unfactored():
+    """Two segments cutting w1 (as a ZeRO shard boundary would): w1 is unfactored, w2 (whole) stays factored."""
+    layout = _layout()
+    params, grads, gradients = _problem(layout, seed=1)
+    start = params.data.copy()
+    cut = 10  # inside w1 (the layout puts matrices first: w1 spans [0, 35), w2 [35, 56))
+    decay = params.ranges(lambda spec: spec.decay)
+    segments = [Segment(params.data[a:b], grads.data[a:b], [(max(x, a) - a, min(y, b) - a) for x, y in decay
+                                                            if min(y, b) > max(x, a)])
+                for a, b in ((0, cut), (cut, params.size))]
+    layout_dict = {"geometry": params, "segment_windows": [(0, cut), (cut, params.size)]}
+    optimizer = Adafactor(segments, segment_matrices(layout_dict), weight_decay=0.1)
+    assert optimizer.matrices == [[], [(35 - cut, 56 - cut, 7, 3)]]
+    _run(optimizer, grads, gradients)
+    tensors = _tensors(layout)
+    expected = reference_adafactor(start, gradients, tensors, 0.1, 0.5)
+    unfactored_w1 = reference_adafactor(start, gradients, tensors, 0.1, 0.5, factor_2d=False)
+    expected[0:35] = unfactored_w1[0:35]
+    np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
+
+
+# -- 8-bit Adam
+def reference_quantize(values, table):
+    codes, scales = [], []
+    for lo in range(0, len(values), BLOCK):
+        block = values[lo:lo + BLOCK]
+        absmax = np.abs(block).max()
+        scales.append(absmax)
+        normalised = block / absmax if absmax > 0 else block
+        codes.append(np.abs(normalised[:, None] - table[None, :]).argmin(axis=1))  # nearest code by value
+    return np.concatenate(codes), np.array(scales)
+
+
+def reference_dequantize(codes, scales, table):
+    return table[codes] * np.repeat(scales, BLOCK)[:len(codes)]
+
+
+def reference_adam8bit(p, gradients, decayed, hyper, grad_scale, sizes):
+    """AdamW whose moments are quantized after every step, blocks starting at each segment's start."""
+    p = p.copy()
+    tables = {"m": quantization_map(True), "v": quantization_map(False)}
+    state = {k: [(np.full(n, int(np.searchsorted(tables[k], 0.0))), np.zeros(-(-n // BLOCK))) for n in sizes]
+             for k in "mv"}
+    for t, g_all in enumerate(gradients, start=1):
+        lr, offset = LRS[t - 1], 0
+        p[decayed] *= 1 - lr * hyper.weight_decay
+        for index, n in enumerate(sizes):
+            g = g_all[offset:offset + n] * grad_scale
+            m = hyper.beta1 * reference_dequantize(*state["m"][index], tables["m"]) + (1 - hyper.beta1) * g
+            v = hyper.beta2 * reference_dequantize(*state["v"][index], tables["v"]) ** 2 + (1 - hyper.beta2) * g * g
+            m_hat, v_hat = m / (1 - hyper.beta1 ** t), v / (1 - hyper.beta2 ** t)
+            p[offset:offset + n] -= lr * m_hat / (np.sqrt(v_hat) + hyper.eps)
+            state["m"][index] = reference_quantize(m, tables["m"])
+            state["v"][index] = reference_quantize(np.sqrt(v), tables["v"])  # stored: the rms
+            offset += n
+    return p, state
+
+
+def _flat_problem(size, seed):
+    rng = np.random.default_rng(seed)
+    p = rng.normal(size=size)
+    scales = np.exp(rng.normal(size=size) * 2)  # gradients over several decades, as real ones
+    gradients = [rng.normal(size=size) * scales for _ in range(STEPS)]
+    return p, gradients
+
+
+def test_adam8bit_matches_reference_math():
+    sizes = [BLOCK * 2 + 300, 1000]  # a segment of 3 blocks (the last short) and one of a single short block
+    p, gradients = _flat_problem(sum(sizes), seed=2)
+    decayed = np.zeros(sum(sizes), dtype=bool)
+    decayed[100:3000] = True
+    params, grads = p.copy(), np.zeros_like(p)
+    segments, offset = [], 0
+    for n in sizes:
+        local = [(max(100, offset) - offset, min(3000, offset + n) - offset)] if offset < 3000 else []
+        segments.append(Segment(params[offset:offset + n], grads[offset:offset + n], local))
+        offset += n
+    hyper = AdamWHyper(weight_decay=0.1)
+    optimizer = Adam8bit(segments, hyper)
+    for step, g in enumerate(gradients):
+        grads[:] = g
+        optimizer.step(LRS[step], 0.5)
+    expected, state = reference_adam8bit(p, gradients, decayed, hyper, 0.5, sizes)
+    np.testing.assert_allclose(params, expected, rtol=1e-12, atol=1e-14)
+    for k in "mv":
+        np.testing.assert_array_equal(optimizer.codes[k], np.concatenate([c for c, _ in state[k]]))
+        np.testing.assert_allclose(optimizer.absmax[k], np.concatenate([s for _, s in state[k]]), rtol=1e-14)
+
+
+def test_adam8bit_stays_close_to_adamw():
+    """The quantized moments change the steps by a few percent, not their direction (a broken map would not)."""
+    p, gradients = _flat_problem(3 * BLOCK, seed=3)
+    results = []
+    for kind in (AdamW, Adam8bit):
+        params, grads = p.copy(), np.zeros_like(p)
+        optimizer = kind([Segment(params, grads, [])], AdamWHyper(weight_decay=0.0))
+        for step, g in enumerate(gradients):
+            grads[:] = g
+            optimizer.step(LRS[step])
+        results.append(params - p)
+    exact, quantized = results
+    assert np.linalg.norm(quantized - exact) / np.linalg.norm(exact) < 0.05
+
+
+def test_quantization_map_keeps_relative_precision_over_decades():
+    table = quantization_map(False)
+    values = 10.0 ** np.linspace(-6.5, 0, 1000)
+    from mpitrain.optim.adam8bit import dequantize, quantize
+    codes, absmax = quantize(values, table, np)
+    error = np.abs(dequantize(codes, absmax, table) - values) / values
+    assert error.max() < 0.035  # a linear map would round everything below 1/510 of the absmax to 0
+    assert len(table) == 256 and len(quantization_map(True)) == 255
+
+
+# -- SGD
+def test_sgd_with_momentum_matches_reference_math():
+    layout = _layout()
+    params, grads, gradients = _problem(layout, seed=4)
+    p = params.data.copy()
+    optimizer = SGD([Segment(params.data, grads.data, params.ranges(lambda s: s.decay))], momentum=0.9,
+                    weight_decay=0.1)
+    _run(optimizer, grads, gradients)
+    buffer = np.zeros_like(p)
+    decayed = np.zeros(p.size, dtype=bool)
+    for a, b in params.ranges(lambda s: s.decay):
+        decayed[a:b] = True
+    for step, g in enumerate(gradients):
+        p[decayed] *= 1 - LRS[step] * 0.1
+        buffer = 0.9 * buffer + 0.5 * g
+        p -= LRS[step] * buffer
+    np.testing.assert_allclose(params.data, p, rtol=1e-12, atol=1e-14)
+
+
+# -- state bytes per parameter, measured from the arrays held
+def test_optimizer_state_bytes_per_parameter():
+    layout = UnitLayout("u", [ParamSpec("w", (512, 512), "normal", 0.02)])
+    params = FlatBuffer.allocate([layout], np, np.float32)
+    grads = FlatBuffer.allocate([layout], np, np.float32)
+    n = params.size
+    segment = Segment(params.data, grads.data, [])
+    matrices = segment_matrices({"geometry": params, "segment_windows": [(0, n)]})
+    per_parameter = {
+        "adamw": AdamW([segment], AdamWHyper()).state_nbytes() / n,
+        "adafactor": Adafactor([segment], matrices).state_nbytes() / n,
+        "adam8bit": Adam8bit([segment], AdamWHyper()).state_nbytes() / n,
+        "sgd": SGD([segment], momentum=0.9).state_nbytes() / n,
+    }
+    print(per_parameter)
+    assert per_parameter["adamw"] == 8
+    assert per_parameter["adafactor"] == pytest.approx(2 * 512 * 4 / n)  # rows + cols: 1/64 byte
+    assert per_parameter["adafactor"] < 0.05
+    assert per_parameter["adam8bit"] == pytest.approx(2 + 2 * 4 / BLOCK)
+    assert per_parameter["sgd"] == 4
+
+
+# -- checkpoint round trips (in-process): element-wise arrays out, into a fresh optimizer, bitwise the same
+def _trained(kind, sizes, seed):
+    p, gradients = _flat_problem(sum(sizes), seed)
+    params, grads = p.copy(), np.zeros_like(p)
+    segments, offset = [], 0
+    for n in sizes:
+        segments.append(Segment(params[offset:offset + n], grads[offset:offset + n], []))
+        offset += n
+    geometry = FlatBuffer.allocate([UnitLayout("u", [ParamSpec("w", (sum(sizes) // 64, 64), "zeros")])], np,
+                                   np.float64)
+    windows, offset = [], 0
+    for n in sizes:
+        windows.append((offset, offset + n))
+        offset += n
+    make = {"adam8bit": lambda: Adam8bit(segments, AdamWHyper()),
+            "adafactor": lambda: Adafactor(segments, segment_matrices({"geometry": geometry,
+                                                                       "segment_windows": windows})),
+            "sgd": lambda: SGD(segments)}[kind]
+    optimizer = make()
+    for step, g in enumerate(gradients[:4]):
+        grads[:] = g
+        optimizer.step(LRS[step])
+    return optimizer, make, params, grads, gradients
+
+
+@pytest.mark.parametrize("kind", ["adam8bit", "adafactor", "sgd"])
+def test_checkpoint_arrays_restore_bitwise(kind):
+    sizes = [64 * 80]  # one segment holding the whole (80 x 64) matrix
+    optimizer, make, params, grads, gradients = _trained(kind, sizes, seed=5)
+    saved = {k: np.array(v, copy=True) for k, v in optimizer.checkpoint_arrays().items()}
+    before = [np.array(a, copy=True) for a in optimizer.state_arrays()]
+    fresh = make()
+    for k, array in fresh.checkpoint_arrays().items():
+        array[...] = saved[k]  # what the checkpoint's load_into does
+    fresh.after_restore()
+    fresh.steps_taken = optimizer.steps_taken
+    for a, b in zip(before, fresh.state_arrays()):
+        np.testing.assert_array_equal(a, b)
+    snapshot = params.copy()
+    grads[:] = gradients[4]
+    optimizer.step(1e-2)
+    once = params.copy()
+    params[:] = snapshot
+    fresh.step(1e-2)
+    np.testing.assert_array_equal(params, once)
+
+
+@pytest.mark.parametrize("kind", ["adam8bit", "adafactor"])
+def test_checkpoint_arrays_restore_into_other_segments(kind):
+    """Saved from one segment, restored into two (another ZeRO layout): 8-bit Adam requantizes its blocks,
+    Adafactor keeps the matrix factored or rebuilds it from the saved second moment."""
+    optimizer, _, _, _, _ = _trained(kind, [64 * 80], seed=6)
+    saved = {k: np.array(v, copy=True) for k, v in optimizer.checkpoint_arrays().items()}
+    other, _, _, _, _ = _trained(kind, [64 * 30 + 5, 64 * 50 - 5], seed=6)
+    for k, array in other.checkpoint_arrays().items():
+        array[...] = saved[k]
+    other.after_restore()
+    restored = other.checkpoint_arrays()
+    key = "adam8bit_v_code" if kind == "adam8bit" else "adafactor_v"
+    if kind == "adam8bit":
+        table = quantization_map(False)
+        a = table[saved[key]] * saved["adam8bit_v_absmax"]
+        b = table[restored[key]] * restored["adam8bit_v_absmax"]
+        np.testing.assert_allclose(b, a, rtol=0.04, atol=a.max() * 1e-7)
+    else:
+        np.testing.assert_allclose(restored[key], saved[key], rtol=1e-12)  # unfactored now: v from the estimate
+
+
+# -- a training run under MPI: stopped and resumed, bitwise the same (optimizer state sharded by ZeRO-1 over 2 ranks)
+@pytest.mark.parametrize("name", ["adam8bit", "adafactor"])
+def test_stop_and_resume_is_bitwise_the_same_run(tmp_path, small_epochs, name):
+    data = small_epochs
+    settings = [f"optim.name={name}", "checkpoint.every=2", "model.seq_len=32", "parallel.zero=1",
+                "precision.compute=float64"]
+    train(2, tmp_path / "straight", data, *settings)
+    train(2, tmp_path / "resumed", data, *settings, "train.stop_at=4", expect=PREEMPTED)
+    out = train(2, tmp_path / "resumed", data, *settings, resume="auto")
+    assert "checkpoint: resumed from" in out.stdout
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert len(straight) == 10 and straight == resumed  # every step's loss, bitwise
+    assert straight[10] < straight[1]
