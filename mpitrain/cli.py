@@ -179,7 +179,7 @@ def run_locations(config: str, train_args: list[str]) -> tuple[Path, Path]:
             overrides.append(arg.split("=", 1)[1])
     cfg = load_config(config, overrides)
     run_dir = Path(out) if out else default_run_dir(config)
-    return run_dir, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return run_dir, cfg.checkpoint.directory(run_dir)
 
 
 # ----------------------------------------------------------------------------- generate

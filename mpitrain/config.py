@@ -115,6 +115,10 @@ class CheckpointConfig:
     keep: int = 3  # newest committed checkpoints kept (the newest is never deleted); 0: keep all
     async_: bool = False  # key `checkpoint.async`: write in a background thread while training goes on
 
+    def directory(self, run_dir) -> Path:
+        """Where the run's checkpoints live; train, launch's restarts and the sbatch loop must agree on it."""
+        return Path(self.dir) if self.dir else Path(run_dir) / "checkpoints"
+
 
 @dataclass
 class LoggingConfig:
@@ -125,8 +129,8 @@ class LoggingConfig:
 class FaultConfig:
     """Surviving faults: hung or slow ranks, bad steps, silent data corruption (mpitrain/resilience/)."""
     timeout_s: float = 300.0  # a collective or transfer not done after this long aborts the job, naming it; 0: off
-    heartbeat: bool = True  # each rank rewrites RUN_DIR/heartbeat/rank_NNNNN.json (step, time, host) every step
-    straggler_factor: float = 1.5  # a rank slower than the median step time by this factor is reported; 0: off
+    heartbeat: bool = True  # each rank's watchdog rewrites RUN_DIR/heartbeat/rank_NNNNN.json about once a second
+    straggler_factor: float = 1.5  # report a rank computing more than this factor x the median rank; 0: off
     straggler_steps: int = 3  # ... when it is that slow on this many logged steps in a row
     spike_zscore: float = 0.0  # skip the update when the loss exceeds the window's mean by this many std; 0: off
     spike_window: int = 20  # steps of loss history for the spike test

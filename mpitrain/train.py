@@ -269,7 +269,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     logger = trainer.is_logger
     say = echo if logger else (lambda text: None)
     c, t = cfg.checkpoint, cfg.train
-    checkpoints = CheckpointManager(trainer, Path(c.dir) if c.dir else run_dir / "checkpoints", c.keep, say)
+    checkpoints = CheckpointManager(trainer, c.directory(run_dir), c.keep, say)
     checkpoints.check_writable("checkpoint.dir" if c.dir else "checkpoint.dir (default RUN_DIR/checkpoints)")
     start = 0
     path = checkpoints.find_resume_point(resume) if resume else None

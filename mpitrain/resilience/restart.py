@@ -210,13 +210,13 @@ class Supervisor:
 def run_checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its checkpoints: checkpoint.dir of RUN_DIR/config.toml (the trainer writes it), else
     RUN_DIR/checkpoints."""
-    from mpitrain.config import load_config
+    from mpitrain.config import CheckpointConfig, load_config
     from mpitrain.errors import ConfigError
     try:
-        directory = load_config(run_dir / "config.toml").checkpoint.dir if (run_dir / "config.toml").is_file() else ""
+        checkpoint = load_config(run_dir / "config.toml").checkpoint if (run_dir / "config.toml").is_file() else None
     except ConfigError:
-        directory = ""
-    return Path(directory) if directory else run_dir / "checkpoints"
+        checkpoint = None
+    return (checkpoint or CheckpointConfig()).directory(run_dir)
 
 
 def seconds_to_next_checkpoint(run_dir: Path, startup_seconds: float, saved: SavedPoint | None) -> float | None:
