@@ -320,3 +320,47 @@ def test_stop_and_resume_is_bitwise_the_same_run(tmp_path, small_epochs, name):
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert len(straight) == 10 and straight == resumed  # every step's loss, bitwise
     assert straight[10] < straight[1]
+
+
+FOOTPRINT_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.config import load_config
+from mpitrain.train import Trainer
+
+measured = {}
+for zero in (0, 1, 3):
+    for name in ("adafactor", "adam8bit", "sgd"):
+        cfg = load_config("configs/tiny.toml", ["data.synthetic=true", "logging.peak_flops=1e9",
+                                                f"parallel.zero={zero}", f"optim.name={name}"])
+        trainer = Trainer(cfg, MPI.COMM_WORLD)
+        measured[f"{name} {zero}"] = trainer.optimizer.state_nbytes()
+if MPI.COMM_WORLD.rank == 0:
+    print("FOOTPRINT " + json.dumps(measured))
+"""
+
+
+def test_memory_plan_counts_the_optimizer_state_a_run_holds(tmp_path):
+    """`mpitrain memory`'s optimizer row (plan/memory.py -> optim/footprint.py) equals the bytes the optimizers of
+    a 2-rank run hold on rank 0, exactly, at ZeRO-0, 1 and 3."""
+    import json
+
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.optim.footprint import lean_state_bytes
+    from mpitrain.plan.memory import memory_report, rank_model
+    from mpitrain.state.frozen import split_frozen
+    from tests.mpi_helpers import describe, run_mpi
+    script = tmp_path / "footprint.py"
+    script.write_text(FOOTPRINT_JOB)
+    result = run_mpi(2, [str(script)], timeout=120)
+    assert result.returncode == 0, describe(result)
+    measured = json.loads(result.stdout.split("FOOTPRINT ", 1)[1].splitlines()[0])
+    for key, held in measured.items():
+        name, zero = key.split()
+        cfg = load_config("configs/tiny.toml", ["data.synthetic=true", f"parallel.zero={zero}", f"optim.name={name}"])
+        resolve_layout(cfg, 2)
+        layouts = split_frozen(rank_model(cfg).layouts)[0]
+        assert lean_state_bytes(name, layouts, int(zero), 2, 4) == held, key
+        report = memory_report(cfg, sum(layout.size for layout in layouts))
+        assert report["bytes"]["optimizer"] == held, key  # float32: the parameters are the master
+        assert name in report["formulas"]["optimizer"]

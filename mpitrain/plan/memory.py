@@ -22,6 +22,8 @@ import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
+from mpitrain.optim.footprint import optimizer_row
+from mpitrain.state.frozen import split_frozen
 
 SHARDED = {"params": (3,), "grads": (2, 3), "optimizer": (1, 2, 3)}  # the ZeRO stages that split each kind
 
@@ -95,6 +97,10 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     state = model_state_bytes(n_params, cfg.precision.compute, p.zero, p.dp)
     activations = activation_bytes(cfg)
     formulas = state_formulas(cfg.precision.compute, p.zero)
+    lean = optimizer_row(cfg, split_frozen(rank_model(cfg).layouts)[0])  # optim.name = adafactor | adam8bit | sgd
+    if lean:
+        state["optimizer"], formulas["optimizer"] = lean
+        formulas["state"] = "params + grads + optimizer rows"
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
     rows = {**state, "state": sum(state.values()), "activations": activations}  # "state": the subtotal

@@ -1,0 +1,59 @@
+"""Bytes of the lean optimizers' state on one rank, from the layout alone (what `mpitrain memory` prints for
+optim.name = adafactor | adam8bit | sgd). Counted over the same segments the trainer hands the optimizer: the whole
+flat buffer at ZeRO-0, rank 0's shard of every unit (padded to multiples of N) from ZeRO-1 on, so an Adafactor
+matrix cut by a shard boundary is counted unfactored, as it runs (tests/test_optimizers.py checks against a run).
+"""
+from __future__ import annotations
+
+from mpitrain.optim.adam8bit import BLOCK
+from mpitrain.optim.factory import segment_matrices
+from mpitrain.state.params import FlatBuffer
+
+
+def segment_windows(layouts, zero: int, dp: int) -> tuple[FlatBuffer, list[tuple[int, int]]]:
+    """The geometry and rank 0's optimizer segments, as ReplicatedState / ZeroState cut them."""
+    if zero == 0:
+        geometry = FlatBuffer.geometry(layouts)
+        return geometry, [(0, geometry.size)]
+    geometry = FlatBuffer.geometry(layouts, align=dp)
+    return geometry, [(geometry.offsets[u], geometry.offsets[u] + (geometry.offsets[u + 1] - geometry.offsets[u]) // dp)
+                      for u in range(len(layouts))]
+
+
+def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, momentum: float = 0.9) -> int:
+    """Bytes of optimizer state (no master weights) for optim.name = name; itemsize: the state dtype's."""
+    geometry, windows = segment_windows(layouts, zero, dp)
+    sizes = [b - a for a, b in windows]
+    if name == "sgd":
+        return itemsize * sum(sizes) if momentum else 0
+    if name == "adam8bit":
+        return 2 * sum(sizes) + 2 * itemsize * sum(-(-n // BLOCK) for n in sizes)
+    if name == "adafactor":
+        matrices = segment_matrices({"geometry": geometry, "segment_windows": windows})
+        factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
+        statistics = sum(rows + cols for mats in matrices for _, _, rows, cols in mats)
+        return itemsize * (statistics + sum(sizes) - factored)
+    raise ValueError(f"no lean state for optim.name = {name!r}")
+
+
+FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales per 2048: ~2*Psi",
+            "adafactor": "row + column statistics of matrices, s per element elsewhere"}
+
+
+def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
+    """(bytes, formula) of the optimizer row of `mpitrain memory` for a lean optimizer (None for adamw): master
+    weights (fp32, when the compute dtype is lower) + the optimizer's state, on rank 0."""
+    import numpy as np
+
+    from mpitrain.backend import COMPUTE_DTYPES
+    name = cfg.optim.name
+    if name == "adamw":
+        return None
+    p, e = cfg.parallel, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
+    itemsize = 4 if e < 4 else e  # the state's dtype: the master weights' (fp32 under bf16/fp16)
+    state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum)
+    _, windows = segment_windows(layouts, p.zero, p.dp)
+    master = 4 * sum(b - a for a, b in windows) if e < 4 else 0
+    n = sum(b - a for a, b in windows)  # the parameters this rank's optimizer updates
+    formula = f"{name}: {FORMULAS[name]}, {state / max(n, 1):.3f} bytes per parameter"
+    return master + state, formula + (" + fp32 master 4" if master else "") + (", sharded /N" if p.zero else "")
