@@ -46,6 +46,17 @@ class AdamW:
         self.exp_avg_sq = self.placement.zeros("exp_avg_sq", total, dtype)
         self.steps_taken = 0
 
+    def state_arrays(self) -> list:
+        return [self.exp_avg, self.exp_avg_sq]
+
+    def checkpoint_arrays(self) -> dict:
+        """Element-wise state for the checkpoint (optim/common.py); offloaded moments are read and written in place
+        through their memory maps."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def after_restore(self) -> None:
+        pass  # the loaded moments are the whole state
+
     def state_nbytes(self) -> int:
         return resident_nbytes(self.exp_avg) + resident_nbytes(self.exp_avg_sq)  # offloaded moments: 0
 
