@@ -242,13 +242,19 @@ def ckpt_verify(path):
 @click.argument("path", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--optimizer", is_flag=True, help="Also export the Adam moments.")
+@click.option("--merge-lora", is_flag=True, help="Merge the LoRA adapters into the base weights (params only).")
 @_user_errors
-def ckpt_export(path, out, optimizer):
+def ckpt_export(path, out, optimizer, merge_lora):
     """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/)."""
     from mpitrain.checkpoint.store import Checkpoint
     from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     checkpoint.verify_files()
+    if merge_lora:
+        from mpitrain.checkpoint.weights import export_merged
+        merged = export_merged(checkpoint, Path(out))
+        click.echo(f"wrote {out} (step {checkpoint.step}, {merged} LoRA adapters merged into their weights)")
+        return
     checkpoint.export(Path(out), kinds=("param", "exp_avg", "exp_avg_sq") if optimizer else ("param",))
     click.echo(f"wrote {out} (step {checkpoint.step})")
 

@@ -78,6 +78,7 @@ class TrainConfig:
     sample_tokens: int = 200  # sampled at the end of training; 0 to skip
     sample_prompt: str = "def "
     stop_at: int = 0  # save and exit (status 75, "resume me") after this step, mid-schedule; 0: run to the end
+    init_from: str = ""  # a checkpoint or run dir: its weights only (any layout), fresh optimizer, from step 0
 
 
 @dataclass
@@ -141,6 +142,14 @@ class FaultConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA (mpitrain/layers/lora.py): every base tensor frozen, rank-r adapters on the named linears."""
+    rank: int = 0  # 0: off
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    targets: list = field(default_factory=lambda: ["wq", "wv"])  # weight names of the blocks' linears
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -151,6 +160,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 ALLOWED = {
@@ -188,11 +198,15 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             value = float(value) if ok else value
         except OverflowError:  # an integer literal too large for a float
             raise ConfigError(f"config key {key} = {value} is too large for a float") from None
+    elif kind is list and default and isinstance(default[0], str):  # lists of names (lora.targets)
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     elif kind is list:  # lists of integers (parallel.stage_layers)
         ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     else:
         ok = isinstance(value, kind)
     if not ok:
+        if kind is list and default and isinstance(default[0], str):
+            raise ConfigError(f"config key {key} must be a list of strings, got {value!r}")
         if kind is list:
             raise ConfigError(f"config key {key} must be a list of integers, got {value!r}")
         raise ConfigError(f"config key {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
@@ -287,7 +301,8 @@ def validate(cfg: Config) -> None:
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
-              "fault.mtbf_hours", "model.init_std", "train.seed"]
+              "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank",
+              "lora.alpha"]
     for key in nonneg:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

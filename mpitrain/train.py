@@ -19,6 +19,7 @@ from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
 from mpitrain.checkpoint.resume import trim_metrics
 from mpitrain.checkpoint.store import step_dir_name
+from mpitrain.checkpoint.weights import load_weights
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
@@ -95,7 +96,7 @@ class Trainer:
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
-                         stages=stages)
+                         stages=stages, lora=cfg.lora)
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, self.state)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
@@ -280,6 +281,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
         if resume:
             say("checkpoint: none to resume from; starting fresh")
         checkpoints.set_aside_beyond(0)  # a fresh start in a used directory: the old checkpoints are not its past
+        if t.init_from:  # fine-tuning: another run's weights, this run's optimizer and schedule
+            say(f"checkpoint: weights from {load_weights(checkpoints, t.init_from)} (train.init_from), step 0")
     metrics_file = None
     if logger:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ reduction, so that the communication overlaps the matmuls); with one (zero-bubbl
 fresh buffer after each reduce-scatter). Bias gradients are cheap and always taken at once.
 
 Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
+`adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms.
 """
 from __future__ import annotations
 
@@ -42,15 +43,23 @@ class ColumnParallelLinear:
                  biases: list[str | None] | None = None, trainable: bool = True):
         self.tp, self.in_features, self.weights, self.trainable = tp, in_features, list(weights), trainable
         self.biases = list(biases) if biases else [None] * len(self.weights)
+        self.adapters: dict = {}
 
     def forward(self, p, x):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         h = self.tp.enter(x)
-        return [ops.linear_forward(h, p[w], p[b] if b else None)[0] for w, b in zip(self.weights, self.biases)], h
+        outputs = [ops.linear_forward(h, p[w], p[b] if b else None)[0] for w, b in zip(self.weights, self.biases)]
+        for w, y in zip(self.weights, outputs):
+            if w in self.adapters:
+                self.adapters[w].add_forward(p, h, y)
+        return outputs, h
 
     def backward(self, p, g, h, output_grads, deferred=None):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
         dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
+        for w, dy in zip(self.weights, output_grads):
+            if w in self.adapters:
+                dh += self.adapters[w].backward(p, g, h, dy)
         pending = self.tp.start_enter_backward(dh)
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
@@ -69,10 +78,14 @@ class RowParallelLinear:
                  trainable: bool = True):
         """in_features: this rank's input columns (the split dimension's share)."""
         self.tp, self.in_features, self.weight, self.bias, self.trainable = tp, in_features, weight, bias, trainable
+        self.adapters: dict = {}
 
     def forward(self, p, x):
         """(y, saved): x holds this rank's input columns; y is summed over tp (this rank's chunk under SP)."""
-        y = self.tp.exit(ops.linear_forward(x, p[self.weight])[0])
+        partial = ops.linear_forward(x, p[self.weight])[0]
+        if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
+            self.adapters[self.weight].add_forward(p, x, partial)
+        y = self.tp.exit(partial)
         if self.bias:
             y += p[self.bias]
         return y, x
@@ -85,7 +98,10 @@ class RowParallelLinear:
             if self.bias:
                 ops.add_bias_grad(g[self.bias], dy)
             _weight_grads([(self.weight, x, dy)], g, deferred)
-        return ops.linear_input_grad([p[self.weight]], [dy])
+        dx = ops.linear_input_grad([p[self.weight]], [dy])
+        if self.weight in self.adapters:
+            dx += self.adapters[self.weight].backward(p, g, x, dy)
+        return dx
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """(shape, dtype) of what forward saves: the input, (batch, seq_len, this rank's in_features)."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from mpitrain.config import ModelConfig
 from mpitrain.layers import ops
+from mpitrain.layers.lora import apply_lora, with_frozen_sinks
 from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
@@ -46,14 +47,18 @@ def rope_table_dtype(compute_dtype):
 
 class GPT:
     def __init__(self, cfg: ModelConfig, backend, *, tp_group=None, sequence_parallel: bool = False,
-                 tp: TensorParallel | None = None, stages: list[tuple[int, int]] | None = None):
+                 tp: TensorParallel | None = None, stages: list[tuple[int, int]] | None = None, lora=None):
         """`tp_group`: the tensor-parallel group (None: one rank), handed to every unit together with the mode
         (`sequence_parallel`) as one TensorParallel; or pass that object itself as `tp`.
         `stages`: the [first, end) global unit ranges of this rank's model chunks, in the order the data visits them
-        (None: the whole model, one chunk)."""
+        (None: the whole model, one chunk). `lora`: a LoraConfig with rank > 0 freezes every tensor and adds
+        adapters (mpitrain/layers/lora.py)."""
         self.cfg, self.backend = cfg, backend
         self.tp = tp or TensorParallel(tp_group, sequence_parallel)
         every = self._all_units()  # layouts only, no arrays: cheap to build whole
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora:
+            apply_lora(every, self.lora.rank, self.lora.alpha, self.lora.targets, self.tp)
         self.n_params = sum(math.prod(spec.full_shape) for unit in every for spec in unit.layout.specs)
         stages = stages or [(0, len(every))]
         self.units, self.chunks = [], []  # chunks[c]: local indices of chunk c's units, in data order
@@ -147,6 +152,9 @@ class GPT:
         return self._views(unit, lambda j: state.acquire(j, phase))
 
     def _grads(self, state, unit: int) -> dict:
+        if self.lora:  # frozen tensors' sublayers write into throw-away stand-ins
+            xp, dtype = self.backend.xp, self.backend.dtype
+            return self._views(unit, lambda j: with_frozen_sinks(state.grad_views(j), self.units[j].layout, xp, dtype))
         return self._views(unit, state.grad_views)
 
     def _views(self, unit: int, views_of) -> dict:

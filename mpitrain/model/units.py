@@ -46,6 +46,7 @@ class Unit:
         self.partial_grads = [name for layer in sublayers for name in layer.partial_grads]
         self.borrows: dict[str, str] = {}  # local name -> global name of a tensor of another unit it reads
 
+        self.frozen = False  # every tensor frozen, adapters aside (LoRA: mpitrain/layers/lora.py)
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         return [array for layer in self.sublayers for array in layer.saved_arrays(batch, seq_len, dtype)]
 
@@ -73,7 +74,8 @@ class Embedding(Unit):
         return self.embedding.forward(p, tokens, ctx)
 
     def backward(self, p, g, ids, dx, deferred=None) -> None:
-        self.embedding.backward(p, g, ids, dx)
+        if not self.frozen:  # frozen: the table's gradient is not even scattered
+            self.embedding.backward(p, g, ids, dx)
 
 
 class Block(Unit):

@@ -1,0 +1,182 @@
+"""LoRA (mpitrain/layers/lora.py): adapters' gradients, what trains and what stays put, the merged export, and
+float64 parity of the layouts against one process."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mpitrain.backend import make_backend
+from mpitrain.checkpoint.store import Checkpoint
+from mpitrain.config import LoraConfig, ModelConfig
+from mpitrain.data.prepare import prepare_dataset
+from mpitrain.generate import resolve_checkpoint
+from mpitrain.layers.lora import merge
+from mpitrain.model.gpt import GPT
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.state.frozen import WithFrozen, split_frozen
+from mpitrain.state.params import init_tensor
+from mpitrain.state.replicated import ReplicatedState
+from tests.mpi_helpers import describe, run_mpi
+
+TARGETS = {"gpt2": ["wq", "wk", "wv", "wo", "w_fc", "w_proj"], "llama": ["wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                                                       "w_down"]}
+
+
+def small_model(arch, compute="float64", rank=2, n_layer=2, d_model=16, vocab=40, targets=None):
+    cfg = ModelConfig(arch=arch, n_layer=n_layer, d_model=d_model, n_head=4, vocab_size=vocab, seq_len=8)
+    backend = make_backend("cpu", compute)
+    lora = LoraConfig(rank=rank, alpha=4.0, targets=targets or TARGETS[arch]) if rank else None
+    model = GPT(cfg, backend, lora=lora)
+    trainable, frozen = split_frozen(model.layouts)
+    state = ReplicatedState(trainable, backend, 0)
+    return model, (WithFrozen(state, frozen, backend, 0) if frozen else state), backend
+
+
+def randomise_adapters(state, seed=0):
+    """b starts at zero, which would hide a's gradient and the merge: give every adapter tensor random values."""
+    rng = np.random.default_rng(seed)
+    for _, view in state.inner.params.named_views():
+        view[...] = rng.normal(0, 0.3, view.shape)
+
+
+def loss_and_grads(model, state, tokens, targets):
+    state.zero_grads()
+    state.begin_micro_batch(last=True)
+    loss, saved = model.forward(state, tokens, targets)
+    model.backward(state, saved, 1.0)
+    state.finish()
+    return float(loss)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_adapter_gradients_match_finite_differences(arch):
+    model, state, _ = small_model(arch)
+    randomise_adapters(state)
+    rng = np.random.default_rng(1)
+    tokens, targets = rng.integers(0, 40, (2, 8)), rng.integers(0, 40, (2, 8))
+    loss_and_grads(model, state, tokens, targets)
+    params, grads = state.inner.params, state.inner.grads
+    names = [n for n, _ in params.named_views()]
+    assert names and all("_lora_" in n for n in names), names  # only adapters train
+    analytic = grads.data.copy()
+    checked = 0
+    for index in rng.choice(params.size, 40, replace=False):
+        keep = params.data[index]
+        params.data[index] = keep + 1e-6
+        plus = loss_and_grads(model, state, tokens, targets)
+        params.data[index] = keep - 1e-6
+        minus = loss_and_grads(model, state, tokens, targets)
+        params.data[index] = keep
+        numeric = (plus - minus) / 2e-6
+        assert analytic[index] == pytest.approx(numeric, rel=1e-5, abs=1e-8), index
+        checked += abs(numeric) > 1e-6
+    assert checked > 20  # the check saw real gradients, not zeros
+
+
+def test_trainable_parameters_and_optimizer_bytes_fall_by_99_percent():
+    """A 6-layer model, rank 8 on wq and wv, against full fine-tuning of the same model."""
+    sizes = {}
+    for rank in (0, 8):
+        _, state, _ = small_model("llama", rank=rank, n_layer=6, d_model=256, vocab=2048, targets=["wq", "wv"])
+        inner = state.inner if rank else state
+        optimizer = AdamW(inner.optimizer_segments(), AdamWHyper())
+        sizes[rank] = (inner.params.size, optimizer.state_nbytes())
+    full, lora = sizes[0], sizes[8]
+    assert lora[0] == 6 * 2 * (256 * 8 + 8 * 256), lora
+    assert lora[0] <= 0.01 * full[0] and lora[1] <= 0.01 * full[1], (full, lora)
+    print(f"trainable {lora[0]:,} of {full[0]:,}; optimizer bytes {lora[1]:,} of {full[1]:,}")
+
+
+def test_merged_weights_give_the_logits_of_base_plus_adapters():
+    model, state, _ = small_model("llama", compute="float32")
+    randomise_adapters(state)
+    tokens = np.random.default_rng(2).integers(0, 40, (2, 8))
+    with_adapters = model.last_logits(state, tokens)
+    tensors = {}
+    for source in (state.inner.params, state.frozen):
+        tensors.update({name: np.array(view, dtype=np.float64) for name, view in source.named_views()})
+    merged = merge(tensors, rank=2, alpha=4.0)
+    plain, plain_state, _ = small_model("llama", compute="float32", rank=0)
+    for name, view in plain_state.params.named_views():
+        view[...] = merged[name]
+    difference = np.abs(plain.last_logits(plain_state, tokens) - with_adapters).max()
+    assert difference <= 1e-6 * max(1.0, np.abs(with_adapters).max()), difference
+    assert np.abs(with_adapters - plain_logits_without_adapters(tensors, tokens)).max() > 1e-3  # adapters matter
+
+
+def plain_logits_without_adapters(tensors, tokens):
+    plain, plain_state, _ = small_model("llama", compute="float32", rank=0)
+    for name, view in plain_state.params.named_views():
+        view[...] = tensors[name]
+    return plain.last_logits(plain_state, tokens)
+
+
+def test_targets_are_checked_by_name():
+    from mpitrain.errors import ConfigError
+    with pytest.raises(ConfigError, match="lora.targets.*unknown w_nope"):
+        small_model("gpt2", targets=["wq", "w_nope"])
+
+
+# ------------------------------------------------------------------------------------------ runs under MPI
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "stdlib.h5"
+    prepare_dataset("python-stdlib", path, max_bytes=200_000)
+    return path
+
+
+LORA = ["lora.rank=4", "lora.alpha=8.0", 'lora.targets=["wq", "wk", "wv", "wo", "w_fc", "w_proj"]']
+
+
+def train_run(n_ranks, run_dir, dataset, *overrides):
+    settings = [f"data.path={dataset}", "precision.compute=float64", "train.steps=6", *LORA, *overrides]
+    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
+    for setting in settings:
+        args += ["--set", setting]
+    result = run_mpi(n_ranks, args, timeout=300)
+    assert result.returncode == 0, describe(result)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checkpoint = Checkpoint.open(resolve_checkpoint(run_dir))
+    params = {name: checkpoint.read_box("param", name, (0,) * len(info["global_shape"]), info["global_shape"],
+                                        np.float64) for name, info in checkpoint.tensors().items()}
+    return metrics, params
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    return train_run(1, tmp_path_factory.mktemp("reference"), dataset)
+
+
+def test_base_weights_stay_bitwise_and_adapters_train(reference):
+    from mpitrain.config import load_config
+    cfg = load_config("configs/tiny.toml", LORA)
+    metrics, params = reference
+    model = GPT(cfg.model, make_backend("cpu", "float64"), lora=cfg.lora)
+    base = adapters = 0
+    for layout in model.layouts:
+        for spec in layout.specs:
+            name = f"{layout.name}.{spec.name}"
+            start = init_tensor(spec, layout.name, cfg.train.seed)
+            if spec.trainable:
+                adapters += 1
+                assert not np.array_equal(params[name], start), name  # trained
+            else:
+                base += 1
+                assert np.array_equal(params[name], start), name  # bitwise
+    assert base > 10 and adapters == 2 * 6 * cfg.model.n_layer
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+@pytest.mark.parametrize("ranks, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.tp=2"]),
+                                           (2, ["parallel.dp=2", "parallel.zero=1"])],
+                         ids=["dp2", "tp2", "zero1"])
+def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, ranks, layout):
+    ref_metrics, ref_params = reference
+    metrics, params = train_run(ranks, tmp_path, dataset, *layout)
+    for ref, got in zip(ref_metrics, metrics, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-10, abs=0), got["step"]
+    for name, value in ref_params.items():
+        err = np.linalg.norm(params[name] - value)
+        assert err <= 1e-10 * np.linalg.norm(value), f"{name}: difference {err:.2e}"  # zero tensors: exactly
