@@ -15,12 +15,12 @@ restart whose first attempt died of something else before reaching the fault (an
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitrain.errors import ConfigError
+from mpitrain.resilience.jsonl import append_record, read_records
 
 KINDS = ("kill", "hang", "nan", "slow", "flip")
 ONE_SHOT = ("kill", "hang", "nan", "flip")  # strike once and are recorded; slow lasts
@@ -102,29 +102,12 @@ class FaultPlan:
         return None
 
     def _write_record(self, fault: Fault) -> None:
-        if self.record is None:
-            return
-        self.record.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"kind": fault.kind, "rank": self.rank, "step": fault.step}) + "\n"
-        # one append and an fsync: the record must be on disk before a kill or a stop strikes
-        fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.record is not None:  # durable: on disk before a kill or a stop strikes
+            append_record(self.record, {"kind": fault.kind, "rank": self.rank, "step": fault.step}, durable=True)
 
 
 def _struck_before(record: Path | None, rank: int) -> set[tuple[str, int]]:
     """(kind, step) of the faults this rank recorded in an earlier attempt of the run."""
-    if record is None or not record.is_file():
+    if record is None:
         return set()
-    struck = set()
-    for line in record.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by the kill it announced
-        if entry.get("rank") == rank:
-            struck.add((entry.get("kind"), entry.get("step")))
-    return struck
+    return {(entry.get("kind"), entry.get("step")) for entry in read_records(record) if entry.get("rank") == rank}

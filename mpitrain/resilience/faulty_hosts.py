@@ -21,6 +21,8 @@ from pathlib import Path
 
 import click
 
+from mpitrain.resilience.jsonl import append_record
+
 FAULTS_FILE = "faults.jsonl"
 
 
@@ -32,14 +34,7 @@ def this_host() -> str:
 def record_fault(run_dir: Path, kind: str, host: str | None = None, **details) -> dict:
     """Append one fault record to RUN_DIR/faults.jsonl; returns the record."""
     record = {"host": host or this_host(), "kind": kind, "time": time.time(), **details}
-    path = Path(run_dir) / FAULTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(record) + "\n").encode()
-    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(descriptor, line)  # one write: lines of concurrent writers do not interleave
-    finally:
-        os.close(descriptor)
+    append_record(Path(run_dir) / FAULTS_FILE, record)  # several ranks may report at once: one write each
     return record
 
 

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitrain.resilience.jsonl import read_records
+
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
 POLL_SECONDS = 0.25
 
@@ -54,19 +56,6 @@ def last_committed(checkpoint_dir: Path) -> SavedPoint | None:
     """The newest committed checkpoint's step and save time (what `--resume auto` picks unless it fails to verify)."""
     points = saved_points(checkpoint_dir)
     return points[-1] if points else None
-
-
-def metrics_rows(metrics_path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a half-written last line (a killed writer) is skipped."""
-    if not Path(metrics_path).is_file():
-        return []
-    rows = []
-    for line in Path(metrics_path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
 
 
 def steps_logged_between(rows: list[dict], start: float, end: float) -> int:
@@ -190,7 +179,7 @@ class Supervisor:
             attempt += 1
             saved = last_committed(self.checkpoint_dir)
             after_save = max(started, saved.saved_at) if saved is not None else started
-            redone = steps_logged_between(metrics_rows(self.metrics_path), after_save, ended)
+            redone = steps_logged_between(read_records(self.metrics_path), after_save, ended)
             self.echo(f"launch: attempt {attempt - 1} failed with exit status {describe_status(status)}; restart "
                       f"{attempt} of {self.max_restarts} from "
                       + (f"the checkpoint of step {saved.step}" if saved else "step 0 (no committed checkpoint)"))
@@ -199,7 +188,7 @@ class Supervisor:
     def _report_when_known(self, pending: PendingRestart | None, started: float, final: bool = False):
         if pending is None:
             return None
-        first = first_step_started(metrics_rows(self.metrics_path), started)
+        first = first_step_started(read_records(self.metrics_path), started)
         if first is None and not final:
             return pending
         self.echo(pending.line(first))
@@ -224,7 +213,7 @@ def seconds_to_next_checkpoint(run_dir: Path, startup_seconds: float, saved: Sav
     median logged step time, and one save (as long as the last one took). None: not known yet."""
     from mpitrain.config import load_config
     from mpitrain.errors import ConfigError
-    rows = metrics_rows(run_dir / "metrics.jsonl")
+    rows = read_records(run_dir / "metrics.jsonl")
     times = sorted(row["step_time_s"] for row in rows if "step_time_s" in row)
     if not times or not (run_dir / "config.toml").is_file():
         return None
@@ -247,7 +236,7 @@ def _main(argv: list[str]) -> int:
         after the restart has run: its time-lost line"""
     if len(argv) == 4 and argv[0] == "failed":
         run_dir, started_at, failed_at = Path(argv[1]), float(argv[2]), float(argv[3])
-        rows = metrics_rows(run_dir / "metrics.jsonl")
+        rows = read_records(run_dir / "metrics.jsonl")
         before = [point for point in saved_points(run_checkpoint_dir(run_dir)) if point.saved_at < failed_at]
         saved = before[-1] if before else None
         first = first_step_started(rows, started_at)
@@ -266,7 +255,7 @@ def _main(argv: list[str]) -> int:
         saved = SavedPoint(int(argv[4]), float(argv[5])) if argv[4] != "-" else None
         failed_at, restarted_at = float(argv[6]), float(argv[7])
         pending = PendingRestart(attempt, status, failed_at, restarted_at, saved, None)
-        first = first_step_started(metrics_rows(run_dir / "metrics.jsonl"), restarted_at)
+        first = first_step_started(read_records(run_dir / "metrics.jsonl"), restarted_at)
         print(pending.line(first).replace("launch: ", "", 1))
         return 0
     print(_main.__doc__, file=sys.stderr)
