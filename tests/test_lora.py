@@ -145,8 +145,13 @@ def train_run(n_ranks, run_dir, dataset, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dataset):
-    return train_run(1, tmp_path_factory.mktemp("reference"), dataset)
+def reference_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("reference")
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir, dataset):
+    return train_run(1, reference_dir, dataset)
 
 
 def test_base_weights_stay_bitwise_and_adapters_train(reference):
@@ -180,3 +185,57 @@ def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, rank
     for name, value in ref_params.items():
         err = np.linalg.norm(params[name] - value)
         assert err <= 1e-10 * np.linalg.norm(value), f"{name}: difference {err:.2e}"  # zero tensors: exactly
+
+
+def test_export_merge_lora_gives_the_logits_of_base_plus_adapters(tmp_path, reference, reference_dir):
+    """The CLI's merged file against the trained adapters, both evaluated in float32."""
+    import h5py
+
+    from mpitrain.config import load_config
+    out = tmp_path / "merged.h5"
+    result = run_mpi(1, ["-m", "mpitrain", "ckpt", "export", str(reference_dir), str(out), "--merge-lora"])
+    assert result.returncode == 0 and "12 LoRA adapters merged" in result.stdout, describe(result)
+    _, params = reference
+    with h5py.File(out, "r") as f:
+        merged = {name: f["params"][name][()] for name in f["params"]}
+    assert not any("_lora_" in name for name in merged) and len(merged) == len(params) - 24
+    cfg = load_config("configs/tiny.toml", LORA)
+    backend = make_backend("cpu", "float32")
+    logits = []
+    for lora, tensors in ((cfg.lora, params), (None, merged), (None, params)):  # the last: adapters left out
+        model = GPT(cfg.model, backend, lora=lora)
+        trainable, frozen = split_frozen(model.layouts)
+        state = ReplicatedState(trainable, backend, None)
+        state = WithFrozen(state, frozen, backend, None) if frozen else state
+        for source in (state.inner.params, state.frozen) if frozen else (state.params,):
+            for name, view in source.named_views():
+                view[...] = tensors[name]
+        tokens = np.random.default_rng(3).integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+        logits.append(model.last_logits(state, tokens))
+    tolerance = 1e-6 * np.abs(logits[0]).max()
+    assert np.abs(logits[0] - logits[1]).max() <= tolerance, np.abs(logits[0] - logits[1]).max()
+    assert np.abs(logits[0] - logits[2]).max() > 100 * tolerance  # the trained adapters matter
+
+
+def test_init_from_loads_weights_only_into_another_layout(tmp_path, dataset):
+    """A base run (no LoRA), then a LoRA run at tp = 2 and a plain one at dp = 2 starting from its weights: both
+    start at step 1 with the base model's loss (b = 0), and the LoRA run keeps the base tensors bitwise."""
+    base_dir = tmp_path / "base"
+    _, base = train_run(1, base_dir, dataset, "lora.rank=0", "train.steps=3")
+    lora_metrics, lora_params = train_run(2, tmp_path / "lora", dataset, "parallel.tp=2", "train.steps=2",
+                                          f"train.init_from={base_dir}")
+    plain_metrics, _ = train_run(2, tmp_path / "plain", dataset, "lora.rank=0", "parallel.dp=2", "train.steps=2",
+                                 f"train.init_from={base_dir}")
+    assert lora_metrics[0]["step"] == plain_metrics[0]["step"] == 1
+    assert lora_metrics[0]["loss"] == pytest.approx(plain_metrics[0]["loss"], rel=1e-10, abs=0)
+    for name, value in base.items():
+        assert np.array_equal(lora_params[name], value), name
+    assert any(not np.array_equal(lora_params[n], 0) for n in lora_params if n.endswith("_lora_b"))
+
+
+def test_init_from_a_missing_path_is_one_clear_line(tmp_path, dataset):
+    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path / "run"), "--set",
+            f"data.path={dataset}", "--set", f"train.init_from={tmp_path / 'nowhere'}"]
+    result = run_mpi(1, args)
+    assert result.returncode != 0 and "train.init_from" in result.stderr and "Traceback" not in result.stderr, \
+        describe(result)
