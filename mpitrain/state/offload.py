@@ -138,3 +138,14 @@ def make_placement(memory_cfg, optimizer_name: str, backend, rank: int, run_dir:
         raise ConfigError(f"memory.offload_dir = {directory}: cannot create it on rank {rank} ({exc})") from None
     chunk = int(memory_cfg.offload_chunk_mb * 2**20) // np.dtype(backend.optimizer_dtype).itemsize
     return Offloaded("disk", allocate, str(directory), chunk)
+
+
+def offloaded_bytes(memory_cfg, device: str, optimizer_bytes: float) -> tuple[float, str]:
+    """For `mpitrain memory`: the bytes that leave the device (the optimizer row: master weights, when separate, and
+    moments) and where they go; (0, "") when nothing moves."""
+    kind = memory_cfg.offload
+    if kind == "none" or (kind == "host" and device == "cpu"):
+        return 0, ""
+    where = ("disk (memory-mapped files in memory.offload_dir, streamed in chunks)" if kind == "disk" else
+             "pinned host memory")
+    return optimizer_bytes, f"optimizer state (master + moments) moved to {where}"
