@@ -150,6 +150,13 @@ class LoraConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Memory savers (issue 11): each key says what it trades for memory."""
+    recompute: str = "none"  # none | selective | full: recompute activations in backward (layers/recompute.py)
+    recompute_layers: int = 0  # only the first K blocks of each pipeline stage recompute; 0: all of them
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -160,6 +167,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -170,6 +178,7 @@ ALLOWED = {
     "precision.master": ("float32",),
     "precision.grad_reduce": ("float32", "bfloat16"),
     "parallel.zero": (0, 1, 2, 3),
+    "memory.recompute": ("none", "selective", "full"),
     "parallel.schedule": SCHEDULE_KINDS,
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
@@ -302,7 +311,8 @@ def validate(cfg: Config) -> None:
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
               "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank",
-              "lora.alpha"]
+              "lora.alpha",
+              "memory.recompute_layers"]
     for key in nonneg:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

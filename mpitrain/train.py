@@ -26,6 +26,7 @@ from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
+from mpitrain.layers.recompute import apply_recompute
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
@@ -97,6 +98,7 @@ class Trainer:
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
                          stages=stages, lora=cfg.lora)
+        apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
         self.state = make_state(cfg, self.model, self.backend, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, self.state)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)

@@ -24,6 +24,7 @@ what its forward saves); `saved_arrays` of a unit sums them, and `mpitrain memor
 from __future__ import annotations
 
 from mpitrain.config import ModelConfig
+from mpitrain.layers import recompute
 from mpitrain.layers.attention import Attention
 from mpitrain.layers.embedding import TokenEmbedding
 from mpitrain.layers.head import LMHead
@@ -86,8 +87,15 @@ class Block(Unit):
         self.norm1, self.attention = Norm(kind, "norm1", cfg.d_model, cfg.norm_eps, tp), Attention(cfg, tp)
         self.norm2, self.mlp = Norm(kind, "norm2", cfg.d_model, cfg.norm_eps, tp), MLP(cfg, tp)
         super().__init__(f"blocks.{index}", tp, [self.norm1, self.attention, self.norm2, self.mlp])
+        self.recompute = "none"  # none | selective | full: mpitrain/layers/recompute.py
 
     def forward(self, p, x, ctx):
+        if self.recompute != "none":
+            return recompute.forward(self, p, x, ctx)
+        return self.forward_all(p, x, ctx)
+
+    def forward_all(self, p, x, ctx):
+        """The forward that saves everything its backward reads."""
         h1, norm1 = self.norm1.forward(p, x)
         attention, attention_saved = self.attention.forward(p, h1, ctx)
         x1 = x + attention
@@ -96,6 +104,8 @@ class Block(Unit):
         return x1 + mlp, {"norm1": norm1, "attention": attention_saved, "norm2": norm2, "mlp": mlp_saved}
 
     def backward(self, p, g, s, dy, deferred=None):
+        if self.recompute != "none":
+            s = recompute.restore(self, p, s)
         partial = self.partial(g, deferred)
         g = partial.grads  # the partial ones are zeroed temporaries until partial.reduce()
         d_h2 = self.mlp.backward(p, g, s["mlp"], dy, deferred)
@@ -104,6 +114,11 @@ class Block(Unit):
         dx = dx1 + self.norm1.backward(p, g, s["norm1"], d_h1)
         partial.reduce()
         return dx
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        if self.recompute != "none":
+            return recompute.saved_arrays(self, batch, seq_len, dtype)
+        return super().saved_arrays(batch, seq_len, dtype)
 
     def weight_views(self, g) -> dict:
         return self.attention.local(g)

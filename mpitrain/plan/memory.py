@@ -75,6 +75,7 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
 def rank_model(cfg: Config):
     """The model of tp rank 0 and pipeline rank 0, built without a group: only its shapes are used."""
     from mpitrain.backend import make_backend
+    from mpitrain.layers.recompute import apply_recompute
     from mpitrain.layers.tensor_parallel import TensorParallel
     from mpitrain.model.gpt import GPT
     from mpitrain.parallel.pipeline import rank_stages
@@ -82,7 +83,9 @@ def rank_model(cfg: Config):
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    return GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
+    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
+    apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
+    return model
 
 
 def rank_param_count(cfg: Config) -> int:

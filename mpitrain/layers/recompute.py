@@ -1,0 +1,89 @@
+"""Activation recomputation: a block keeps less of its forward and recomputes the rest at the start of its backward.
+
+`memory.recompute`:
+  none       the block keeps what each sublayer's forward saves (mpitrain/model/units.py).
+  full       the block keeps only its input; backward runs the block's forward again first (all of it, collectives
+             included: under tensor parallelism every rank of the group recomputes in the same order).
+  selective  Megatron's selective recomputation: keep what costs matmuls to recompute, drop what is large and cheap.
+             Kept: the norms' inputs (the block input and the residual after attention), q, k, v (after RoPE) and the
+             MLP nonlinearity's input(s). Recomputed: the norms and their entry into the tp region (the sequence
+             all-gather under SP, as Megatron does), the attention scores, softmax and probs @ v, and the
+             nonlinearity's output. No linear is run again.
+`memory.recompute_layers = K`: only the first K blocks of each model chunk (pipeline stage) recompute; 0: all.
+
+Exact: the recomputed arrays are the same operations on the same inputs, so they are bitwise the forward's, and a
+run gives the same losses and parameters as without recomputation.
+
+The extra work is forward FLOPs: full adds one block forward (about a third of a block's training FLOPs), selective
+only the attention core's two (T x T) matmuls; count them as hardware FLOPs, not model FLOPs, in the time breakdown.
+"""
+from __future__ import annotations
+
+from mpitrain.layers import ops
+from mpitrain.layers.attention import merge_heads
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class Shared:
+    """Per-sequence-length constants (causal bias, rotary tables) a kept state refers to without owning them: an
+    opaque holder, so that counting a saved state's arrays (backend.nbytes_of) does not count them per micro-batch."""
+
+    def __init__(self, ctx: dict):
+        self.ctx = ctx
+
+
+def apply_recompute(model, mode: str, layers: int = 0) -> None:
+    """Set the mode of the blocks of each chunk of `model` (a GPT): the first `layers` of the chunk (0: all)."""
+    for chunk in model.chunks:
+        blocks = [model.units[i] for i in chunk if hasattr(model.units[i], "recompute")]
+        count = len(blocks) if layers == 0 else min(layers, len(blocks))
+        for k, block in enumerate(blocks):
+            block.recompute = mode if k < count else "none"
+
+
+def forward(block, p, x, ctx):
+    """(y, kept) of a block under its `recompute` mode (selective or full)."""
+    kept = {"x": x, "ctx": Shared(ctx)}
+    if block.attention.rope:
+        kept["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, counted once by GPT.saved_bytes
+    if block.recompute == "full":
+        y, _ = block.forward_all(p, x, ctx)
+        return y, kept
+    h1, _ = block.norm1.forward(p, x)
+    attention, attention_saved = block.attention.forward(p, h1, ctx)
+    x1 = x + attention
+    h2, _ = block.norm2.forward(p, x1)
+    mlp, mlp_saved = block.mlp.forward(p, h2, ctx)
+    kept.update(x1=x1, qkv=attention_saved["core"][:3], activation=mlp_saved["activation"])
+    return x1 + mlp, kept
+
+
+def restore(block, p, kept) -> dict:
+    """The saved state a `none` block would hold, recomputed from what the block kept."""
+    ctx = kept["ctx"].ctx
+    if block.recompute == "full":
+        return block.forward_all(p, kept["x"], ctx)[1]
+    h1, norm1 = block.norm1.forward(p, kept["x"])
+    (out, _), core = ops.attention_forward(*kept["qkv"], ctx["bias"])
+    attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": merge_heads(out)}
+    if block.attention.rope:
+        attention["rope"] = kept["rope"]
+    h2, norm2 = block.norm2.forward(p, kept["x1"])
+    activation = kept["activation"]
+    act = ops.swiglu_forward(*activation)[0] if block.mlp.gated else ops.gelu_forward(activation)[0]
+    mlp = {"up": block.mlp.up.tp.enter(h2), "activation": activation, "down": act}
+    return {"norm1": norm1, "attention": attention, "norm2": norm2, "mlp": mlp}
+
+
+def saved_arrays(block, batch: int, seq_len: int, dtype) -> list:
+    """(shape, dtype) of what `forward` keeps per micro-batch (the shared tables are the model's)."""
+    local_seq = len(range(seq_len)[block.norm1.tp.sequence_chunk(seq_len)])  # 1/t of it under SP
+    residual = ((batch, local_seq, block.norm1.width), dtype)
+    if block.recompute == "full":
+        return [residual]
+    a = block.attention
+    qkv = [((batch, a.heads, seq_len, a.head_dim), dtype)] + [((batch, a.kv_heads, seq_len, a.head_dim), dtype)] * 2
+    hidden = ((batch, seq_len, block.mlp.local_width), dtype)
+    return [residual, residual] + qkv + [hidden] * (2 if block.mlp.gated else 1)
+
