@@ -241,7 +241,7 @@ def ckpt_verify(path):
 @ckpt.command("export")
 @click.argument("path", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--optimizer", is_flag=True, help="Also export the Adam moments.")
+@click.option("--optimizer", is_flag=True, help="Also export the optimizer's state (e.g. the Adam moments).")
 @click.option("--merge-lora", is_flag=True, help="Merge the LoRA adapters into the base weights (params only).")
 @_user_errors
 def ckpt_export(path, out, optimizer, merge_lora):
@@ -255,7 +255,9 @@ def ckpt_export(path, out, optimizer, merge_lora):
         merged = export_merged(checkpoint, Path(out))
         click.echo(f"wrote {out} (step {checkpoint.step}, {merged} LoRA adapters merged into their weights)")
         return
-    checkpoint.export(Path(out), kinds=("param", "exp_avg", "exp_avg_sq") if optimizer else ("param",))
+    saved_kinds = sorted({piece["kind"] for record in checkpoint.index["files"] for piece in record["pieces"]}
+                         - {"param"})
+    checkpoint.export(Path(out), kinds=("param", *saved_kinds) if optimizer else ("param",))  # any optim.name's state
     click.echo(f"wrote {out} (step {checkpoint.step})")
 
 

@@ -85,7 +85,10 @@ class CheckpointManager:
         tensors = {}
         for record in records:
             for piece in record["pieces"]:
-                tensors.setdefault(piece["tensor"], {"global_shape": piece["global_shape"], "dtype": piece["dtype"]})
+                entry = tensors.setdefault(piece["tensor"], {"global_shape": piece["global_shape"],
+                                                             "dtype": piece["dtype"]})
+                if piece["kind"] == "param":  # a tensor's dtype is its parameters' (8-bit Adam's codes are uint8)
+                    entry["dtype"] = piece["dtype"]
         p = cfg.parallel
         return {"format": FORMAT_VERSION, "step": step, "created": time.time(),
                 "save_seconds": time.time() - self.save_started,  # Young/Daly advice (resilience/advice.py)
