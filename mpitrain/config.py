@@ -152,6 +152,9 @@ class LoraConfig:
 @dataclass
 class MemoryConfig:
     """Memory savers (issue 11): each key says what it trades for memory."""
+    offload: str = "none"  # none | host | disk: fp32 master weights and Adam moments off the device (state/offload.py)
+    offload_dir: str = ""  # memory.offload = disk: one set of memory-mapped files per rank; "": RUN_DIR/offload
+    offload_chunk_mb: float = 16.0  # offloaded state streams through the device in chunks of this size per array
     recompute: str = "none"  # none | selective | full: recompute activations in backward (layers/recompute.py)
     recompute_layers: int = 0  # only the first K blocks of each pipeline stage recompute; 0: all of them
 
@@ -178,6 +181,7 @@ ALLOWED = {
     "precision.master": ("float32",),
     "precision.grad_reduce": ("float32", "bfloat16"),
     "parallel.zero": (0, 1, 2, 3),
+    "memory.offload": ("none", "host", "disk"),
     "memory.recompute": ("none", "selective", "full"),
     "parallel.schedule": SCHEDULE_KINDS,
 }
@@ -301,7 +305,7 @@ def validate(cfg: Config) -> None:
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
                 "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "parallel.pp",
                 "parallel.virtual_stages", "model.rope_theta", "model.norm_eps", "precision.loss_scale_window",
-                "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps"]
+                "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps", "memory.offload_chunk_mb"]
     for key in positive:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

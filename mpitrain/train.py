@@ -44,6 +44,7 @@ from mpitrain.resilience.inject import strike_hang, strike_kill
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 from mpitrain.state.frozen import WithFrozen, split_frozen
+from mpitrain.state.offload import make_placement
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.strategy import reduction_group
 from mpitrain.state.zero import ZeroState
@@ -99,8 +100,11 @@ class Trainer:
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
                          stages=stages, lora=cfg.lora)
         apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
-        self.state = make_state(cfg, self.model, self.backend, self.mesh)
-        self.optimizer = make_optimizer(cfg.optim, self.state)  # optim.name
+        # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
+        self.placement = make_placement(cfg.memory, getattr(cfg.optim, "name", "adamw"), self.backend, world_rank,
+                                        run_dir, say=print if world_rank == 0 else None)
+        self.state = make_state(cfg, self.model, self.backend, self.mesh, self.placement)
+        self.optimizer = make_optimizer(cfg.optim, self.state, self.placement)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
@@ -215,15 +219,17 @@ class Trainer:
         self.guard.load_state(state)
 
 
-def make_state(cfg: Config, model: GPT, backend, mesh):
+def make_state(cfg: Config, model: GPT, backend, mesh, placement=None):
     """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
     p = cfg.parallel
     reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
     group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
     if p.zero == 0:
-        state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce)
+        state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce,
+                                placement)
     else:
-        state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce)
+        state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
+                          placement)
     return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 

@@ -24,6 +24,7 @@ from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
 from mpitrain.optim.footprint import optimizer_row
 from mpitrain.state.frozen import split_frozen
+from mpitrain.state.offload import offloaded_bytes
 
 SHARDED = {"params": (3,), "grads": (2, 3), "optimizer": (1, 2, 3)}  # the ZeRO stages that split each kind
 
@@ -107,5 +108,10 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
     rows = {**state, "state": sum(state.values()), "activations": activations}  # "state": the subtotal
+    moved, where = offloaded_bytes(cfg.memory, cfg.train.device, state["optimizer"])
+    if moved:  # memory.offload: the optimizer row stays listed, but leaves the device's subtotal
+        rows["state"] -= moved
+        rows["offloaded"], formulas["offloaded"] = moved, where
+        formulas["state"] += ", less the offloaded row"
     return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
             "total": rows["state"] + activations}
