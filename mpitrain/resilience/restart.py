@@ -138,6 +138,7 @@ class Supervisor:
         self.echo = echo
         self.process: subprocess.Popen | None = None
         self.cancelled = False
+        self._metrics_seen = None  # (size, mtime) of metrics.jsonl when last read
 
     def _forward(self, signum, frame):
         if signum in (signal.SIGTERM, signal.SIGINT):
@@ -188,11 +189,22 @@ class Supervisor:
     def _report_when_known(self, pending: PendingRestart | None, started: float, final: bool = False):
         if pending is None:
             return None
+        if not final and not self._metrics_changed():
+            return pending  # polled 4 times a second: parse a long run's metrics.jsonl only when a row was added
         first = first_step_started(read_records(self.metrics_path), started)
         if first is None and not final:
             return pending
         self.echo(pending.line(first))
         return None
+
+    def _metrics_changed(self) -> bool:
+        try:
+            stat = Path(self.metrics_path).stat()
+            seen = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            seen = None
+        changed, self._metrics_seen = seen != self._metrics_seen, seen
+        return changed
 
 
 # ----------------------------------------------------------------------------- for slurm/train.sbatch
