@@ -33,14 +33,16 @@ def test_compute_time_leaves_out_waiting_on_peers():
 
 
 def test_injected_slow_rank_is_reported_by_rank_and_host(tmp_path):
-    """slow:rank=1:factor=6 on 2 ranks: rank 1's compute is 6x rank 0's, 1.7x the median (mean of two); the
-    threshold 1.3 leaves room for a loaded machine. Only the report is checked, never a duration."""
+    """slow:rank=1:factor=20 on 2 ranks: rank 1's compute is 20x its own, 1.9x the median (mean of two) when the
+    ranks compute alike. The threshold 1.3 is still crossed when a loaded machine makes rank 0's compute up to 10x
+    rank 1's unslowed one on three logged steps in a row (factor 6 allowed only 3x, and failed once in two runs at
+    load ~20). Only the report is checked, never a duration."""
     run_dir = tmp_path / "run"
     settings = ["data.synthetic=true", "train.steps=8", "train.log_every=1", "logging.peak_flops=1e9",
                 "fault.straggler_factor=1.3", "fault.straggler_steps=3"]
     result = run_mpi(2, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir),
                          *[arg for s in settings for arg in ("--set", s)]], timeout=240,
-                     env={"MPITRAIN_FAULT": "slow:rank=1:factor=6"})
+                     env={"MPITRAIN_FAULT": "slow:rank=1:factor=20"})
     assert result.returncode == 0, describe(result)
     assert "straggler: rank 1 on " in result.stdout, describe(result)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
