@@ -113,6 +113,23 @@ def plain_logits_without_adapters(tensors, tokens):
     return plain.last_logits(plain_state, tokens)
 
 
+def test_memory_plan_counts_the_frozen_base_and_the_adapters_state_exactly():
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.plan.memory import memory_report, rank_param_count
+    cfg = load_config("configs/tiny.toml", ["precision.compute=float64", *LORA])
+    resolve_layout(cfg, 1)
+    report = memory_report(cfg, rank_param_count(cfg))["bytes"]
+    model = GPT(cfg.model, make_backend("cpu", "float64"), lora=cfg.lora)
+    trainable, frozen = split_frozen(model.layouts)
+    backend = make_backend("cpu", "float64")
+    state = WithFrozen(ReplicatedState(trainable, backend, 0), frozen, backend, 0)
+    held = state.memory()
+    optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
+    assert (report["params"], report["grads"], report["optimizer"]) == \
+        (held["params"], held["grads"], optimizer.state_nbytes()), (report, held)
+    assert 0 < report["grads"] < report["params"] / 5  # the base has no gradient
+
+
 def test_targets_are_checked_by_name():
     from mpitrain.errors import ConfigError
     with pytest.raises(ConfigError, match="lora.targets.*unknown w_nope"):
@@ -175,8 +192,10 @@ def test_base_weights_stay_bitwise_and_adapters_train(reference):
 
 
 @pytest.mark.parametrize("ranks, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.tp=2"]),
-                                           (2, ["parallel.dp=2", "parallel.zero=1"])],
-                         ids=["dp2", "tp2", "zero1"])
+                                           (2, ["parallel.dp=2", "parallel.zero=1"]),
+                                           (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                                           (2, ["parallel.pp=2"])],
+                         ids=["dp2", "tp2", "zero1", "tp2-sp", "pp2"])
 def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, ranks, layout):
     ref_metrics, ref_params = reference
     metrics, params = train_run(ranks, tmp_path, dataset, *layout)

@@ -84,7 +84,7 @@ def rank_model(cfg: Config):
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages)
+    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
     return model
 
@@ -98,9 +98,14 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size)."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
-    state = model_state_bytes(n_params, cfg.precision.compute, p.zero, p.dp)
+    frozen = sum(layout.size for layout in split_frozen(rank_model(cfg).layouts)[1] or [])  # lora: the base
+    state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp)
+    state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
     activations = activation_bytes(cfg)
     formulas = state_formulas(cfg.precision.compute, p.zero)
+    if frozen:
+        formulas["params"] += f" + e*{frozen:,} frozen (LoRA: Psi counts only the {n_params - frozen:,} adapters)"
+        formulas["state"] = formulas["state"].replace("per parameter", f"per adapter parameter, {itemsize} per frozen")
     lean = optimizer_row(cfg, split_frozen(rank_model(cfg).layouts)[0])  # optim.name = adafactor | adam8bit | sgd
     if lean:
         state["optimizer"], formulas["optimizer"] = lean
