@@ -112,6 +112,9 @@ def memory_report(cfg: Config, n_params: int) -> dict:
         formulas["state"] = "params + grads + optimizer rows"
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
+    if cfg.memory.recompute != "none":  # the blocks' declaration already follows the mode
+        blocks = f"first {cfg.memory.recompute_layers} blocks" if cfg.memory.recompute_layers else "all blocks"
+        formulas["activations"] += f", memory.recompute = {cfg.memory.recompute} ({blocks} of each stage)"
     rows = {**state, "state": sum(state.values()), "activations": activations}  # "state": the subtotal
     moved, where = offloaded_bytes(cfg.memory, cfg.train.device, state["optimizer"])
     if moved:  # memory.offload: the optimizer row stays listed, but leaves the device's subtotal
