@@ -142,14 +142,6 @@ class FaultConfig:
 
 
 @dataclass
-class LoraConfig:
-    """LoRA (mpitrain/layers/lora.py): every base tensor frozen, rank-r adapters on the named linears."""
-    rank: int = 0  # 0: off
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    targets: list = field(default_factory=lambda: ["wq", "wv"])  # weight names of the blocks' linears
-
-
-@dataclass
 class MemoryConfig:
     """Memory savers (issue 11): each key says what it trades for memory."""
     offload: str = "none"  # none | host | disk: fp32 master weights and Adam moments off the device (state/offload.py)
@@ -157,6 +149,14 @@ class MemoryConfig:
     offload_chunk_mb: float = 16.0  # offloaded state streams through the device in chunks of this size per array
     recompute: str = "none"  # none | selective | full: recompute activations in backward (layers/recompute.py)
     recompute_layers: int = 0  # only the first K blocks of each pipeline stage recompute; 0: all of them
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (mpitrain/layers/lora.py): every base tensor frozen, rank-r adapters on the named linears."""
+    rank: int = 0  # 0: off
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    targets: list = field(default_factory=lambda: ["wq", "wv"])  # weight names of the blocks' linears
 
 
 @dataclass
@@ -314,8 +314,7 @@ def validate(cfg: Config) -> None:
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
-              "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank",
-              "lora.alpha",
+              "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
               "memory.recompute_layers"]
     for key in nonneg:
         section, name = key.split(".")

@@ -46,8 +46,8 @@ class Unit:
         self.layout = UnitLayout(name, [spec for layer in sublayers for spec in layer.specs])
         self.partial_grads = [name for layer in sublayers for name in layer.partial_grads]
         self.borrows: dict[str, str] = {}  # local name -> global name of a tensor of another unit it reads
-
         self.frozen = False  # every tensor frozen, adapters aside (LoRA: mpitrain/layers/lora.py)
+
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         return [array for layer in self.sublayers for array in layer.saved_arrays(batch, seq_len, dtype)]
 
