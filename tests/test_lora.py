@@ -130,6 +130,17 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters_state_exactly():
     assert 0 < report["grads"] < report["params"] / 5  # the base has no gradient
 
 
+def test_adapters_on_kv_weights_replicated_over_tp_are_refused():
+    from mpitrain.errors import ConfigError
+    from mpitrain.layers.tensor_parallel import TensorParallel
+    tp = TensorParallel(None)
+    tp.size = 2  # shapes only, as `mpitrain memory` builds a rank's model
+    cfg = ModelConfig(arch="llama", n_layer=1, d_model=16, n_head=4, n_kv_head=1, vocab_size=40, seq_len=8)
+    with pytest.raises(ConfigError, match="wk is replicated over tp"):
+        GPT(cfg, make_backend("cpu", "float64"), tp=tp, lora=LoraConfig(rank=2, targets=["wq", "wk"]))
+    GPT(cfg, make_backend("cpu", "float64"), tp=tp, lora=LoraConfig(rank=2, targets=["wq", "wo"]))
+
+
 def test_targets_are_checked_by_name():
     from mpitrain.errors import ConfigError
     with pytest.raises(ConfigError, match="lora.targets.*unknown w_nope"):
@@ -147,13 +158,13 @@ def dataset(tmp_path_factory):
 LORA = ["lora.rank=4", "lora.alpha=8.0", 'lora.targets=["wq", "wk", "wv", "wo", "w_fc", "w_proj"]']
 
 
-def train_run(n_ranks, run_dir, dataset, *overrides):
+def train_run(n_ranks, run_dir, dataset, *overrides, resume=None, expect=0):
     settings = [f"data.path={dataset}", "precision.compute=float64", "train.steps=6", *LORA, *overrides]
     args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
     for setting in settings:
         args += ["--set", setting]
-    result = run_mpi(n_ranks, args, timeout=300)
-    assert result.returncode == 0, describe(result)
+    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=300)
+    assert result.returncode == expect, describe(result)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     checkpoint = Checkpoint.open(resolve_checkpoint(run_dir))
     params = {name: checkpoint.read_box("param", name, (0,) * len(info["global_shape"]), info["global_shape"],
@@ -194,8 +205,9 @@ def test_base_weights_stay_bitwise_and_adapters_train(reference):
 @pytest.mark.parametrize("ranks, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.tp=2"]),
                                            (2, ["parallel.dp=2", "parallel.zero=1"]),
                                            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-                                           (2, ["parallel.pp=2"])],
-                         ids=["dp2", "tp2", "zero1", "tp2-sp", "pp2"])
+                                           (2, ["parallel.pp=2"]),
+                                           (2, ["parallel.tp=2", "memory.recompute=full"])],
+                         ids=["dp2", "tp2", "zero1", "tp2-sp", "pp2", "tp2-recompute"])
 def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, ranks, layout):
     ref_metrics, ref_params = reference
     metrics, params = train_run(ranks, tmp_path, dataset, *layout)
@@ -204,6 +216,15 @@ def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, rank
     for name, value in ref_params.items():
         err = np.linalg.norm(params[name] - value)
         assert err <= 1e-10 * np.linalg.norm(value), f"{name}: difference {err:.2e}"  # zero tensors: exactly
+
+
+def test_a_stopped_lora_run_resumes_bitwise(tmp_path, dataset, reference):
+    """Adapters, their AdamW moments and the frozen base go through a checkpoint and back exactly."""
+    train_run(1, tmp_path, dataset, "train.stop_at=3", expect=75)
+    metrics, params = train_run(1, tmp_path, dataset, resume="auto")
+    assert metrics[-1]["loss"] == reference[0][-1]["loss"]
+    for name, value in reference[1].items():
+        assert np.array_equal(params[name], value), name
 
 
 def test_export_merge_lora_gives_the_logits_of_base_plus_adapters(tmp_path, reference, reference_dir):
