@@ -227,6 +227,20 @@ def test_a_stopped_lora_run_resumes_bitwise(tmp_path, dataset, reference):
         assert np.array_equal(params[name], value), name
 
 
+def test_a_bfloat16_lora_run_keeps_the_base_exactly_in_its_checkpoint(tmp_path, dataset):
+    import ml_dtypes
+
+    from mpitrain.config import load_config
+    _, params = train_run(1, tmp_path, dataset, "precision.compute=bfloat16", "train.steps=2")
+    cfg = load_config("configs/tiny.toml", LORA)
+    model = GPT(cfg.model, make_backend("cpu", "bfloat16"), lora=cfg.lora)
+    for layout in model.layouts:
+        for spec in layout.specs:
+            if not spec.trainable:
+                start = init_tensor(spec, layout.name, cfg.train.seed).astype(ml_dtypes.bfloat16).astype(np.float64)
+                assert np.array_equal(params[f"{layout.name}.{spec.name}"], start), spec.name
+
+
 def test_export_merge_lora_gives_the_logits_of_base_plus_adapters(tmp_path, reference, reference_dir):
     """The CLI's merged file against the trained adapters, both evaluated in float32."""
     import h5py

@@ -69,6 +69,8 @@ def write_rank_file(path: Path, pieces: list[tuple[Piece, np.ndarray]]) -> dict:
     with h5py.File(path, "w") as f:
         for number, (piece, values) in enumerate(pieces):
             name = f"{piece.kind}/{piece.tensor}#{number}"
+            if values.dtype.name == "bfloat16":  # HDF5 has no bfloat16 (LoRA's frozen base): float32 holds it exactly
+                values = values.astype(np.float32)
             dataset = f.create_dataset(name, data=values)
             for key, value in piece.to_dict().items():
                 dataset.attrs[key] = value if isinstance(value, str) else np.asarray(value, dtype=np.int64)
