@@ -1,8 +1,8 @@
 """Activation recomputation (memory.recompute): exact, and the saved bytes it promises, measured.
 
 Exact: a block recomputes with the same operations on the same inputs, so losses and gradients equal the run
-without recomputation; in one process bitwise, and under tp 2 with SP, pp 2 and dp 2 with ZeRO-1 the real trainer
-gives the same losses and parameters (float64, 1e-12).
+without recomputation; in one process bitwise (LoRA adapters too), and under tp 2 with SP, pp 2 (zb1p: weight
+gradients deferred) and dp 2 with ZeRO-1 the real trainer gives the same losses and parameters (float64, 1e-12).
 Bytes: the arrays actually saved by one micro-batch, counted (backend.nbytes_of), equal the declaration `mpitrain
 memory` sums, and at configs/bench-small.toml's depth full keeps <= 1/8 and selective <= 1/2 of none.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpitrain.backend import make_backend, nbytes_of
-from mpitrain.config import ModelConfig, load_config
+from mpitrain.config import LoraConfig, ModelConfig, load_config
 from mpitrain.errors import ConfigError
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.model.gpt import GPT
@@ -24,10 +24,11 @@ SMALL = {"n_layer": 3, "d_model": 32, "n_head": 4, "vocab_size": 64, "seq_len": 
 VARIANTS = {"gpt2": {}, "llama": {"arch": "llama", "n_kv_head": 2}}
 
 
-def one_step(cfg: ModelConfig, mode: str, layers: int = 0, dtype="float64", batch: int = 2, backward=True):
+def one_step(cfg: ModelConfig, mode: str, layers: int = 0, dtype="float64", batch: int = 2, backward=True,
+             lora=None):
     """Loss, gradients, measured and declared saved bytes of one micro-batch through the model in one process."""
     backend = make_backend("cpu", dtype)
-    model = GPT(cfg, backend)
+    model = GPT(cfg, backend, lora=lora)
     apply_recompute(model, mode, layers)
     state = ReplicatedState(model.layouts, backend, 0)
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, cfg.seq_len))
@@ -48,6 +49,16 @@ def test_recomputation_gives_the_same_loss_and_gradients_bitwise(arch, dtype):
         other_loss, other_grads, _, _ = one_step(cfg, mode, layers, dtype=dtype)
         assert other_loss == loss, (mode, layers)
         assert np.array_equal(other_grads, grads), (mode, layers)
+
+
+def test_recomputation_with_lora_adapters_is_bitwise():
+    """LoRA's adapters recompute their own intermediate from the linear's saved input: selective keeps it."""
+    cfg, lora = ModelConfig(**SMALL, **VARIANTS["llama"]), LoraConfig(rank=2, targets=["wq", "wv", "w_up", "w_down"])
+    loss, grads, _, _ = one_step(cfg, "none", lora=lora)
+    assert np.any(grads)
+    for mode in ("selective", "full"):
+        other_loss, other_grads, _, _ = one_step(cfg, mode, lora=lora)
+        assert other_loss == loss and np.array_equal(other_grads, grads), mode
 
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))
@@ -110,7 +121,7 @@ if MPI.COMM_WORLD.rank == 0:
 
 LAYOUTS = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp2": ["parallel.pp=2", "train.micro_batch=2"],
+    "pp2-zb1p": ["parallel.pp=2", "train.micro_batch=2", "parallel.schedule=zb1p"],  # weight gradients deferred
     "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"],
 }
 MODES = [("memory.recompute=selective",), ("memory.recompute=full",),
