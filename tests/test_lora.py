@@ -204,10 +204,11 @@ def test_base_weights_stay_bitwise_and_adapters_train(reference):
 
 @pytest.mark.parametrize("ranks, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.tp=2"]),
                                            (2, ["parallel.dp=2", "parallel.zero=1"]),
+                                           (2, ["parallel.dp=2", "parallel.zero=3"]),
                                            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                                            (2, ["parallel.pp=2"]),
                                            (2, ["parallel.tp=2", "memory.recompute=full"])],
-                         ids=["dp2", "tp2", "zero1", "tp2-sp", "pp2", "tp2-recompute"])
+                         ids=["dp2", "tp2", "zero1", "zero3", "tp2-sp", "pp2", "tp2-recompute"])
 def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, ranks, layout):
     ref_metrics, ref_params = reference
     metrics, params = train_run(ranks, tmp_path, dataset, *layout)
