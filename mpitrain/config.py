@@ -93,6 +93,7 @@ class OptimConfig:
     eps: float = 1e-8
     name: str = "adamw"  # adamw | adafactor | adam8bit | sgd (mpitrain/optim/factory.py)
     momentum: float = 0.9  # sgd only
+    adafactor_beta1: float = 0.9  # adafactor only: its first moment (0: none, 4 bytes per parameter less)
 
 
 @dataclass
@@ -333,6 +334,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
              f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")
     _require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
+    _require(0 <= cfg.optim.adafactor_beta1 < 1,
+             f"config key optim.adafactor_beta1 = {cfg.optim.adafactor_beta1} must be in [0, 1)")
     _require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,

@@ -8,7 +8,7 @@ import pytest
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import BLOCK, Adam8bit, quantization_map
 from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
-from mpitrain.optim.factory import segment_matrices
+from mpitrain.optim.factory import segment_matrices, segment_tensors
 from mpitrain.optim.sgd import SGD
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
 from tests.test_checkpoint import PREEMPTED, losses, small_epochs, train  # noqa: F401 (fixture)
@@ -48,12 +48,18 @@ def _run(optimizer, grads, gradients, grad_scale=0.5):
 
 
 # -- Adafactor
-def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=True):
+def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=True, beta1=0.9, clip_pieces=None,
+                        d=1.0):
+    """Shazeer & Stern's Adafactor: factored (or full) second moment with beta2_t = 1 - t^-0.8, the update clipped
+    to rms <= d (0: no clipping) over each of clip_pieces (global ranges; default: each tensor), then the first
+    moment (beta1 > 0), debiased as Adam's."""
     p = params.copy()
-    state = {}
+    state, m = {}, np.zeros_like(p)
+    clip_pieces = clip_pieces or [(start, end) for start, end, _, _ in tensors]
     for t, g_all in enumerate(gradients, start=1):
         beta2, lr = 1.0 - t ** -0.8, LRS[t - 1]
-        for start, end, shape, decayed in tensors:
+        update = np.zeros_like(p)
+        for start, end, shape, _ in tensors:
             g = g_all[start:end].reshape(shape) * grad_scale
             u = g ** 2 + 1e-30
             if len(shape) == 2 and factor_2d:
@@ -65,27 +71,40 @@ def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=Tr
             else:
                 v_hat = beta2 * state.get(start, np.zeros(shape)) + (1 - beta2) * u
                 state[start] = v_hat
+            update[start:end] = (g / np.sqrt(v_hat)).ravel()
+        for start, end in clip_pieces if d else ():
+            update[start:end] /= max(1.0, np.sqrt(np.mean(update[start:end] ** 2)) / d)
+        if beta1:
+            m = beta1 * m + (1 - beta1) * update
+            update = m / (1 - beta1 ** t)
+        for start, end, _, decayed in tensors:
             if decayed:
                 p[start:end] *= 1 - lr * wd
-            p[start:end] -= lr * (g / np.sqrt(v_hat)).ravel()
+        p -= lr * update
     return p
 
 
-def test_adafactor_matches_reference_math():
+@pytest.mark.parametrize("beta1", [0.9, 0.0])
+def test_adafactor_matches_reference_math(beta1):
     layout = _layout()
     params, grads, gradients = _problem(layout)
     start = params.data.copy()
     segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
     layout_dict = {"geometry": params, "segment_windows": [(0, params.size)]}
-    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1)
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
+    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1, beta1=beta1, tensors=whole)
     assert [m[2:] for m in optimizer.matrices[0]] == [(5, 7), (7, 3)]  # both matrices factored, whole in the segment
+    assert len(optimizer.clip_ranges[0]) == 4  # every tensor clipped on its own
     _run(optimizer, grads, gradients)
-    expected = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5)
+    expected = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5, beta1=beta1)
     np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
+    clipped_nowhere = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5, beta1=beta1, d=0)
+    assert np.abs(clipped_nowhere - expected).max() > 1e-6  # the clipping acted (the test can tell)
 
 
 def test_adafactor_on_a_cut_matrix_falls_back_to_unfactored():
-    """Two segments cutting w1 (as a ZeRO shard boundary would): w1 is unfactored, w2 (whole) stays factored."""
+    """Two segments cutting w1 (as a ZeRO shard boundary would): w1 is unfactored and each piece is clipped on its
+    own, w2 (whole) stays factored."""
     layout = _layout()
     params, grads, gradients = _problem(layout, seed=1)
     start = params.data.copy()
@@ -95,12 +114,14 @@ def test_adafactor_on_a_cut_matrix_falls_back_to_unfactored():
                                                             if min(y, b) > max(x, a)])
                 for a, b in ((0, cut), (cut, params.size))]
     layout_dict = {"geometry": params, "segment_windows": [(0, cut), (cut, params.size)]}
-    optimizer = Adafactor(segments, segment_matrices(layout_dict), weight_decay=0.1)
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
+    optimizer = Adafactor(segments, segment_matrices(layout_dict), weight_decay=0.1, tensors=whole)
     assert optimizer.matrices == [[], [(35 - cut, 56 - cut, 7, 3)]]
     _run(optimizer, grads, gradients)
     tensors = _tensors(layout)
-    expected = reference_adafactor(start, gradients, tensors, 0.1, 0.5)
-    unfactored_w1 = reference_adafactor(start, gradients, tensors, 0.1, 0.5, factor_2d=False)
+    pieces = [(0, cut), (cut, 35)] + [(a, b) for a, b, _, _ in tensors if a >= 35]
+    expected = reference_adafactor(start, gradients, tensors, 0.1, 0.5, clip_pieces=pieces)
+    unfactored_w1 = reference_adafactor(start, gradients, tensors, 0.1, 0.5, factor_2d=False, clip_pieces=pieces)
     expected[0:35] = unfactored_w1[0:35]
     np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
 
@@ -228,13 +249,15 @@ def test_optimizer_state_bytes_per_parameter():
     per_parameter = {
         "adamw": AdamW([segment], AdamWHyper()).state_nbytes() / n,
         "adafactor": Adafactor([segment], matrices).state_nbytes() / n,
+        "adafactor without first moment": Adafactor([segment], matrices, beta1=0).state_nbytes() / n,
         "adam8bit": Adam8bit([segment], AdamWHyper()).state_nbytes() / n,
         "sgd": SGD([segment], momentum=0.9).state_nbytes() / n,
     }
     print(per_parameter)
     assert per_parameter["adamw"] == 8
-    assert per_parameter["adafactor"] == pytest.approx(2 * 512 * 4 / n)  # rows + cols: 1/64 byte
-    assert per_parameter["adafactor"] < 0.05
+    assert per_parameter["adafactor"] == pytest.approx(4 + 2 * 512 * 4 / n)  # first moment + rows + cols
+    assert per_parameter["adafactor without first moment"] == pytest.approx(2 * 512 * 4 / n)  # 1/64 byte
+    assert per_parameter["adafactor without first moment"] < 0.05
     assert per_parameter["adam8bit"] == pytest.approx(2 + 2 * 4 / BLOCK)
     assert per_parameter["sgd"] == 4
 

@@ -14,21 +14,26 @@ from mpitrain.optim.sgd import SGD
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
 
 
-def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
-    """Per optimizer segment, the 2-D tensors (this rank's block of them) that lie wholly inside it, as (start, end,
-    rows, cols) in segment coordinates; `layout` is state.checkpoint_layout() (its segment_windows follow the
-    segments' order)."""
+def segment_tensors(layout: dict) -> list[list[tuple[int, int, tuple[int, ...]]]]:
+    """Per optimizer segment, the tensors (this rank's block of them) that lie wholly inside it, as (start, end,
+    shape) in segment coordinates; `layout` is state.checkpoint_layout() (its segment_windows follow the segments'
+    order)."""
     geometry, out = layout["geometry"], []
     for g0, g1 in layout["segment_windows"]:
         found = []
         for unit, unit_layout in enumerate(geometry.layouts):
             offset = geometry.offsets[unit]
             for spec in unit_layout.specs:
-                if len(spec.shape) == 2 and g0 <= offset and offset + spec.size <= g1:
-                    found.append((offset - g0, offset - g0 + spec.size, *spec.shape))
+                if g0 <= offset and offset + spec.size <= g1:
+                    found.append((offset - g0, offset - g0 + spec.size, tuple(spec.shape)))
                 offset += spec.size
         out.append(found)
     return out
+
+
+def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
+    """segment_tensors' 2-D ones, as (start, end, rows, cols): those Adafactor factors."""
+    return [[(a, b, *shape) for a, b, shape in found if len(shape) == 2] for found in segment_tensors(layout)]
 
 
 def make_optimizer(optim_cfg, state, placement=None):
@@ -45,7 +50,9 @@ def make_optimizer(optim_cfg, state, placement=None):
     if name == "adam8bit":
         return Adam8bit(segments, AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
     if name == "adafactor":
-        return Adafactor(segments, segment_matrices(state.checkpoint_layout()), weight_decay=o.weight_decay)
+        layout = state.checkpoint_layout()
+        return Adafactor(segments, segment_matrices(layout), weight_decay=o.weight_decay, beta1=o.adafactor_beta1,
+                         tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)])
     if name == "sgd":
         return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay)
     raise ValueError(f"optim.name = {name!r}: expected one of {', '.join(OPTIMIZERS)}")

@@ -20,7 +20,8 @@ def segment_windows(layouts, zero: int, dp: int) -> tuple[FlatBuffer, list[tuple
                       for u in range(len(layouts))]
 
 
-def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, momentum: float = 0.9) -> int:
+def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, momentum: float = 0.9,
+                     adafactor_beta1: float = 0.9) -> int:
     """Bytes of optimizer state (no master weights) for optim.name = name; itemsize: the state dtype's."""
     geometry, windows = segment_windows(layouts, zero, dp)
     sizes = [b - a for a, b in windows]
@@ -32,12 +33,14 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
         matrices = segment_matrices({"geometry": geometry, "segment_windows": windows})
         factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
         statistics = sum(rows + cols for mats in matrices for _, _, rows, cols in mats)
-        return itemsize * (statistics + sum(sizes) - factored)
+        first_moment = sum(sizes) if adafactor_beta1 else 0
+        return itemsize * (statistics + sum(sizes) - factored + first_moment)
     raise ValueError(f"no lean state for optim.name = {name!r}")
 
 
 FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales per 2048: ~2*Psi",
-            "adafactor": "row + column statistics of matrices, s per element elsewhere"}
+            "adafactor": "row + column statistics of matrices, s per element elsewhere, + s*Psi first moment "
+                         "(optim.adafactor_beta1 > 0)"}
 
 
 def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
@@ -51,7 +54,7 @@ def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
         return None
     p, e = cfg.parallel, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     itemsize = 4 if e < 4 else e  # the state's dtype: the master weights' (fp32 under bf16/fp16)
-    state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum)
+    state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum, cfg.optim.adafactor_beta1)
     _, windows = segment_windows(layouts, p.zero, p.dp)
     master = 4 * sum(b - a for a, b in windows) if e < 4 else 0
     n = sum(b - a for a, b in windows)  # the parameters this rank's optimizer updates
