@@ -73,6 +73,8 @@ class ProgressRecord:
         # thread itself polls with Test and calls on_timeout(operation, waited_s) once the deadline passes.
         self.poll_timeout_s: float = 0.0
         self.on_timeout = None
+        # mpitrain/profile/breakdown.py's Breakdown (set by the trainer): charges each wait to its kind of operation
+        self.listener = None
 
     def enter(self, name, group, members: tuple, channel, peers: tuple, nbytes: int) -> Operation:
         seq = self.entered.get(channel, 0) + 1
@@ -81,9 +83,13 @@ class ProgressRecord:
 
     def begin_wait(self, operation: Operation) -> None:
         self.waiting = (operation, time.monotonic())
+        if self.listener is not None:
+            self.listener.begin_wait(operation)
 
     def end_wait(self) -> None:
         self.waiting = None
+        if self.listener is not None:
+            self.listener.end_wait()
 
     def snapshot(self) -> dict:
         """A consistent copy for the heartbeat (dict() of a str->int dict runs without releasing the GIL)."""

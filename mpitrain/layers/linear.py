@@ -31,9 +31,10 @@ def run_weight_grads(work, grads) -> None:
         ops.add_weight_grad(grads[name], x, dy)
 
 
-def _weight_grads(work, grads, deferred) -> None:
+def _weight_grads(work, grads, deferred, tp) -> None:
     if deferred is None:
-        run_weight_grads(work, grads)
+        with tp.phase("backward_weight"):  # the step breakdown keeps weight gradients apart from input gradients
+            run_weight_grads(work, grads)
     else:
         deferred.extend(work)
 
@@ -65,7 +66,7 @@ class ColumnParallelLinear:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
                     ops.add_bias_grad(g[bias], dy)
-            _weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred)
+            _weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
@@ -97,7 +98,7 @@ class RowParallelLinear:
         if self.trainable:
             if self.bias:
                 ops.add_bias_grad(g[self.bias], dy)
-            _weight_grads([(self.weight, x, dy)], g, deferred)
+            _weight_grads([(self.weight, x, dy)], g, deferred, self.tp)
         dx = ops.linear_input_grad([p[self.weight]], [dy])
         if self.weight in self.adapters:
             dx += self.adapters[self.weight].backward(p, g, x, dy)

@@ -29,6 +29,7 @@ description of a rank's piece of a split tensor. The linears that use these oper
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,11 @@ class TensorParallel:
         self.rank = group.rank if group is not None else 0
         self.sequence_parallel = sequence_parallel
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
+        self.breakdown = None  # profile/breakdown.py (set by the trainer): the linears time their dW matmuls apart
+
+    def phase(self, name: str):
+        """A with-block charged to part `name` of the step breakdown (nothing without one)."""
+        return nullcontext() if self.breakdown is None else self.breakdown.part(name)
 
     def reset_timers(self) -> None:
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)

@@ -50,6 +50,7 @@ class Timeline:
         self.clock = clock
         self.origin = clock()
         self.events: list[dict] = []
+        self.breakdown = None  # profile/breakdown.py (set by the trainer): the same events charged to the step
 
     def reset(self) -> None:
         """Forget the events and start the clock at 0 now (call it right after a barrier)."""
@@ -68,7 +69,11 @@ class Timeline:
         """Time the body of the with-block as one event."""
         start = self.clock()
         try:
-            yield
+            if self.breakdown is None:
+                yield
+            else:
+                with self.breakdown.event(kind):
+                    yield
         finally:
             self.add(kind, micro, chunk, start, self.clock())
 
