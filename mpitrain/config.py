@@ -187,7 +187,7 @@ ALLOWED = {
     "parallel.schedule": SCHEDULE_KINDS,
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
-NOT_YET = {"parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+NOT_YET = {"parallel.ep": "expert parallelism"}
 
 
 def _key(field_name: str) -> str:
@@ -330,6 +330,7 @@ def validate(cfg: Config) -> None:
              "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
+    validate_context_parallel(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
              f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")
@@ -369,6 +370,25 @@ def validate_tensor_parallel(cfg: Config) -> None:
     _require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
              f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
              f"splits the sequence across the tp ranks)")
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """parallel.cp = c cuts each sequence into 2c equal chunks (zig-zag: mpitrain/parallel/context.py)."""
+    p, m = cfg.parallel, cfg.model
+    _require(p.cp >= 1, f"config key parallel.cp must be >= 1, got {p.cp}")
+    if p.cp == 1:
+        return
+    _require(m.seq_len % (2 * p.cp) == 0,
+             f"model.seq_len = {m.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (context parallelism "
+             f"cuts each sequence into 2 cp chunks); choose parallel.cp with 2 cp dividing {m.seq_len}")
+    _require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
+             f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
+             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
+    _require(cfg.memory.recompute != "selective",
+             "memory.recompute = 'selective' recomputes the one-process attention core; with parallel.cp > 1 use "
+             "memory.recompute = 'full' or 'none'")
+    _require(cfg.train.device == "cpu",
+             "parallel.cp > 1 runs its K/V ring over MPI on host arrays: use train.device = 'cpu'")
 
 
 def validate_pipeline(cfg: Config) -> None:

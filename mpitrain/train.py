@@ -32,6 +32,7 @@ from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
+from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.flops import measure_matmul_peak
@@ -100,6 +101,7 @@ class Trainer:
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
                          stages=stages, lora=cfg.lora)
         apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
+        apply_context_parallel(self.model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
         self.placement = make_placement(cfg.memory, getattr(cfg.optim, "name", "adamw"), self.backend, world_rank,
                                         run_dir, say=print if world_rank == 0 else None)
@@ -109,7 +111,8 @@ class Trainer:
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
         program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
-        seq_len = cfg.model.seq_len // p.tp if p.sequence_parallel else cfg.model.seq_len
+        seq_len = cfg.model.seq_len // p.cp  # a cp rank's two zig-zag chunks
+        seq_len = seq_len // p.tp if p.sequence_parallel else seq_len
         self.pipeline = PipelineExecutor(self.model, self.state, self.mesh.pp, program, self.accumulation,
                                          (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
         if p.zero == 3 and p.pp > 1 and world_rank == 0:
@@ -130,6 +133,11 @@ class Trainer:
         first = self.mesh.dp_rank * self.rows_per_rank + micro * self.cfg.train.micro_batch
         return range(first, first + self.cfg.train.micro_batch)
 
+    def _micro_batch(self, data, batch: int, micro: int):
+        """(inputs, targets) of this rank: its dp rows, and of each row its cp rank's zig-zag chunks."""
+        cp, rows = self.mesh.cp, data.global_batch_rows(batch, self._rows(micro))
+        return tuple(split_sequence(part, cp.size, cp.rank) for part in rows)
+
     def train_step(self, step: int, measure_bubble: bool = False) -> StepResult:
         """One optimizer step. measure_bubble: gather the pipeline ranks' timelines to the logging rank afterwards
         (outside the timed step) and measure the bubble from them."""
@@ -142,8 +150,7 @@ class Trainer:
         loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
         dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
-        loss_sum = self.pipeline.run_step(lambda micro: self.train_data.global_batch_rows(batch, self._rows(micro)),
-                                          dloss)
+        loss_sum = self.pipeline.run_step(lambda micro: self._micro_batch(self.train_data, batch, micro), dloss)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
         self.guard.inject(step + 1, self.optimizer.segments)
@@ -184,16 +191,16 @@ class Trainer:
         return math.sqrt(self.mesh.pp.all_reduce_scalar(stage))
 
     def _total(self, loss_sum: float) -> float:
-        """The loss sum of the whole global batch on every rank: the last stage's, summed over dp, then over pp
-        (the other stages add zeros)."""
-        return self.mesh.pp.all_reduce_scalar(self.mesh.dp.all_reduce_scalar(loss_sum))
+        """The loss sum of the whole global batch on every rank: the last stage's, summed over dp x cp (cp ranks
+        hold other tokens of the same rows), then over pp (the other stages add zeros)."""
+        return self.mesh.pp.all_reduce_scalar(self.mesh.dp_cp.all_reduce_scalar(loss_sum))
 
     def evaluate(self) -> float:
         """Mean validation loss over train.eval_batches global batches, forward-only through the pipeline."""
         loss_sum = 0.0
         for batch in range(self.cfg.train.eval_batches):
             loss_sum += self.pipeline.forward_only(
-                lambda micro, batch=batch: self.val_data.global_batch_rows(batch, self._rows(micro)),
+                lambda micro, batch=batch: self._micro_batch(self.val_data, batch, micro),
                 self.accumulation)
         return self._total(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 

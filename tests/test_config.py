@@ -26,7 +26,7 @@ def test_overrides_of_one_section_all_apply_and_values_are_toml_literals():
     (["train.steps=true"], "config key train.steps must be int, got bool"),
     (["model.arch=bert"], "model.arch = 'bert' is not allowed; allowed: 'gpt2', 'llama'"),
     (["model.n_head=3"], "model.d_model = 32 must be divisible by model.n_head = 3"),
-    (["parallel.cp=2"], "parallel.cp = 2: context parallelism is not implemented yet"),
+    (["parallel.cp=3"], "context parallelism cuts each sequence into 2 cp chunks"),
     (["optim.lr=-1"], "config key optim.lr must be >= 0"),
     (["train.steps"], "expected section.key=value"),
 ])

@@ -65,7 +65,7 @@ class CheckpointManager:
         trainer = self.trainer
         layout = trainer.state.checkpoint_layout()
         mesh = trainer.mesh
-        dp, tp = (mesh.dp.size, mesh.dp.rank), (mesh.tp.size, mesh.tp.rank)
+        dp, tp = (mesh.dp_cp.size, mesh.dp_cp.rank), (mesh.tp.size, mesh.tp.rank)  # replicas: dp x cp ranks
         # a tied copy (gpt2's embedding on the last pipeline stage) is read back from the first stage's tensors
         load_only = getattr(trainer.model, "tied_copies", ())
         held = held_pieces("param", layout["geometry"], layout["param_windows"], layout["params_dp_replicated"],

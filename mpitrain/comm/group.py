@@ -16,6 +16,7 @@ each operation, whatever algorithm MPI really picks, so that tests and reports c
     all_to_all      (N-1)/N * B     B = the send buffer; all_to_allv counts exactly what goes to other ranks
     control         B               small control messages (all_reduce_scalar), kept apart so that the gradient
                                     traffic counters above stay exact
+    cp_ring         B               isend(..., kind="cp_ring"): context parallelism's K/V ring (parallel/context.py)
 
 Totals are kept as exact fractions and rounded to the nearest integer when read. A group of size 1 sends nothing
 (every counter stays 0) and makes no MPI call: collectives become local copies or no-ops. Non-blocking operations
@@ -35,7 +36,8 @@ import numpy as np
 
 from mpitrain.comm.operations import Handle, Operation, ProgressRecord
 
-COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control")
+COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control",
+                 "cp_ring")
 REDUCE_OPS = ("sum", "max", "min")
 
 
@@ -50,7 +52,7 @@ def ring_bytes(kind: str, nbytes: int, size: int, is_root: bool = False) -> Frac
         return share
     if kind == "broadcast":
         return Fraction(nbytes if is_root else 0)
-    if kind in ("send", "control"):
+    if kind in ("send", "control", "cp_ring"):
         return Fraction(nbytes)
     raise ValueError(f"unknown communication kind {kind!r}; expected one of {', '.join(COUNTER_KINDS)}")
 
@@ -156,7 +158,8 @@ class GroupBase(abc.ABC):
     def ibroadcast(self, buf, root: int) -> Handle: ...
 
     @abc.abstractmethod
-    def isend(self, buf, dest: int, tag: int = 0) -> Handle: ...
+    def isend(self, buf, dest: int, tag: int = 0, kind: str = "send") -> Handle:
+        """kind: the counter the bytes go to ("send", or "cp_ring" for the context-parallel ring)."""
 
     @abc.abstractmethod
     def irecv(self, buf, source: int, tag: int = 0) -> Handle: ...
@@ -359,9 +362,9 @@ class Group(GroupBase):
         self._blocking(self._enter_p2p("recv", buf.nbytes, source, sending=False),
                        lambda: self.comm.Recv(buf, source=source, tag=tag), lambda: self.comm.Irecv(buf, source, tag))
 
-    def isend(self, buf, dest, tag=0):
+    def isend(self, buf, dest, tag=0, kind="send"):
         _check_host(buf, f"{self.name}.isend buffer")
-        self._count("send", buf.nbytes)
+        self._count(kind, buf.nbytes)
         entered = self._enter_p2p("isend", buf.nbytes, dest, sending=True)
         return self._handle(entered, self.comm.Isend(buf, dest=dest, tag=tag), (buf,))
 

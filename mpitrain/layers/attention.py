@@ -8,8 +8,9 @@ of the weights); their gradients are then partial sums over the ranks (each back
 named in `partial_grads` for the unit to all-reduce.
 
 The core (ops.attention_forward) takes a block of queries against a block of keys with the causal mask of their
-positions and returns each query row's log-sum-exp with the output: context parallelism runs it on sequence chunks
-and merges the results by log-sum-exp.
+positions and returns each query row's log-sum-exp with the output. Under context parallelism (`ring` set by
+mpitrain/parallel/context.apply_context_parallel) the core is ring attention instead (layers/ring_attention.py): it
+runs on this rank's two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 
 from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
-from mpitrain.layers import ops
+from mpitrain.layers import ops, ring_attention
 from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
 from mpitrain.state.params import ParamSpec
@@ -68,6 +69,7 @@ class Attention:
         self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None)
         self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
+        self.ring = None  # the rank's ContextParallel under parallel.cp > 1
 
     def local(self, tensors: dict) -> dict:
         """The views the linears use: with replicated K/V weights, the columns of this rank's K/V head."""
@@ -85,7 +87,11 @@ class Attention:
         q, k, v = split_heads(q, self.heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
         if self.rope:
             q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
-        (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
+        if self.ring is not None:
+            out, core = ring_attention.forward(self.ring, q, k, v)
+            out = out.astype(q.dtype, copy=False)
+        else:
+            (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
         y, merged = self.out.forward(p, merge_heads(out))
         saved = {"qkv": h, "core": core, "out": merged}
         if self.rope:
@@ -95,14 +101,23 @@ class Attention:
     def backward(self, p, g, s, dy, deferred=None):
         p, g = self.local(p), self.local(g)
         d_out = self.out.backward(p, g, s["out"], dy, deferred)
-        dq, dk, dv = ops.attention_backward(s["core"], split_heads(d_out, self.heads))
+        if self.ring is not None:
+            dtype = d_out.dtype
+            dq, dk, dv = (g.astype(dtype, copy=False)
+                          for g in ring_attention.backward(self.ring, s["core"], split_heads(d_out, self.heads)))
+        else:
+            dq, dk, dv = ops.attention_backward(s["core"], split_heads(d_out, self.heads))
         if self.rope:
             cos, sin = s["rope"]
             dq, dk = ops.rope_backward(dq, cos, sin), ops.rope_backward(dk, cos, sin)
         return self.qkv.backward(p, g, s["qkv"], [merge_heads(dq), merge_heads(dk), merge_heads(dv)], deferred)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
-        """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's)."""
+        """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's).
+        Ring attention (seq_len: this cp rank's tokens) keeps q, k, v, its output and log-sum-exp instead of the
+        probabilities (recomputed block by block in backward)."""
         b, t, d, h, kv = batch, seq_len, self.head_dim, self.heads, self.kv_heads
         core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
+        if self.ring is not None:
+            core[3:] = [((b, h, t, d), dtype), ((b, h, t), dtype)]
         return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)

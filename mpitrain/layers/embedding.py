@@ -18,6 +18,7 @@ class TokenEmbedding:
         if cfg.arch == "gpt2":
             self.specs.append(ParamSpec("wpe", (cfg.seq_len, cfg.d_model), "normal", cfg.init_std))
         self.partial_grads: list[str] = []
+        self.ring = None  # the rank's ContextParallel under parallel.cp > 1: its tokens' absolute positions
 
     def forward(self, p, tokens, ctx):
         """(x, saved): x is this rank's sequence chunk under SP; saved are the token ids local to this rank's rows."""
@@ -29,8 +30,9 @@ class TokenEmbedding:
     def backward(self, p, g, ids, dx, deferred=None) -> None:
         """Adds the rows' gradients (a scatter, not a matmul: done at once even in a split backward)."""
         dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, g["wte"])  # dx: the whole sequence now
-        if "wpe" in g:
-            g["wpe"][: dx.shape[1]] += dx.sum(axis=0)  # positions are 0..T-1 without context parallelism
+        if "wpe" in g:  # positions are 0..T-1 without context parallelism, the zig-zag chunks' with it
+            rows = slice(0, dx.shape[1]) if self.ring is None else self.ring.positions(dx.shape[1])
+            g["wpe"][rows] += dx.sum(axis=0)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         return [((batch, seq_len), np.dtype(np.int64))]

@@ -79,6 +79,7 @@ class GPT:
                 self.last_reader["forward"][j] = max(i, self.last_reader["forward"].get(j, i))
                 self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
+        self.context_parallel = None  # the rank's ContextParallel under parallel.cp > 1 (parallel/context.py)
 
     def _all_units(self) -> list:
         cfg = self.cfg
@@ -123,9 +124,11 @@ class GPT:
         """Per-sequence-length constants shared by all units: positions, causal mask, rotary tables."""
         if seq_len not in self._ctx_cache:
             xp, dtype, cfg = self.backend.xp, self.backend.dtype, self.cfg
-            ctx = {"xp": xp, "positions": xp.arange(seq_len), "bias": ops.causal_bias(seq_len, seq_len, xp, dtype)}
+            cp = self.context_parallel  # seq_len is then this rank's tokens: its zig-zag chunks' positions
+            positions = xp.arange(seq_len) if cp is None else xp.asarray(cp.positions(seq_len))
+            ctx = {"xp": xp, "positions": positions, "bias": ops.causal_bias(seq_len, seq_len, xp, dtype)}
             if cfg.arch == "llama":
-                ctx["cos"], ctx["sin"] = ops.rope_tables(xp.arange(seq_len), cfg.head_dim, cfg.rope_theta, xp,
+                ctx["cos"], ctx["sin"] = ops.rope_tables(positions, cfg.head_dim, cfg.rope_theta, xp,
                                                          rope_table_dtype(dtype))
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
@@ -135,7 +138,7 @@ class GPT:
         declaration (`saved_arrays`), and the bytes shared by all micro-batches (the rotary tables of `context`)."""
         def total(arrays):
             return sum(math.prod(shape) * np.dtype(kind).itemsize for shape, kind in arrays)
-        seq_len = self.cfg.seq_len
+        seq_len = self.cfg.seq_len // (self.context_parallel.size if self.context_parallel else 1)  # T/c under cp
         per_micro_batch = sum(total(self.units[i].saved_arrays(micro_batch, seq_len, dtype))
                               for chunk in self.chunks for i in chunk)
         rope = [((seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2 if self.cfg.arch == "llama" else []

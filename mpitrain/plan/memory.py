@@ -86,6 +86,8 @@ def rank_model(cfg: Config):
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
     model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
+    from mpitrain.parallel.context import ContextParallel, apply_context_parallel
+    apply_context_parallel(model, ContextParallel(None, size=p.cp))  # activations of T/cp tokens, ring attention
     return model
 
 
@@ -99,7 +101,8 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     frozen = sum(layout.size for layout in split_frozen(rank_model(cfg).layouts)[1] or [])  # lora: the base
-    state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp)
+    # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters)
+    state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp * p.cp)
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
     activations = activation_bytes(cfg)
     formulas = state_formulas(cfg.precision.compute, p.zero)
@@ -112,6 +115,8 @@ def memory_report(cfg: Config, n_params: int) -> dict:
         formulas["state"] = "params + grads + optimizer rows"
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
+    if p.cp > 1:
+        formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
     if cfg.memory.recompute != "none":  # the blocks' declaration already follows the mode
         blocks = f"first {cfg.memory.recompute_layers} blocks" if cfg.memory.recompute_layers else "all blocks"
         formulas["activations"] += f", memory.recompute = {cfg.memory.recompute} ({blocks} of each stage)"
@@ -121,5 +126,5 @@ def memory_report(cfg: Config, n_params: int) -> dict:
         rows["state"] -= moved
         rows["offloaded"], formulas["offloaded"] = moved, where
         formulas["state"] += ", less the offloaded row"
-    return {"psi": n_params, "N": p.dp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
+    return {"psi": n_params, "N": p.dp * p.cp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
             "total": rows["state"] + activations}
