@@ -240,16 +240,29 @@ def ckpt_verify(path):
 
 @ckpt.command("export")
 @click.argument("path", type=click.Path(exists=True))
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path())
 @click.option("--optimizer", is_flag=True, help="Also export the optimizer's state (e.g. the Adam moments).")
 @click.option("--merge-lora", is_flag=True, help="Merge the LoRA adapters into the base weights (params only).")
+@click.option("--format", "out_format", type=click.Choice(["hdf5", "hf"]), default="hdf5", show_default=True,
+              help="hf: a Hugging Face folder (config.json, model.safetensors) that transformers loads.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Tensor dtype of --format hf.")
 @_user_errors
-def ckpt_export(path, out, optimizer, merge_lora):
-    """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/)."""
+def ckpt_export(path, out, optimizer, merge_lora, out_format, dtype):
+    """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/), or with
+    --format hf a Hugging Face folder OUT."""
     from mpitrain.checkpoint.store import Checkpoint
     from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     checkpoint.verify_files()
+    if out_format == "hf":  # mpitrain/checkpoint/hf.py
+        from mpitrain.checkpoint.hf import export_hf
+        for note in export_hf(checkpoint, Path(out), dtype):
+            click.echo(note)
+        click.echo(f"wrote {out} (step {checkpoint.step}, Hugging Face format, {dtype})")
+        return
+    if Path(out).is_dir():
+        raise click.BadParameter(f"{out} is a directory (the HDF5 export writes one file)", param_hint="OUT")
     if merge_lora:
         from mpitrain.checkpoint.weights import export_merged
         merged = export_merged(checkpoint, Path(out))
@@ -259,6 +272,20 @@ def ckpt_export(path, out, optimizer, merge_lora):
                          - {"param"})
     checkpoint.export(Path(out), kinds=("param", *saved_kinds) if optimizer else ("param",))  # any optim.name's state
     click.echo(f"wrote {out} (step {checkpoint.step})")
+
+
+@ckpt.command("import")
+@click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@_user_errors
+def ckpt_import(hf_dir, out):
+    """A Hugging Face GPT-2 or Llama folder (config.json, *.safetensors) as a one-rank checkpoint at step 0 in the
+    new checkpoint directory OUT (for train.init_from, generate; or give train.init_from the folder itself)."""
+    from mpitrain.checkpoint.hf import import_hf
+    final, notes = import_hf(hf_dir, Path(out))
+    for note in notes:
+        click.echo(note)
+    click.echo(f"wrote {final} (from {hf_dir})")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -335,6 +362,19 @@ def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, in
 # ----------------------------------------------------------------------------- end schedule
 
 
+@main.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="report.png or report.html (default: RUN_DIR/report.png).")
+@_user_errors
+def report_command(run_dir, out_path):
+    """Plot a run (also one still going): loss, tokens/s and MFU, time breakdown, bytes, pipeline timeline."""
+    from mpitrain.profile.report import render
+    out_path = out_path or str(Path(run_dir) / "report.png")
+    titles = render(run_dir, out_path)
+    click.echo(f"wrote {out_path}: {', '.join(titles)}")
+
+
 # ----------------------------------------------------------------------------- bench
 @main.group()
 def bench():
@@ -353,6 +393,7 @@ def bench_step(config, overrides, steps, warmup, real_data):
 
     from mpitrain.comm.failure import abort_on_error
     from mpitrain.config import load_config
+    from mpitrain.profile.breakdown import RunSummary, max_over_ranks
     from mpitrain.train import Trainer
 
     comm = MPI.COMM_WORLD
@@ -361,12 +402,13 @@ def bench_step(config, overrides, steps, warmup, real_data):
         overrides.append(f"train.steps={warmup + steps}")
         cfg = load_config(config, overrides)
         trainer = Trainer(cfg, comm)
-        times, tp_seconds, bubbles = [], [], []
+        times, tp_seconds, bubbles, breakdown = [], [], [], RunSummary()
         for step in range(warmup + steps):
             trainer.model.tp.reset_timers()
             result = trainer.train_step(step, measure_bubble=step >= warmup)
             if step >= warmup:
                 times.append(result.seconds)
+                breakdown.add(result.breakdown)
                 tp_seconds.append(sum(trainer.model.tp.seconds.values()))
                 bubbles.append(result.bubble)
         step_time = statistics.median(times)
@@ -379,8 +421,47 @@ def bench_step(config, overrides, steps, warmup, real_data):
                   "tp_comm_share": statistics.median(tp_seconds) / step_time,
                   "pipeline_bubble": statistics.median(bubbles) if None not in bubbles else None,
                   "comm_bytes_per_step": result.comm_bytes}
+        per_rank = trainer.mesh.world.gather_object(breakdown.means())  # profile/breakdown.py: mean over steps
+        report["breakdown"] = per_rank and max_over_ranks(per_rank)  # ... max over ranks
         if comm.Get_rank() == 0:
             click.echo(json.dumps(report))
+
+
+@bench.command("comm")
+@click.option("-n", "n_ranks", type=int, default=0, help="Start N local ranks through mpiexec (else: this MPI job).")
+@click.option("--sizes", default="1K..64M", show_default=True, help="LOW..HIGH (doubling) or a list: 1K,1M,64M.")
+@click.option("--ops", default="all_reduce,reduce_scatter,all_gather,all_to_all,sendrecv", show_default=True)
+@click.option("--tp", type=int, default=1, show_default=True, help="Also measure the tp and dp groups of this split.")
+@click.option("--json", "json_path", default="comm_bench.json", show_default=True, help="Where the fit is written.")
+@click.option("--launched", is_flag=True, hidden=True)
+@_user_errors
+def bench_comm(n_ranks, sizes, ops, tp, json_path, launched):
+    """Collective bandwidth per size (nccl-tests' table) and a fitted latency + bandwidth per op and group."""
+    from mpitrain.profile import comm_bench
+    size_list, op_list = comm_bench.parse_sizes(sizes), comm_bench.parse_ops(ops)
+    if n_ranks and not launched:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        command = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "bench", "comm", "--sizes",
+                   sizes, "--ops", ops, "--tp", str(tp), "--json", json_path, "--launched"]
+        sys.stdout.flush()
+        os.execvpe(command[0], command, rank_environment(n_ranks, cores, os.environ))
+    from mpi4py import MPI
+
+    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.comm.mesh import Mesh, validate_degrees
+    comm = MPI.COMM_WORLD
+    with abort_on_error(comm):
+        validate_degrees(comm.Get_size(), dp=comm.Get_size() // max(tp, 1), tp=tp, pp=1, cp=1, ep=1)
+        mesh = Mesh(comm, dp=comm.Get_size() // tp, tp=tp, pp=1, cp=1, ep=1)
+        say = click.echo if comm.Get_rank() == 0 else (lambda text: None)
+        say(f"bench comm: {comm.Get_size()} ranks, float32 payloads; memory copy "
+            f"{comm_bench.memcpy_bandwidth():.2f} GB/s on rank 0")
+        groups = {"world": mesh.world} | ({"tp": mesh.tp, "dp": mesh.dp} if tp > 1 else {})
+        report = comm_bench.run_bench(groups, op_list, size_list, say)
+        if comm.Get_rank() == 0:
+            report["world_size"] = comm.Get_size()
+            comm_bench.write_report(report, json_path)
+            say(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,19 @@ def is_adapter(tensor: str) -> bool:
     return tensor.endswith(SUFFIXES)
 
 
-def load_weights(manager, path: str) -> Path:
-    """Collective. The parameters of the checkpoint at `path` (any layout: the pieces are resharded on reading)
-    into this run's state; optimizer state stays fresh and the run starts at step 0. LoRA adapters a base checkpoint
-    lacks keep their initial values (b = 0: the run starts as the base model). Returns the checkpoint's path."""
+def load_weights(manager, path: str) -> str:
+    """Collective. The parameters of the checkpoint at `path` (any layout: the pieces are resharded on reading), or
+    of a Hugging Face folder (checkpoint/hf.py), into this run's state; optimizer state stays fresh and the run starts
+    at step 0. LoRA adapters a base checkpoint lacks keep their initial values (b = 0: the run starts as the base
+    model). Returns the checkpoint's path, with what an HF import adapted."""
+    from mpitrain.checkpoint.hf import HFWeights, is_hf_folder
     from mpitrain.generate import resolve_checkpoint  # generate imports the model: keep this module light
     if not Path(path).exists():
         raise ConfigError(f"config key train.init_from = {path!r}: no such checkpoint or run directory")
-    checkpoint = Checkpoint.open(resolve_checkpoint(path))
+    if is_hf_folder(path):
+        checkpoint = HFWeights.open_folder(path, manager.trainer.cfg.model)
+    else:
+        checkpoint = Checkpoint.open(resolve_checkpoint(path))
     mismatch = model_mismatch(checkpoint, manager.trainer.cfg.model)
     if mismatch:
         raise CheckpointError(f"train.init_from: {mismatch}")
@@ -48,7 +53,9 @@ def load_weights(manager, path: str) -> Path:
         raise CheckpointError(verdict)
     checkpoint.load_into([item for item in held if item.piece.tensor in saved])
     manager.trainer.state.after_restore()
-    return checkpoint.path
+    if isinstance(checkpoint, HFWeights):
+        return f"{checkpoint.path} (Hugging Face; {'; '.join(checkpoint.notes)})"
+    return str(checkpoint.path)
 
 
 def export_merged(checkpoint: Checkpoint, out: Path) -> int:
