@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mpitrain.errors import ConfigError
+from mpitrain.layers.moe_settings import validate_moe
 from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
 
@@ -29,6 +30,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    moe: dict = field(default_factory=dict)  # {experts, top_k, capacity_factor, aux_loss, z_loss, every}: layers/moe.py
 
     @property
     def kv_heads(self) -> int:
@@ -63,6 +65,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward (False: keep for backward)
     bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB); ZeRO reduces one unit at a time
     overlap: bool = True  # start gradient reductions during backward
+    allow_cross_node_tp: bool = False  # accept a tp (or ep) group spanning nodes (slow links); refused by default
 
 
 @dataclass
@@ -79,6 +82,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     stop_at: int = 0  # save and exit (status 75, "resume me") after this step, mid-schedule; 0: run to the end
     init_from: str = ""  # a checkpoint or run dir: its weights only (any layout), fresh optimizer, from step 0
+    collectives: str = "mpi"  # nccl: GPU groups through NCCL (comm/nccl.py); needs device = "cuda"
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Config:
 ALLOWED = {
     "model.arch": ("gpt2", "llama"),
     "train.device": ("cpu", "cuda"),
+    "train.collectives": ("mpi", "nccl"),
     "precision.compute": ("float32", "float64", "bfloat16", "float16"),
     "precision.master": ("float32",),
     "precision.grad_reduce": ("float32", "bfloat16"),
@@ -187,7 +192,7 @@ ALLOWED = {
     "parallel.schedule": SCHEDULE_KINDS,
 }
 # Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
-NOT_YET = {"parallel.ep": "expert parallelism"}
+NOT_YET: dict = {}
 
 
 def _key(field_name: str) -> str:
@@ -331,6 +336,7 @@ def validate(cfg: Config) -> None:
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
+    validate_moe(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
              f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")
@@ -449,6 +455,8 @@ def to_toml(cfg: Config) -> str:
     def literal(value: Any) -> str:
         if isinstance(value, bool):
             return "true" if value else "false"
+        if isinstance(value, dict):  # an inline table (model.moe)
+            return "{" + ", ".join(f"{k} = {literal(v)}" for k, v in value.items()) + "}"
         if isinstance(value, str):
             return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
         return repr(value)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from mpitrain.checkpoint.store import step_dir_name
 from mpitrain.checkpoint.weights import load_weights
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
+from mpitrain.comm.nccl import make_group_factory
+from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
@@ -33,21 +36,24 @@ from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
+from mpitrain.parallel.expert import moe_step_metrics
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
-from mpitrain.profile.flops import measure_matmul_peak
+from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
+from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.inject import strike_hang, strike_kill
+from mpitrain.resilience.restart import restart_banner
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.offload import make_placement
 from mpitrain.state.replicated import ReplicatedState
-from mpitrain.state.strategy import reduction_group
+from mpitrain.state.strategy import other_reduction_groups, reduction_group
 from mpitrain.state.zero import ZeroState
 
 
@@ -61,6 +67,7 @@ class StepResult:
     comm_bytes: dict
     bubble: float | None = None  # measured pipeline bubble (pp > 1, on the logging rank, when asked for)
     compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
+    breakdown: dict | None = None  # profile/breakdown.py: {part: seconds} of this rank, and step_s
     verdict: int = GOOD  # resilience/guard.py: GOOD, or why the update was skipped
 
     @property
@@ -93,13 +100,18 @@ class Trainer:
                                                                     cfg.train.global_batch, cfg.train.seed)
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
-        self.backend = make_backend(cfg.train.device, cfg.precision.compute, world_rank, cfg.precision.master)
+        nodes = discover_nodes(world_comm) if cfg.train.device == "cuda" else None  # a GPU per node-local rank
+        self.backend = make_backend(cfg.train.device, cfg.precision.compute,
+                                    nodes.node_local_rank if nodes else world_rank, cfg.precision.master)
         self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
         # --- from here on, collectives
-        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
+        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
+                         allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes,
+                         group_factory=make_group_factory(cfg.train.collectives, cfg.train.device,
+                                                          say=print if world_rank == 0 else None))
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
-                         stages=stages, lora=cfg.lora)
+                         stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
         apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
         apply_context_parallel(self.model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
@@ -121,7 +133,14 @@ class Trainer:
                   f"choice with a pipeline", file=sys.stderr, flush=True)
         self.rows_per_rank = cfg.train.global_batch // p.dp
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-        self.peak_flops = cfg.logging.peak_flops or measure_matmul_peak(self.backend)
+        self.peak_flops, self.peak_source = peak_flops(cfg.logging.peak_flops, self.backend, cfg.precision.compute)
+        self.recomputed_flops = recomputed_flops_per_token(cfg.model, stage_layer_counts(
+            cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers), cfg.memory.recompute,
+            cfg.memory.recompute_layers)
+        # where each step's time goes: the rank's waits, the pipeline's events, the linears' dW (profile/breakdown.py)
+        self.breakdown, self.run_summary = Breakdown(), RunSummary()
+        self.mesh.progress.listener = self.pipeline.timeline.breakdown = self.model.tp.breakdown = self.breakdown
+        self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
 
@@ -145,15 +164,18 @@ class Trainer:
         groups = self.mesh.all_groups()
         for group in groups:
             group.reset_counters()
-        start = time.perf_counter()
+        self.breakdown.start_step()
         state.zero_grads()
         loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
         dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
-        loss_sum = self.pipeline.run_step(lambda micro: self._micro_batch(self.train_data, batch, micro), dloss)
+        loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro), dloss)
+        self.moe_metrics, aux_sum = moe_step_metrics(self.model, self.mesh, self.tokens_per_step)  # model.moe
+        loss_sum += aux_sum  # MoE auxiliary losses are part of the loss (their gradients already are)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
         self.guard.inject(step + 1, self.optimizer.segments)
+        self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / self.tokens_per_step
         verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
@@ -167,17 +189,23 @@ class Trainer:
         if verdict == GOOD:
             self.optimizer.step(lr, clip_scale(grad_norm, o.clip) / loss_scale)
         state.after_step()
+        self.breakdown.pop()
         if self.guard.strikes("flip", step + 1):
             flip_one_bit(self.optimizer.segments)
         self.backend.synchronize()
-        seconds = time.perf_counter() - start
-        result = StepResult(step, loss, lr, grad_norm, seconds, merge_counters(groups), compute_seconds=compute,
-                            verdict=verdict)
+        parts = self.breakdown.finish_step()
+        self.run_summary.add(parts)
+        result = StepResult(step, loss, lr, grad_norm, parts["step_s"], merge_counters(groups),
+                            compute_seconds=compute, verdict=verdict, breakdown=parts)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
                 result.bubble = bubble_fraction(merge_events(gathered))
         return result
+
+    def _fetch(self, batch: int, micro: int):
+        with self.breakdown.part("data"):
+            return self._micro_batch(self.train_data, batch, micro)
 
     def global_grad_norm(self) -> float:
         """The norm of the whole model's gradient: squares summed over the groups each tensor is split over (tp),
@@ -207,15 +235,20 @@ class Trainer:
     def metrics(self, result: StepResult) -> dict:
         tokens_per_s = self.tokens_per_step / result.seconds
         mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
+        hardware_mfu = (self.model.flops_per_token() + self.recomputed_flops) * tokens_per_s / self.cluster_peak_flops
+        self.recent_step_s = (self.recent_step_s + [result.seconds])[-20:]
+        eta_s = (self.cfg.train.steps - result.step - 1) * sum(self.recent_step_s) / len(self.recent_step_s)
         # "step" counts from 1, as the console and the checkpoints do: row N is the state of step_N
         record = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": result.seconds,
+                  "tokens_per_s": tokens_per_s, "mfu": mfu, "hardware_mfu": hardware_mfu, "eta_s": eta_s,
+                  "step_time_s": result.seconds,
                   "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
         if self.loss_scale.dynamic:
             record["loss_scale"], record["overflow_steps"] = self.loss_scale.scale, self.loss_scale.skipped
         if result.bubble is not None:
             record["bubble"] = result.bubble
         record.update(self.guard.metrics(result.skipped))
+        record.update(self.moe_metrics)  # model.moe: the auxiliary losses and each expert's share of the picks
         return record
 
     def extra_state(self) -> dict:
@@ -231,9 +264,9 @@ def make_state(cfg: Config, model: GPT, backend, mesh, placement=None):
     p = cfg.parallel
     reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
     group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
-    if p.zero == 0:
+    if p.zero == 0:  # experts under ep > 1 are reduced over expert_dp (other_reduction_groups)
         state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce,
-                                placement)
+                                placement, other_reduction_groups(layouts, mesh))
     else:
         state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
                           placement)
@@ -248,6 +281,9 @@ def format_log_line(record: dict, total_steps: int) -> str:
         line += f" | bubble {100 * record['bubble']:.1f}%"
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.4f}"
+    if "eta_s" in record:
+        minutes, seconds = divmod(round(record["eta_s"]), 60)
+        line += f" | ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
     return line
 
 
@@ -290,6 +326,9 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     start = 0
     path = checkpoints.find_resume_point(resume) if resume else None
     if path is not None:
+        banner = restart_banner(path, trainer.mesh.describe_layout(), dict(os.environ), time.time())
+        if banner:  # an attempt after a failure: what it left out, resumes from, runs on, has lost
+            say(banner)
         start = checkpoints.restore(path)  # also sets aside the directory's checkpoints beyond `start`
         say(f"checkpoint: resumed from {path} at step {start}")
     else:
@@ -308,6 +347,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
              f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+        echo(trainer.mesh.describe_placement())
         p = cfg.parallel
         if p.pp > 1 or p.virtual_stages > 1:
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
@@ -331,7 +371,11 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                 record = trainer.metrics(result)
                 if evaluate:
                     record["val_loss"] = trainer.evaluate()
-                if logged:  # one small gather of compute times on the logging cadence
+                if logged:  # small gathers of compute times and time breakdowns on the logging cadence
+                    per_rank = gather_step(trainer.mesh.world, result.breakdown, trainer.pipeline.timeline.to_dicts(),
+                                           run_dir / "timeline.json", done)
+                    if per_rank is not None:
+                        record["breakdown"] = per_rank
                     for report in stragglers.check(done, result.compute_seconds):
                         record.setdefault("stragglers", []).append(report)
                         say(format_report(report, cfg.fault.straggler_factor))
@@ -344,7 +388,9 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                     if trainer.guard.rollback_due:
                         step = trainer.guard.roll_back(checkpoints, done, say)
                         continue
-                checkpoints.poll()
+                # a save (or an asynchronous one's commit) stalls the next step: carried into its breakdown
+                with trainer.breakdown.part("checkpoint") if c.async_ else nullcontext():
+                    checkpoints.poll()
                 # Every rank must agree to stop, whichever got the signal: one 8-byte all-reduce per step.
                 signalled = trainer.mesh.world.all_reduce_scalar(float(stop.received is not None), op="max")
                 saving = signalled or done in (t.stop_at, t.steps) or (c.every and done % c.every == 0)
@@ -358,12 +404,14 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                         f"(continue with --resume auto)")
                     return PREEMPTED_EXIT_CODE
                 if c.every and done % c.every == 0 and done < t.steps:
-                    (checkpoints.save_async if c.async_ else checkpoints.save)(done)
+                    with trainer.breakdown.part("checkpoint"):
+                        (checkpoints.save_async if c.async_ else checkpoints.save)(done)
                 advice.observe(result.seconds, checkpoints.directory)
                 step += 1
     finally:
         if metrics_file is not None:
             metrics_file.close()
+    write_run_summary(trainer.mesh.world, trainer.run_summary, run_dir / "breakdown.json", say)
     checkpoints.save(t.steps)
     if logger:
         final = checkpoints.directory / step_dir_name(t.steps)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpitrain.comm.group import Group
+from mpitrain.comm.nodes import NodeLayout, discover_nodes
 from mpitrain.comm.operations import ProgressRecord
 from mpitrain.errors import LayoutError
 
@@ -113,17 +114,67 @@ def pipeline_neighbours(world_rank: int, degrees: Degrees | Mapping[str, int]) -
     return previous, following
 
 
+def _group_key(kind: str, c: Coordinates, ep: int) -> tuple:
+    """What the members of one group of `kind` share (the same partition as `_same_group`, in one pass)."""
+    if kind == "world":
+        return ()
+    if kind == "dp_cp":
+        return (c.pp, c.tp)
+    if kind in ("dp", "tp", "pp", "cp"):
+        return tuple(getattr(c, axis) for axis in Coordinates._fields if axis != kind)
+    if kind in ("ep", "expert_dp"):
+        return (c.pp, c.cp, c.tp, c.dp // ep if kind == "ep" else c.dp % ep)
+    raise ValueError(f"unknown group kind {kind!r}; expected one of {', '.join(GROUP_KINDS)}")
+
+
+def all_groups_of(kind: str, degrees: Degrees) -> list[list[int]]:
+    """Every group of `kind` as its world ranks (ascending), in O(world size)."""
+    d = degrees
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(d.world_size):
+        key = _group_key(kind, mesh_coordinates(rank, d.dp, d.tp, d.pp, d.cp), d.ep)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
+def groups_crossing_nodes(degrees: Degrees, nodes: NodeLayout) -> list[str]:
+    """The group kinds with at least one group (of two or more ranks) spanning several nodes."""
+    return [kind for kind in GROUP_KINDS
+            if any(len(group) > 1 and nodes.crosses_nodes(group) for group in all_groups_of(kind, degrees))]
+
+
+def check_fast_groups_in_node(degrees: Degrees, nodes: NodeLayout, allow_cross_node_tp: bool = False) -> None:
+    """Refuse a tensor- or expert-parallel group that spans nodes: both exchange activations inside every layer (tp
+    all-reduces each block's output, ep all-to-alls every token), which only the links inside a node make cheap."""
+    if allow_cross_node_tp:
+        return
+    for kind, degree in (("tp", degrees.tp), ("ep", degrees.ep)):
+        for members in all_groups_of(kind, degrees):
+            if len(members) > 1 and nodes.crosses_nodes(members):
+                names = ", ".join(nodes.names[n] for n in nodes.nodes_of(members))
+                raise LayoutError(
+                    f"parallel.{kind} = {degree} puts {kind} group {members} on several nodes ({names}): {kind} "
+                    f"exchanges activations inside every layer and needs the fast links inside a node; use a "
+                    f"parallel.{kind} that divides the ranks per node, or set parallel.allow_cross_node_tp = true")
+
+
 class Mesh:
     """All process groups of one run, built with the same sequence of comm.Split calls on every rank.
 
     Groups: world, dp, tp, pp, cp, ep, expert_dp, dp_cp (dp and cp together: what gradients are reduced over when
     cp > 1). Degrees are in `mesh.degrees`; `mesh.dp.size == mesh.degrees.dp`. `pp_prev`/`pp_next` are world ranks.
     All groups enter their operations in one progress record (`mesh.progress`, the watchdog's view of this rank).
+    `mesh.nodes` is the node layout (learnt with a shared-memory split unless given); a tp or ep group that spans
+    nodes is refused unless `allow_cross_node_tp`.
     """
 
     def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 progress: ProgressRecord | None = None):
+                 progress: ProgressRecord | None = None, nodes: NodeLayout | None = None,
+                 allow_cross_node_tp: bool = False, group_factory=None):
+        self.group_factory = group_factory or Group  # (comm, kind, progress) -> a Group; nccl.make_group_factory
         self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.nodes = nodes if nodes is not None else discover_nodes(world_comm)
+        check_fast_groups_in_node(self.degrees, self.nodes, allow_cross_node_tp)
         self.rank = world_comm.Get_rank()
         self.progress = progress if progress is not None else ProgressRecord(self.rank)
         coords = mesh_coordinates(self.rank, dp, tp, pp, cp)
@@ -146,7 +197,7 @@ class Mesh:
         # Colour each group by its first member (groups of one kind partition the world), order by position.
         comm = world_comm.Split(color=members[0], key=members.index(self.rank))
         assert comm.Get_size() == len(members) and comm.Get_rank() == members.index(self.rank), kind
-        return Group(comm, kind, self.progress)
+        return self.group_factory(comm, kind, self.progress)
 
     def all_groups(self) -> list[Group]:
         return [getattr(self, kind) for kind in GROUP_KINDS]
@@ -156,3 +207,18 @@ class Mesh:
             f"mesh {self.degrees} on {self.degrees.world_size} ranks; rank {self.rank}: pp {self.pp_rank}, "
             f"dp {self.dp_rank}, cp {self.cp_rank}, tp {self.tp_rank}, ep {self.ep_rank}"
         )
+
+    def describe_layout(self) -> str:
+        """The degrees and the nodes, e.g. `dp=1 tp=2 pp=1 cp=1 ep=1 on 1 node: node1 ranks 0-1`."""
+        return f"{self.degrees} on {self.nodes.describe()}"
+
+    def describe_placement(self) -> str:
+        """One line: the nodes and their ranks, and which groups cross nodes (their traffic leaves the node)."""
+        d = self.degrees
+        shown = [kind for kind, degree in (("dp", d.dp), ("tp", d.tp), ("pp", d.pp), ("cp", d.cp), ("ep", d.ep),
+                                           ("expert_dp", d.dp // d.ep if d.ep > 1 else 1),
+                                           ("dp_cp", d.dp * d.cp if d.cp > 1 else 1)) if degree > 1]
+        crossing = [kind for kind in groups_crossing_nodes(d, self.nodes) if kind in shown]
+        inside = [kind for kind in shown if kind not in crossing]
+        return (f"placement: {self.nodes.describe()}; groups crossing nodes: {', '.join(crossing) or 'none'}; "
+                f"inside one node: {', '.join(inside) or 'none'}")

@@ -1,0 +1,304 @@
+"""A host stand-in for `cupy.cuda.nccl`: the same calls, over MPI on numpy memory, so CI without a GPU runs the
+NCCL group's own code (pointers, byte offsets, element counts, dtype codes, group calls) and a wrong count or
+offset shows up as a wrong number in a parity test, or as an error naming the pointer.
+
+What is the same as NCCL: `NcclCommunicator(ndev, commId, rank)` with allReduce / reduceScatter / allGather /
+broadcast / bcast / send / recv taking raw pointers, counts in elements of an NCCL dtype code and a stream;
+module-level `groupStart()` / `groupEnd()` (operations issued in between start together at groupEnd); results
+appear when the stream's work is complete (an event recorded after the call has completed), not at the call.
+What differs: a stream is a queue of MPI requests on the host (`HostStream`, `HostEvent`); a pointer must lie inside
+an array handed out by `pointer()` (the registry), so an offset or count past a buffer's end is an error instead of
+a stray write; the communicator bootstraps over a given MPI communicator instead of NCCL's socket rendezvous
+(the unique id is still broadcast by the caller and checked equal on all ranks); sends never block a stream (MPI
+buffers them), so a send/recv order that would deadlock on a GPU does not deadlock here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import weakref
+from collections import OrderedDict
+from typing import ClassVar
+
+import ml_dtypes
+import numpy as np
+
+# NCCL's codes (nccl.h): reduction ops and data types.
+SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
+NCCL_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+               6: np.float16, 7: np.float32, 8: np.float64, 9: ml_dtypes.bfloat16}
+available = True
+
+_REGISTRY: OrderedDict[int, np.ndarray] = OrderedDict()  # start address -> the array handed to pointer()
+_REGISTRY_LIMIT = 4096
+
+class _GroupCall:
+    depth = 0  # groupStart() nesting
+    launches: ClassVar[list] = []  # deferred until the outermost groupEnd()
+
+
+def pointer(array: np.ndarray) -> int:
+    """The address of a C-contiguous numpy array, remembered so that the stand-in can check what a call touches."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+        raise TypeError("the NCCL stand-in takes C-contiguous numpy arrays")
+    address = array.__array_interface__["data"][0]
+    _REGISTRY.pop(address, None)
+    _REGISTRY[address] = array
+    while len(_REGISTRY) > _REGISTRY_LIMIT:
+        _REGISTRY.popitem(last=False)
+    return address
+
+
+def _memory(address: int, count: int, dtype_code: int) -> np.ndarray:
+    """`count` elements of NCCL dtype `dtype_code` at `address`, as a writable numpy view; they must lie inside one
+    registered array (else a wrong offset or count would read or write another buffer's memory)."""
+    if dtype_code not in NCCL_DTYPES:
+        raise ValueError(f"NCCL stand-in: unknown dtype code {dtype_code}")
+    dtype = np.dtype(NCCL_DTYPES[dtype_code])
+    nbytes = count * dtype.itemsize
+    for start, array in reversed(_REGISTRY.items()):
+        if start <= address and address + nbytes <= start + array.nbytes:
+            raw = (ctypes.c_char * nbytes).from_address(address) if nbytes else bytearray()
+            return np.frombuffer(raw, dtype=dtype, count=count)
+    raise ValueError(f"NCCL stand-in: {count} elements of {dtype.name} at {address:#x} ({nbytes} bytes) are not "
+                     "inside any buffer passed to pointer(): wrong offset or count")
+
+
+# ---- streams and events: queues of MPI requests ----------------------------------------------------------------
+class _Pending:
+    """One launched operation: its MPI requests and what to do once they completed (write the result)."""
+
+    def __init__(self, requests, finish=None):
+        self.requests, self.finish, self.done = list(requests), finish, False
+
+    def test(self) -> bool:
+        from mpi4py import MPI
+        if not self.done and MPI.Request.Testall(self.requests):
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        from mpi4py import MPI
+        if not self.done:
+            MPI.Request.Waitall(self.requests)
+            self._complete()
+
+    def _complete(self):
+        self.done = True
+        if self.finish is not None:
+            self.finish()
+
+
+class HostStream:
+    _ids = itertools.count(1)
+
+    def __init__(self, non_blocking: bool = True):
+        self.ptr = next(self._ids)
+        self.pending: list[_Pending] = []
+        _streams[self.ptr] = self
+
+    def launch(self, pending: _Pending) -> None:
+        self.pending = [p for p in self.pending if not p.test()]
+        self.pending.append(pending)
+
+    def synchronize(self) -> None:
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+
+    def wait_event(self, event: HostEvent) -> None:
+        event.synchronize()  # host work is synchronous: waiting on the event is the only way to order after it
+
+    def record(self, event: HostEvent | None = None) -> HostEvent:
+        event = event or HostEvent()
+        event.record(self)
+        return event
+
+
+class HostEvent:
+    def __init__(self, disable_timing: bool = True):
+        self._pending: list[_Pending] = []
+
+    def record(self, stream: HostStream | None = None) -> None:
+        self._pending = list((stream or NULL_STREAM).pending)
+
+    def query(self) -> bool:
+        return all(p.test() for p in self._pending)
+
+    def synchronize(self) -> None:
+        for pending in self._pending:
+            pending.wait()
+
+
+_streams: weakref.WeakValueDictionary[int, HostStream] = weakref.WeakValueDictionary()  # pointer -> stream
+NULL_STREAM = HostStream()
+
+
+def stream_of(stream) -> HostStream:
+    """Calls take a stream as NCCL does (an object with .ptr, or the pointer); 0 is the null stream."""
+    return _streams.get(getattr(stream, "ptr", stream), NULL_STREAM)
+
+
+# ---- group calls ----------------------------------------------------------------------------------------------
+def groupStart() -> None:
+    _GroupCall.depth += 1
+
+
+def groupEnd() -> None:
+    if _GroupCall.depth == 0:
+        raise RuntimeError("NCCL stand-in: groupEnd() without groupStart()")
+    _GroupCall.depth -= 1
+    if _GroupCall.depth == 0:
+        launches, _GroupCall.launches = _GroupCall.launches, []
+        for launch in launches:
+            launch()
+
+
+def _launch(launch) -> None:
+    if _GroupCall.depth:
+        _GroupCall.launches.append(launch)
+    else:
+        launch()
+
+
+def get_unique_id() -> tuple:
+    """128 bytes like ncclGetUniqueId (here random: only checked equal across ranks)."""
+    return tuple(int(b) - 128 for b in os.urandom(128))
+
+
+def get_version() -> int:
+    return 0
+
+
+# ---- the communicator -------------------------------------------------------------------------------------------
+def _reduce(blocks: np.ndarray, op: int) -> np.ndarray:
+    """Reduce the rows of `blocks` (one per rank) in rank order, low precision summed in float32 like NCCL."""
+    low = blocks.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    wide = np.float32 if low else blocks.dtype
+    acc = blocks[0].astype(wide)
+    combine = {SUM: np.add, AVG: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}.get(op)
+    if combine is None:
+        raise ValueError(f"NCCL stand-in: unknown reduction op code {op}")
+    for block in blocks[1:]:
+        acc = combine(acc, block.astype(wide))
+    if op == AVG:
+        acc = acc / len(blocks)
+    return acc.astype(blocks.dtype)
+
+
+class NcclCommunicator:
+    """`cupy.cuda.nccl.NcclCommunicator(ndev, commId, rank)` over the MPI communicator `bootstrap` (a keyword the
+    real one lacks; `HostNccl` binds it, so callers write the same call as for cupy)."""
+
+    def __init__(self, ndev: int, commId, rank: int, *, bootstrap):
+        if bootstrap.Get_size() != ndev or bootstrap.Get_rank() != rank:
+            raise ValueError(f"NCCL stand-in: communicator of {ndev} ranks, rank {rank}, over an MPI communicator "
+                             f"of {bootstrap.Get_size()} ranks where this is rank {bootstrap.Get_rank()}")
+        self._comm = bootstrap.Dup()
+        ids = self._comm.allgather(tuple(commId))
+        if any(other != ids[0] for other in ids):
+            raise ValueError("NCCL stand-in: the ranks passed different unique ids (broadcast it from one rank)")
+        self._rank, self._size = rank, ndev
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def device_id(self) -> int:
+        return 0
+
+    def destroy(self) -> None:
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    def abort(self) -> None:
+        self.destroy()
+
+    def check_async_error(self) -> None:
+        return None
+
+    # -- collectives: inputs are read at the call (host data is ready then), results written when complete
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        source = _memory(sendbuf, count, datatype).copy()
+        target = _memory(recvbuf, count, datatype)
+        gathered = np.empty((self._size, count), source.dtype)
+
+        def finish():
+            target[...] = _reduce(gathered, op)
+
+        self._start(lambda: [self._comm.Iallgather(_bytes(source), _bytes(gathered))], finish, stream)
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        source = _memory(sendbuf, recvcount * self._size, datatype).copy()
+        target = _memory(recvbuf, recvcount, datatype)
+        blocks = np.empty((self._size, recvcount), source.dtype)  # block r of every rank, from rank r
+
+        def finish():
+            target[...] = _reduce(blocks, op)
+
+        self._start(lambda: [self._comm.Ialltoall(_bytes(source), _bytes(blocks))], finish, stream)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        source = _memory(sendbuf, count, datatype).copy()
+        target = _memory(recvbuf, count * self._size, datatype)
+        gathered = np.empty(count * self._size, source.dtype)
+
+        def finish():
+            target[...] = gathered
+
+        self._start(lambda: [self._comm.Iallgather(_bytes(source), _bytes(gathered))], finish, stream)
+
+    def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+        source = _memory(sendbuf, count, datatype) if self._rank == root else None
+        data = source.copy() if source is not None else np.empty(count, NCCL_DTYPES[datatype])
+        target = _memory(recvbuf, count, datatype)
+
+        def finish():
+            target[...] = data
+
+        self._start(lambda: [self._comm.Ibcast(_bytes(data), root=root)], finish, stream)
+
+    def bcast(self, buff, count, datatype, root, stream):
+        self.broadcast(buff, buff, count, datatype, root, stream)
+
+    def send(self, sendbuf, count, datatype, peer, stream):
+        data = _memory(sendbuf, count, datatype).copy()
+        self._start(lambda: [self._comm.Isend(_bytes(data), dest=peer, tag=0)], None, stream)
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        target = _memory(recvbuf, count, datatype)
+        data = np.empty(count, target.dtype)
+
+        def finish():
+            target[...] = data
+
+        self._start(lambda: [self._comm.Irecv(_bytes(data), source=peer, tag=0)], finish, stream)
+
+    def _start(self, requests, finish, stream) -> None:
+        host_stream = stream_of(stream)
+        _launch(lambda: host_stream.launch(_Pending(requests(), finish)))
+
+
+def _bytes(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+class HostNccl:
+    """The stand-in as a module-like object bound to one MPI communicator (its bootstrap): `api.get_unique_id()`,
+    `api.NcclCommunicator(n, uid, rank)`, `api.groupStart()`, ... exactly as `cupy.cuda.nccl` is called."""
+
+    available = True
+    get_unique_id = staticmethod(get_unique_id)
+    groupStart = staticmethod(groupStart)
+    groupEnd = staticmethod(groupEnd)
+
+    def __init__(self, bootstrap):
+        self._bootstrap = bootstrap
+
+    def NcclCommunicator(self, ndev, commId, rank):
+        return NcclCommunicator(ndev, commId, rank, bootstrap=self._bootstrap)
