@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -354,3 +356,173 @@ def test_no_restart_without_time_for_the_next_checkpoint(slurm_env, jobs, tmp_pa
                      r"checkpoint: not restarting", log)
     assert left and 0 < int(left.group(1)) <= 600, log  # squeue's time left of a 10-minute job
     assert "attempt 1" not in log, log
+
+
+# ----------------------------------------------------------------------------- two nodes
+# The CI cluster runs node1 and node2 as two slurmds on this one machine (.ci/slurm/start.sh, SLURM_CI_NODES=2)
+TWO_NODE_SETTINGS = ["precision.compute=float64", "train.steps=6", "train.log_every=1", "logging.peak_flops=1e9"]
+
+
+def two_node_cluster(slurm_env) -> tuple[str, str]:
+    """The cluster's first two nodes; skips (fails under MPITRAIN_SLURM_TEST=1) with fewer."""
+    nodes = sorted(set(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=slurm_env, capture_output=True,
+                                      text=True, timeout=30).stdout.split()))
+    if len(nodes) < 2:
+        message = f"needs a cluster of 2 nodes, this one has {nodes} (SLURM_CI_NODES=2 bash .ci/slurm/start.sh)"
+        if os.environ.get("MPITRAIN_SLURM_TEST") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return nodes[0], nodes[1]
+
+
+def readme_two_node_example() -> tuple[list[str], list[str]]:
+    """The README's two-node example (the code line after `<!-- two-node-example -->`): sbatch options, and the
+    arguments of slurm/train.sbatch."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    found = re.search(r"<!-- two-node-example -->\s*```bash\n([^\n]+)\n", readme)
+    assert found, "README.md has no two-node example after <!-- two-node-example -->"
+    words = shlex.split(found.group(1).split("#")[0])
+    assert words[0] == "sbatch" and "slurm/train.sbatch" in words, words
+    at = words.index("slurm/train.sbatch")
+    return words[1:at], words[at + 1:]
+
+
+def with_run_dir(args: list[str], run_dir: Path) -> list[str]:
+    """`args` with the value of --out replaced by run_dir."""
+    args = list(args)
+    args[args.index("--out") + 1] = str(run_dir)
+    return args
+
+
+def test_readme_two_node_example_matches_one_process(slurm_env, jobs, tmp_path, dataset):
+    """4 ranks on two nodes (dp 2 x tp 2, each tp pair inside a node) train as one process does (float64, 1e-10);
+    the start-up placement line names both nodes and their ranks."""
+    first, second = two_node_cluster(slurm_env)
+    shape, script_args = readme_two_node_example()
+    settings = [word for setting in [f"data.path={dataset}", *TWO_NODE_SETTINGS] for word in ("--set", setting)]
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, [*with_run_dir(script_args, run_dir), *settings],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable}, shape=tuple(shape))
+    jobs.append(job)
+
+    one_dir = tmp_path / "one"
+    alone = run_mpi(1, ["-m", "mpitrain", "train", *with_run_dir(script_args, one_dir), *settings,
+                        "--set", "parallel.tp=1"], timeout=300)
+    assert alone.returncode == 0, describe(alone)
+    job.wait_until_completed(300)
+    log = job.log()
+    assert (f"placement: 2 nodes: {first} ranks 0-1, {second} ranks 2-3; groups crossing nodes: dp; "
+            f"inside one node: tp") in log, log
+    assert "mesh dp=2 tp=2 pp=1" in log, log
+    expected, losses = losses_by_step(one_dir), losses_by_step(run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(1, 7)), log
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-10, abs=0), f"step {step}\n{log}"
+
+
+def test_tensor_parallel_across_nodes_is_refused(slurm_env, jobs, tmp_path, dataset):
+    """tp = 2 with one rank on each node: one line names the group, the nodes and the key that allows it; the batch
+    script does not retry (MPITRAIN_FAILURE_RESTARTS=0) and the job fails."""
+    first, second = two_node_cluster(slurm_env)
+    settings = [word for setting in [f"data.path={dataset}", *TWO_NODE_SETTINGS, "parallel.tp=2"]
+                for word in ("--set", setting)]
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(tmp_path / "run"), *settings],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAILURE_RESTARTS": "0"},
+              shape=("--nodes=2", "--ntasks-per-node=1"))
+    jobs.append(job)
+    deadline = time.monotonic() + 180
+    while job.poll() not in FINISHED and job.state != "UNKNOWN":
+        if time.monotonic() > deadline:
+            job.fail("not finished within 180 s")
+        time.sleep(0.5)
+    log = job.log()
+    assert job.state == "FAILED", f"{job.state}\n{log}"
+    assert (f"parallel.tp = 2 puts tp group [0, 1] on several nodes ({first}, {second}): tp exchanges activations "
+            f"inside every layer and needs the fast links inside a node;") in log, log
+    assert "parallel.allow_cross_node_tp = true" in log and "Traceback" not in log, log
+    assert not re.search(r"step +1/", log), log  # refused before the first step
+
+
+class SlurmdOf:
+    """One node's slurmd of the CI cluster: kill it (the node is lost), start it again (recorded in CI's pids file,
+    so that .ci/slurm/stop.sh stops the new one)."""
+
+    def __init__(self, node: str, env: dict):
+        self.node, self.env = node, env
+        self.pid_file = CI_CLUSTER_DIR / "spool" / f"slurmd-{node}.pid"
+        self.killed_pid = None
+
+    def kill(self):
+        self.killed_pid = int(self.pid_file.read_text())
+        os.kill(self.killed_pid, signal.SIGKILL)
+
+    def restore(self):
+        if self.killed_pid is None:
+            return
+        subprocess.run(["slurmd", "-f", str(CI_CLUSTER_DIR / "etc" / "slurm.conf"), "-N", self.node],
+                       env=self.env, check=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while (pid := self._written_pid()) in (None, self.killed_pid):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"slurmd of {self.node} did not write {self.pid_file}")
+            time.sleep(0.2)
+        pids = CI_CLUSTER_DIR / "pids"
+        lines = [f"slurmd {pid}" if line.split() == ["slurmd", str(self.killed_pid)] else line
+                 for line in pids.read_text().splitlines()]
+        pids.write_text("".join(f"{line}\n" for line in lines))
+        self.killed_pid = None
+
+    def _written_pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):  # not there yet, or being written
+            return None
+
+
+def test_lost_node_run_continues_on_the_other(slurm_env, jobs, tmp_path, dataset, reference_losses):
+    """dp 2 x tp 2 on two nodes; after the first committed checkpoint the second node is lost (its slurmd and its
+    ranks SIGKILLed). The batch script finds the node gone, restarts inside the allocation on the first node only
+    (parallel.dp = 0 becomes 1: the same global batch through twice the accumulation), the restarted trainer's first
+    line says which node it left out, from which checkpoint, under which layout and the time lost, and every loss
+    equals the uninterrupted run's (float64, 1e-10: accumulation sums in another order)."""
+    first, second = two_node_cluster(slurm_env)
+    if os.geteuid() != 0 or not (CI_CLUSTER_DIR / "pids").is_file():
+        pytest.skip("killing a node's slurmd needs root and the CI cluster of .ci/slurm/start.sh")
+    run_dir = tmp_path / "run"
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *train_settings(dataset),
+                                    "--set", "parallel.tp=2"],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_PROBE_S": "20"},
+              shape=("--nodes=2", "--ntasks-per-node=2"))
+    jobs.append(job)
+    slurmd = SlurmdOf(second, slurm_env)
+
+    def ranks_on_second() -> list[int]:
+        beats = [json.loads(path.read_text()) for path in (run_dir / "heartbeat").glob("rank_*.json")]
+        return [beat["pid"] for beat in beats if beat.get("host") == second and beat.get("state") == "running"]
+
+    try:
+        job.wait_for(lambda: any(run_dir.glob("checkpoints/step_*/COMMITTED")) and len(ranks_on_second()) == 2,
+                     "committed checkpoint", 180)
+        victims = ranks_on_second()
+        slurmd.kill()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        job.wait_for(lambda: job.log().count("training exited with status") >= 2, "end of the restarted attempt", 300,
+                     interval=0.5)
+    finally:
+        slurmd.restore()  # the job completes (its cleanup on the lost node) once its slurmd is back
+    job.wait_until_completed(180)
+    log = job.log()
+    assert f"node(s) lost: {second}" in log and f"excluding {second}" in log, log
+    assert re.search(rf"attempt 1: srun .*--exclude={second} -N 1 -n 2 ", log), log
+    restarted = log[log.index("attempt 1: srun"):]
+    banner = re.search(rf"restart \(attempt 1\): left out node {second}; resuming from \S+step_(\d+) \(step (\d+)\) "
+                       rf"on dp=1 tp=2 pp=1 cp=1 ep=1 on 1 node: {first} ranks 0-1; time lost so far [0-9.]+ s "
+                       rf"\(from the save of step \d+ at [0-9:.]+\)", restarted)
+    assert banner, log
+    assert banner.start() < restarted.index("checkpoint: resumed from") < restarted.index("mpitrain: "), log
+    assert re.search(r"restart 1 \(attempt 1\) after exit status \d+[^:]*: time lost [0-9.]+ s", log), log
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == sorted(reference_losses), log
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-10, abs=0), f"step {step}\n{log}"

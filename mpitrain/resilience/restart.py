@@ -207,6 +207,29 @@ class Supervisor:
         return changed
 
 
+# ----------------------------------------------------------------------------- the restarted attempt's first line
+def restart_banner(checkpoint: Path, layout: str, env: dict, now: float) -> str | None:
+    """For an attempt after a failure (MPITRAIN_ATTEMPT > 0, set by slurm/train.sbatch and `mpitrain launch`): which
+    nodes it left out (MPITRAIN_LEFT_OUT), the checkpoint it resumes from, its layout, and the time lost so far (from
+    that checkpoint's save to now; the batch script prints the whole, to the first step, once the attempt ends).
+    None for a first attempt."""
+    try:
+        attempt = int(env.get("MPITRAIN_ATTEMPT", "0"))
+    except ValueError:
+        return None
+    if attempt <= 0:
+        return None
+    left_out = env.get("MPITRAIN_LEFT_OUT", "")
+    try:
+        index = json.loads((Path(checkpoint) / "index.json").read_text())
+        step, saved_at = int(index["step"]), float(index["created"])
+        lost = f"time lost so far {now - saved_at:.1f} s (from the save of step {step} at {clock(saved_at)})"
+    except (OSError, ValueError, KeyError, TypeError):
+        step, lost = "?", "time lost not known (no readable index.json)"
+    left = f"left out node {left_out}" if left_out else "no node left out"
+    return f"restart (attempt {attempt}): {left}; resuming from {checkpoint} (step {step}) on {layout}; {lost}"
+
+
 # ----------------------------------------------------------------------------- for slurm/train.sbatch
 def run_checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its checkpoints: checkpoint.dir of RUN_DIR/config.toml (the trainer writes it), else
