@@ -66,12 +66,13 @@ def _replica_writer(kind: str, tensor: str, replicas: int, replica_index: int) -
 
 
 def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int, int], tp: tuple[int, int],
-                load_only=()) -> list[HeldPiece]:
+                load_only=(), expert_dp: tuple[int, int] | None = None) -> list[HeldPiece]:
     """Pieces in `windows` ((geometry start, end, array, array offset) ranges of the flat geometry).
 
     dp, tp: (size, rank) of this rank's data- and tensor-parallel groups, for deciding who writes replicated copies.
     load_only: tensor names this rank holds as a copy of another rank's (gpt2's tied embedding on the last pipeline
-    stage): filled on restore from the tensor of that name, never written (the owner writes it)."""
+    stage): filled on restore from the tensor of that name, never written (the owner writes it).
+    expert_dp: (size, rank) of the expert-data-parallel group, the replicas of experts under ep > 1."""
     held = []
     for unit, layout in enumerate(geometry.layouts):
         offset = geometry.offsets[unit]
@@ -83,7 +84,7 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
                     continue
                 replicas, index = 1, 0
                 if dp_replicated:
-                    replicas, index = dp
+                    replicas, index = expert_dp if expert_dp and spec.reduce_over == "expert_dp" else dp
                 if spec.tp_replicated:
                     replicas, index = replicas * tp[0], index * tp[0] + tp[1]
                 piece = Piece(kind, name, tuple(spec.full_shape), tuple(spec.start), tuple(spec.shape),

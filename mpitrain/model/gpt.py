@@ -34,9 +34,11 @@ import numpy as np
 from mpitrain.config import ModelConfig
 from mpitrain.layers import ops
 from mpitrain.layers.lora import apply_lora, with_frozen_sinks
+from mpitrain.layers.moe import MoeSettings, inactive_params
 from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
+from mpitrain.parallel.expert import ExpertParallel
 from mpitrain.state.params import UnitLayout
 
 
@@ -47,14 +49,17 @@ def rope_table_dtype(compute_dtype):
 
 class GPT:
     def __init__(self, cfg: ModelConfig, backend, *, tp_group=None, sequence_parallel: bool = False,
-                 tp: TensorParallel | None = None, stages: list[tuple[int, int]] | None = None, lora=None):
+                 tp: TensorParallel | None = None, stages: list[tuple[int, int]] | None = None, lora=None,
+                 ep_group=None, ep: ExpertParallel | None = None):
         """`tp_group`: the tensor-parallel group (None: one rank), handed to every unit together with the mode
         (`sequence_parallel`) as one TensorParallel; or pass that object itself as `tp`.
         `stages`: the [first, end) global unit ranges of this rank's model chunks, in the order the data visits them
         (None: the whole model, one chunk). `lora`: a LoraConfig with rank > 0 freezes every tensor and adds
-        adapters (mpitrain/layers/lora.py)."""
+        adapters (mpitrain/layers/lora.py). `ep_group` (or `ep`): where the experts of MoE blocks live."""
         self.cfg, self.backend = cfg, backend
         self.tp = tp or TensorParallel(tp_group, sequence_parallel)
+        self.ep = ep or ExpertParallel(ep_group, MoeSettings.of(cfg).experts or 1)
+        self.aux_losses: dict = {}  # MoE layers add their auxiliary losses of a training step here (pop_aux_losses)
         every = self._all_units()  # layouts only, no arrays: cheap to build whole
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora:
@@ -83,7 +88,8 @@ class GPT:
 
     def _all_units(self) -> list:
         cfg = self.cfg
-        return [Embedding(cfg, self.tp)] + [Block(cfg, i, self.tp) for i in range(cfg.n_layer)] + [Head(cfg, self.tp)]
+        blocks = [Block(cfg, i, self.tp, self.ep) for i in range(cfg.n_layer)]
+        return [Embedding(cfg, self.tp)] + blocks + [Head(cfg, self.tp)]
 
     def _tie(self, reader, local_name: str, global_name: str, every: list) -> None:
         """Unit `reader` reads tensor `global_name` ("embed.wte") of another unit as `local_name`. A rank holding the
@@ -117,7 +123,8 @@ class GPT:
         cfg = self.cfg
         seq_len = seq_len or cfg.seq_len
         embedding = cfg.vocab_size * cfg.d_model + (cfg.seq_len * cfg.d_model if cfg.arch == "gpt2" else 0)
-        matmul_weights = self.n_params - embedding + cfg.vocab_size * cfg.d_model
+        # MoE: a token uses k of the E experts, so only the active parameters count (inactive_params)
+        matmul_weights = self.n_params - embedding + cfg.vocab_size * cfg.d_model - inactive_params(cfg)
         return 6.0 * matmul_weights + 12.0 * cfg.n_layer * cfg.d_model * seq_len
 
     def context(self, seq_len: int) -> dict:
@@ -180,13 +187,15 @@ class GPT:
                 state.unit_done(j)
 
     # -- one micro-batch through one chunk
-    def forward(self, state, x, targets=None, chunk: int = 0):
+    def forward(self, state, x, targets=None, chunk: int = 0, loss_scale=None):
         """x: token ids when the chunk starts with the embedding, else the previous stage's output. Returns
         (output, saved state per unit of the chunk): the sum of token losses when the chunk ends with the head
         (`targets` needed), else the activation for the next stage."""
         ctx = self.context(self._sequence_length(x))
         if targets is not None:
             ctx = {**ctx, "targets": targets}  # read by the head
+        if loss_scale is not None:  # training: MoE layers need the loss scale for their auxiliary losses' gradient
+            ctx = {**ctx, "loss_scale": loss_scale, "aux_losses": self.aux_losses}
         saved = []
         for i in self.chunks[chunk]:
             unit = self.units[i]
@@ -218,6 +227,12 @@ class GPT:
         for i in reversed(self.chunks[chunk]):
             self.units[i].backward_weight(self._grads(state, i), deferred.pop(i, []))
             self._done(state, i)
+
+    def pop_aux_losses(self) -> dict:
+        """The auxiliary losses the MoE layers of this rank added during the training micro-batches since the last
+        call (mpitrain/layers/moe.py: "weighted" is their share of the loss sum), and forget them."""
+        aux, self.aux_losses = self.aux_losses, {}
+        return aux
 
     def last_logits(self, state, tokens):
         """Logits of the last position (generation; a whole tp = 1 model, see Head.logits)."""

@@ -29,7 +29,7 @@ from mpitrain.layers.attention import Attention
 from mpitrain.layers.embedding import TokenEmbedding
 from mpitrain.layers.head import LMHead
 from mpitrain.layers.linear import run_weight_grads
-from mpitrain.layers.mlp import MLP
+from mpitrain.layers.moe import make_mlp
 from mpitrain.layers.norm import Norm
 from mpitrain.layers.tensor_parallel import PartialGrads, TensorParallel
 from mpitrain.state.params import UnitLayout
@@ -82,10 +82,11 @@ class Embedding(Unit):
 class Block(Unit):
     """Pre-norm transformer block: x + attention(norm1(x)), then + mlp(norm2(.))."""
 
-    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel, ep=None):
+        """ep: the ExpertParallel of MoE blocks (mpitrain/layers/moe.py picks MoE or the dense MLP)."""
         kind = "layernorm" if cfg.arch == "gpt2" else "rmsnorm"
         self.norm1, self.attention = Norm(kind, "norm1", cfg.d_model, cfg.norm_eps, tp), Attention(cfg, tp)
-        self.norm2, self.mlp = Norm(kind, "norm2", cfg.d_model, cfg.norm_eps, tp), MLP(cfg, tp)
+        self.norm2, self.mlp = Norm(kind, "norm2", cfg.d_model, cfg.norm_eps, tp), make_mlp(cfg, index, tp, ep)
         super().__init__(f"blocks.{index}", tp, [self.norm1, self.attention, self.norm2, self.mlp])
         self.recompute = "none"  # none | selective | full: mpitrain/layers/recompute.py
 

@@ -256,7 +256,7 @@ class PipelineExecutor:
         with self._timeline.record("forward", *key):
             x = self.backend.from_host(inputs) if stage == 0 else self._inputs.pop(key)
             targets = self.backend.from_host(targets) if stage == self.last_stage else None
-            output, saved = self.model.forward(self.gradients, x, targets, ins.chunk)
+            output, saved = self.model.forward(self.gradients, x, targets, ins.chunk, loss_scale=self.loss_scale)
         if stage < self.last_stage:
             self._outputs[key] = output
         else:

@@ -27,7 +27,7 @@ class ParamSpec:
     # What the state strategies derive everything from (gradient buffers, reductions, norms, checkpoint replicas):
     trainable: bool = True  # False: no gradient buffer, no optimizer state, no reduction (frozen, e.g. under LoRA)
     tp_axis: int | None = None  # the axis split over the tensor-parallel ranks (None: replicated or tp = 1)
-    reduce_over: str = "dp"  # the mesh group that sums its gradient ("dp"; later "edp" for experts, "dp_cp")
+    reduce_over: str = "dp"  # the mesh group that sums its gradient ("dp"; "expert_dp" for experts under ep > 1)
     tied_to: str | None = None  # global name of the tensor this one is a copy of (gpt2's head copy of "embed.wte")
 
     @property
@@ -51,7 +51,8 @@ class ParamSpec:
     def norm_groups(self) -> tuple[str, ...]:
         """Mesh groups over which the squares of this tensor's gradient are summed into the global norm, beyond the
         ranks that share its reduction (a tp-split tensor's pieces differ per tp rank; a replicated one does not)."""
-        return () if self.tp_replicated else ("tp",)
+        split = () if self.tp_replicated else ("tp",)
+        return split + ("ep",) if self.reduce_over == "expert_dp" else split  # each ep rank holds other experts
 
     def piece(self, full: np.ndarray) -> np.ndarray:
         """This rank's piece of the full tensor."""

@@ -16,7 +16,7 @@ from functools import partial
 
 from mpitrain.optim.adamw import Segment
 from mpitrain.state.offload import resident_nbytes
-from mpitrain.state.params import FlatBuffer, initial_unit_flat
+from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer
 from mpitrain.state.strategy import StateStrategy, norm_ranges, squared_sum
 
@@ -39,6 +39,20 @@ def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, s
     return buckets
 
 
+def split_by_group(grads: FlatBuffer, start: int, end: int, main, others: dict) -> list:
+    """[start, end) of the flat gradient cut into (a, b, reducer) pieces: the tensors reduced over another group
+    (others[spec.reduce_over]) apart, the rest by `main`."""
+    cuts = [(a + start, b + start, others[name]) for name in others
+            for a, b in intersect(grads.ranges(lambda spec, n=name: spec.reduce_over == n), start, end)]
+    pieces, position = [], start
+    for a, b, reducer in sorted(cuts, key=lambda cut: cut[0]):
+        if a > position:
+            pieces.append((position, a, main))
+        pieces.append((a, b, reducer))
+        position = b
+    return pieces + ([(position, end, main)] if position < end else [])
+
+
 class ReplicatedState(StateStrategy):
     """parallel.zero = 0: full parameters and gradients on every rank; gradients summed by bucketed all-reduce.
 
@@ -47,9 +61,10 @@ class ReplicatedState(StateStrategy):
     sharded = False
 
     def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
-                 overlap: bool = True, grad_reduce: str = "float32", placement=None):
+                 overlap: bool = True, grad_reduce: str = "float32", placement=None, other_groups=None):
         """seed None: parameters left at zero, for the caller to fill (generation from a checkpoint).
-        placement: where a separate master copy lives (mpitrain/state/offload.py; None: the device)."""
+        placement: where a separate master copy lives (mpitrain/state/offload.py; None: the device).
+        other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
         off_device = placement is not None and backend.mixed  # parameters that are their own master stay
@@ -65,6 +80,9 @@ class ReplicatedState(StateStrategy):
         self.reducer = GradReducer(group, dtype, grad_reduce) if group is not None else None
         self.buckets = make_buckets(self.grads, bucket_bytes)
         self.bucket_of_unit = {u: b for b, (_, _, units) in enumerate(self.buckets) for u in units}
+        others = {name: GradReducer(g, dtype, grad_reduce) for name, g in (other_groups or {}).items()}
+        self.bucket_pieces = [split_by_group(self.grads, start, end, self.reducer, others)
+                              for start, end, _ in self.buckets]
         self._remaining: list[int] = []
         self._pending: list = []
         self._syncing = False
@@ -85,8 +103,7 @@ class ReplicatedState(StateStrategy):
         bucket = self.bucket_of_unit[unit]
         self._remaining[bucket] -= 1
         if self._remaining[bucket] == 0 and self.overlap:
-            start, end, _ = self.buckets[bucket]
-            self._pending.append(self.reducer.all_reduce(self.grads.data[start:end]))
+            self._pending += [reducer.all_reduce(self.grads.data[a:b]) for a, b, reducer in self.bucket_pieces[bucket]]
         for pending in self._pending:  # drive progress of the reductions already in flight
             pending.test()
 
@@ -103,8 +120,9 @@ class ReplicatedState(StateStrategy):
         if not self._syncing:
             return
         if not self.overlap:
-            for start, end, _ in self.buckets:
-                self.reducer.all_reduce(self.grads.data[start:end]).wait()
+            for pieces in self.bucket_pieces:
+                for a, b, reducer in pieces:
+                    reducer.all_reduce(self.grads.data[a:b]).wait()
         for pending in self._pending:
             pending.wait()
         self._pending = []

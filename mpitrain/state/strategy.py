@@ -103,9 +103,16 @@ def add_up(sums: list[dict]) -> dict:
 
 
 def reduction_group(layouts, mesh):
-    """The mesh group that sums the gradients, named by the tensors' `reduce_over` ("dp" today). Tensors reducing
-    over different groups (experts over expert-dp) need one state per group, which is not built yet: refused."""
-    names = sorted({spec.reduce_over for layout in layouts for spec in layout.specs} or {"dp"})
+    """The mesh group that sums the gradients, named by the tensors' `reduce_over`. Experts under expert
+    parallelism ("expert_dp") are reduced beside it by the replicated state (`other_reduction_groups`); any other
+    mix is refused."""
+    names = sorted({spec.reduce_over for layout in layouts for spec in layout.specs} - {"expert_dp"} or {"dp"})
     if len(names) > 1:
         raise NotImplementedError(f"tensors reduce their gradients over several groups {names}; one is supported")
     return getattr(mesh, names[0])
+
+
+def other_reduction_groups(layouts, mesh) -> dict:
+    """{reduce_over name: group} of the tensors reduced apart from the main group (experts: "expert_dp")."""
+    names = {spec.reduce_over for layout in layouts for spec in layout.specs} & {"expert_dp"}
+    return {name: getattr(mesh, name) for name in names}

@@ -1,0 +1,203 @@
+"""Mixture of experts: a sublayer in place of the dense MLP of every `model.moe.every`-th block.
+
+    logits = x W_router (E experts)      probs = softmax(logits)      each token picks its top_k experts
+    y = sum over its picks j of probs[e_j] * expert_{e_j}(x)              (the raw softmax weights, not renormalised)
+
+An expert is the block's MLP (gpt2: GELU, llama: SwiGLU; no biases), all E of them held as one batch of weights
+(E, C, F) and (E, F, C). Capacity (`capacity_factor` f > 0): expert e takes at most ceil(f * N * k / E) of the N*k
+picks of a micro-batch's N tokens, first come first served in (pick rank, token) order, GShard's priority; a dropped
+pick adds nothing, so a token whose every pick is dropped passes through the block's residual alone. f = 0:
+dropless, every pick is served.
+
+Auxiliary losses, per micro-batch of N tokens (Switch Transformer / GShard and ST-MoE), in the loss as
+N * (aux_loss * balance + z_loss * z), i.e. their micro-batch means enter the mean loss per token:
+    balance = E * sum_e f_e * P_e    f_e: share of the N*k picks routed to e (before capacity), P_e: mean prob of e;
+                                     1 when routing is uniform; gradient through P only (f counts are constant)
+    z       = mean over tokens of logsumexp(logits)^2     keeps the router's logits small
+
+Parallelism. Expert parallelism (mpitrain/parallel/expert.py): this rank holds E/ep consecutive experts and routes
+its own tokens to the ranks that hold their experts with all-to-all(v), forward and backward. Tensor parallelism:
+the input enters the tp region as for the dense MLP (replicated or gathered along the sequence), every tp rank
+routes the same tokens the same way (the router is replicated), each expert is split like the dense MLP (up/gate by
+output columns, down by input rows: experts' (E, C, F/t) and (E, F/t, C) pieces) and the combined output leaves the
+region with the MLP's all-reduce (or reduce-scatter). The pick weights' gradient needs the full expert output, so
+its (picks,) partial sums are all-reduced over tp. The router's input gradient is the same on every tp rank: only
+tp rank 0 adds it before the region's gradient reduction.
+
+Gradients: the router is reduced over dp like every other tensor; experts over expert_dp (ParamSpec.reduce_over)
+when ep > 1, and their gradient norm is summed over ep too (each ep rank holds other experts).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpitrain.backend import array_module, to_host
+from mpitrain.layers import ops
+from mpitrain.layers.mlp import MLP
+from mpitrain.layers.moe_settings import MoeSettings
+from mpitrain.parallel.expert import ExpertParallel
+from mpitrain.state.params import ParamSpec
+
+
+def make_mlp(cfg, index: int, tp, ep: ExpertParallel | None):
+    """Block `index`'s MLP sublayer: an MoE layer where model.moe says so, else the dense MLP."""
+    moe = MoeSettings.of(cfg)
+    if not moe.is_moe_block(index):
+        return MLP(cfg, tp)
+    ep = ep if ep is not None and ep.experts == moe.experts else ExpertParallel(None, moe.experts)
+    return MoE(cfg, moe, tp, ep, index)
+
+
+def inactive_params(cfg) -> int:
+    """Expert weights a token does not use (E - k experts per MoE layer): all parameters less these are the active
+    parameters per token that FLOPs and MFU count."""
+    moe = MoeSettings.of(cfg)
+    per_expert = cfg.d_model * cfg.ff_dim * (3 if cfg.arch == "llama" else 2)
+    layers = sum(moe.is_moe_block(i) for i in range(cfg.n_layer))
+    return layers * (moe.experts - moe.top_k) * per_expert if moe.experts else 0
+
+
+def _expert_spec(name, full_shape, tp_axis, tp, ep, std) -> ParamSpec:
+    """This rank's experts (axis 0, ep) and their tp slice (tp_axis) of a (E, ., .) batch of weights."""
+    shape, offset = list(full_shape), [0, 0, 0]
+    shape[0], offset[0] = ep.local, ep.first
+    shape[tp_axis] //= tp.size
+    offset[tp_axis] = tp.rank * shape[tp_axis]
+    return ParamSpec(name, tuple(shape), "normal", std, tuple(full_shape), tuple(offset),
+                     tp_replicated=tp.size == 1, tp_axis=tp_axis if tp.size > 1 else None,
+                     reduce_over="expert_dp" if ep.size > 1 else "dp")
+
+
+class MoE:
+    def __init__(self, cfg, moe: MoeSettings, tp, ep: ExpertParallel, index: int = 0):
+        c, f, e = cfg.d_model, cfg.ff_dim, moe.experts
+        self.index = index  # the block's: names this layer's routing counts in the logged metrics
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        self.moe, self.tp, self.ep, self.d_model = moe, tp, ep, c
+        self.gated, self.local_width = cfg.arch == "llama", f // tp.size
+        self.ups = ["expert_w_gate", "expert_w_up"] if self.gated else ["expert_w_fc"]
+        self.down = "expert_w_down" if self.gated else "expert_w_proj"
+        self.specs = [ParamSpec("router", (c, e), "normal", std)]
+        self.specs += [_expert_spec(name, (e, c, f), 2, tp, ep, std) for name in self.ups]
+        self.specs.append(_expert_spec(self.down, (e, f, c), 1, tp, ep, out_std))
+        self.partial_grads: list[str] = []
+
+    # -- routing (every tp rank the same)
+    def _route(self, p, x2d):
+        xp, moe, n = array_module(x2d), self.moe, x2d.shape[0]
+        logits = ops.linear_forward(x2d, p["router"])[0]
+        top = logits.max(axis=-1, keepdims=True)
+        probs = xp.exp(logits - top)
+        total = probs.sum(axis=-1, keepdims=True)
+        probs /= total
+        lse = (top + xp.log(total))[:, 0]
+        picks = np.argsort(-to_host(probs), axis=1, kind="stable")[:, :moe.top_k]  # ties: the lower expert
+        # picks in GShard's priority order: all first choices (token order), then all second choices, ...
+        token = np.tile(np.arange(n), moe.top_k)
+        expert = picks.T.reshape(-1)
+        rank_of = np.repeat(np.arange(moe.top_k), n)
+        routed = np.bincount(expert, minlength=moe.experts)
+        keep = np.ones(expert.size, bool)
+        if moe.capacity_factor > 0:
+            capacity = math.ceil(moe.capacity_factor * n * moe.top_k / moe.experts)
+            order = np.argsort(expert, kind="stable")
+            place = np.empty(expert.size, np.int64)
+            place[order] = np.arange(expert.size) - np.repeat(np.cumsum(routed) - routed, routed)
+            keep = place < capacity
+        order = np.argsort(expert[keep], kind="stable")  # by expert, priority order within
+        picked = {"token": token[keep][order], "expert": expert[keep][order], "rank": rank_of[keep][order]}
+        picked["gate"] = probs[picked["token"], picked["expert"]]
+        shares = routed / (n * moe.top_k)
+        return probs, lse, picked, shares
+
+    def forward(self, p, x, ctx=None):
+        h = self.tp.enter(x)
+        x2d = h.reshape(-1, self.d_model)
+        n, xp = x2d.shape[0], array_module(x2d)
+        probs, lse, picked, shares = self._route(p, x2d)
+        routing = self.ep.route(np.bincount(picked["expert"], minlength=self.moe.experts))
+        rows = self.ep.dispatch(x2d[picked["token"]], routing)
+        expert_out, expert_saved = self._experts_forward(p, rows, routing)
+        out = self.ep.combine(expert_out, routing)  # (picks, C), partial over tp
+        y = xp.zeros_like(x2d)
+        for j in range(self.moe.top_k):  # one pick per token per rank j: plain fancy-index adds, fixed order
+            mine = picked["rank"] == j
+            y[picked["token"][mine]] += picked["gate"][mine, None] * out[mine]
+        y = self.tp.exit(y.reshape(h.shape))
+        balance = self.moe.experts * float(shares @ to_host(probs.mean(axis=0)))
+        z = float((lse * lse).mean())
+        if ctx is not None and ctx.get("loss_scale") is not None and "aux_losses" in ctx:  # training: log them
+            record = ctx["aux_losses"]
+            record["weighted"] = record.get("weighted", 0.0) + n * (self.moe.aux_loss * balance + self.moe.z_loss * z)
+            record["balance"] = record.get("balance", 0.0) + n * balance
+            record["z"] = record.get("z", 0.0) + n * z
+            record["layers"] = record.get("layers", 0) + 1
+            record.setdefault("routed", {})
+            record["routed"][self.index] = record["routed"].get(self.index, 0) + shares * (n * self.moe.top_k)
+        saved = {"h": h, "probs": probs, "lse": lse, "picked": picked, "shares": shares, "routing": routing,
+                 "experts": expert_saved, "out": out, "loss_scale": (ctx or {}).get("loss_scale")}
+        return y, saved
+
+    def _experts_forward(self, p, rows, routing):
+        """Each of this rank's experts on its block of the expert-major rows (a block may be empty)."""
+        xp = array_module(rows)
+        outputs, saved, start = [], [], 0
+        for e, count in enumerate(routing.per_local_expert):
+            block = rows[start:start + int(count)]
+            start += int(count)
+            ups = [ops.linear_forward(block, p[w][e])[0] for w in self.ups]
+            act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0])
+            outputs.append(ops.linear_forward(act, p[self.down][e])[0])
+            saved.append((block, act_saved, act))
+        out = xp.concatenate(outputs) if outputs else rows[:0]
+        return out, saved
+
+    def _experts_backward(self, p, g, saved, d_out, routing):
+        xp = array_module(d_out)
+        grads, start = [], 0
+        for e, (block, act_saved, act) in enumerate(saved):
+            d_block = d_out[start:start + block.shape[0]]
+            start += block.shape[0]
+            ops.add_weight_grad(g[self.down][e], act, d_block)
+            d_act = ops.linear_input_grad([p[self.down][e]], [d_block])
+            d_ups = ops.swiglu_backward(act_saved, d_act) if self.gated else [ops.gelu_backward(act_saved, d_act)]
+            for w, d_up in zip(self.ups, d_ups):
+                ops.add_weight_grad(g[w][e], block, d_up)
+            grads.append(ops.linear_input_grad([p[w][e] for w in self.ups], list(d_ups)))
+        return xp.concatenate(grads) if grads else d_out[:0]
+
+    def backward(self, p, g, s, dy, deferred=None):
+        moe, picked, probs = self.moe, s["picked"], s["probs"]
+        xp = array_module(probs)
+        x2d = s["h"].reshape(-1, self.d_model)
+        d_y = self.tp.exit_backward(dy).reshape(-1, self.d_model)
+        d_token = d_y[picked["token"]]
+        d_gate = (d_token * s["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
+        self.tp.all_reduce(d_gate)
+        d_rows = self.ep.dispatch(picked["gate"][:, None] * d_token, s["routing"])
+        d_in = self.ep.combine(self._experts_backward(p, g, s["experts"], d_rows, s["routing"]), s["routing"])
+        dx = xp.zeros_like(x2d)
+        for j in range(moe.top_k):
+            mine = picked["rank"] == j
+            dx[picked["token"][mine]] += d_in[mine]
+        d_probs = xp.zeros_like(probs)
+        d_probs[picked["token"], picked["expert"]] = d_gate
+        scale = s["loss_scale"] or 0.0  # d(loss)/d(loss sum), as the head receives it
+        d_probs += scale * moe.aux_loss * moe.experts * xp.asarray(s["shares"], dtype=probs.dtype)
+        d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))
+        d_logits += (2.0 * scale * moe.z_loss) * s["lse"][:, None] * probs
+        ops.add_weight_grad(g["router"], x2d, d_logits)
+        if self.tp.rank == 0:  # the same on every tp rank: entered once into the region's gradient sum
+            dx += ops.linear_input_grad([p["router"]], [d_logits])
+        return self.tp.start_enter_backward(dx.reshape(s["h"].shape)).wait()
+
+    def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """The entered input, router probabilities, and per pick (N*k, balanced routing assumed) the routed row,
+        the activation's input(s) and output, and the expert output."""
+        n, e = batch * seq_len, self.moe.experts
+        picks = n * self.moe.top_k
+        hidden = ((picks, self.local_width), dtype)
+        return [((batch, seq_len, self.d_model), dtype), ((n, e), dtype), ((picks, self.d_model), dtype),
+                *[hidden] * (2 if self.gated else 1), hidden, ((picks, self.d_model), dtype)]

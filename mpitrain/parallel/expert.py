@@ -1,0 +1,123 @@
+"""Expert parallelism: the experts of an MoE layer live on the ranks of the ep group; tokens travel to them and back.
+
+The ep group is carved out of the data-parallel ranks (comm/mesh.py): ep consecutive dp ranks form one group, each
+holding E/ep consecutive experts (rank r: experts r*E/ep ... (r+1)*E/ep - 1), and `expert_dp` joins the ranks that
+hold the same experts, over which the experts' gradients are summed. Every rank routes its own tokens.
+
+One exchange, used four times per MoE layer and micro-batch (forward: dispatch, combine; backward: the gradients
+the other way round):
+
+    dispatch   rows sorted by global expert  -> rows of this rank's experts, grouped by local expert (expert-major)
+    combine    expert-major rows              -> back to their senders, in the order the sender dispatched them
+
+Each is one all_to_allv of the rows (counted under "all_to_all": exactly the routed rows that go to other ranks).
+Before it, the ranks learn how many rows each sends to each expert with one small all_gather of E counts per rank
+(counted under "all_gather", so the all_to_all counter holds token bytes only). With one rank both are local copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.backend import array_module, to_host, wire_view
+from mpitrain.layers.moe_settings import MoeSettings
+
+
+class ExpertParallel:
+    """The ep group (None: one rank) and where each of `experts` experts lives. `size` without a group: only the
+    shapes of rank 0's pieces are wanted (mpitrain memory)."""
+
+    def __init__(self, group=None, experts: int = 1, size: int | None = None):
+        self.group = group
+        self.size = group.size if group is not None else (size or 1)
+        self.rank = group.rank if group is not None else 0
+        if experts % self.size:
+            raise ValueError(f"{experts} experts do not split over {self.size} expert-parallel ranks")
+        self.experts, self.local = experts, experts // self.size
+        self.first = self.rank * self.local  # global index of this rank's first expert
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(rank {self.rank} of {self.size}, experts {self.first}..{self.first + self.local - 1})"
+
+    def route(self, rows_per_expert) -> Routing:
+        """rows_per_expert: (E,) how many rows this rank sends to each global expert. Every rank's counts are
+        gathered, so each knows what it receives from whom."""
+        mine = np.ascontiguousarray(np.asarray(to_host(rows_per_expert), dtype=np.int64))
+        everyone = np.empty(self.size * self.experts, np.int64)
+        if self.group is None:
+            everyone[...] = mine
+        else:
+            self.group.all_gather(mine, everyone)
+        everyone = everyone.reshape(self.size, self.size, self.local)  # [sender, owner rank, local expert]
+        return Routing(sent=everyone[self.rank], received=everyone[:, self.rank])
+
+    def dispatch(self, rows, routing: Routing):
+        """rows (A, C) in global-expert order -> (rows of this rank's experts, expert-major)."""
+        received = self._exchange(rows, routing.sent.sum(axis=1), routing.received.sum(axis=1))
+        return received[routing.to_expert_major] if len(received) else received
+
+    def combine(self, rows, routing: Routing):
+        """Expert-major rows (this rank's experts' outputs) -> the senders' rows, in their dispatch order."""
+        source_major = rows[routing.to_source_major] if len(rows) else rows
+        return self._exchange(source_major, routing.received.sum(axis=1), routing.sent.sum(axis=1))
+
+    def _exchange(self, rows, send_rows, recv_rows):
+        xp, width = array_module(rows), rows.shape[1]
+        out = np.empty((int(recv_rows.sum()), width), dtype=rows.dtype)
+        send = np.ascontiguousarray(to_host(rows))
+        if self.group is None:
+            out[...] = send
+        else:
+            self.group.all_to_allv(wire_view(send), send_rows * width, wire_view(out), recv_rows * width)
+        return out if xp is np else xp.asarray(out)
+
+
+class Routing:
+    """Who sends how many rows to which expert, for one exchange. sent[r, e]: rows this rank sends to local expert e
+    of rank r; received[s, e]: rows this rank's local expert e gets from rank s. Rows arrive source-major (by
+    sender, then expert); the experts want them expert-major (by expert, then sender): the two permutations."""
+
+    def __init__(self, sent, received):
+        self.sent, self.received = sent, received
+        self.per_local_expert = received.sum(axis=0)  # rows each of this rank's experts processes
+        source_start = _starts(received)  # [s, e]: where sender s's rows for expert e start, source-major
+        expert_start = _starts(received.T).T  # the same position, expert-major
+        self.to_expert_major = np.empty(int(received.sum()), np.int64)
+        for (s, e), count in np.ndenumerate(received):
+            self.to_expert_major[expert_start[s, e]:expert_start[s, e] + count] = \
+                np.arange(source_start[s, e], source_start[s, e] + count)
+        self.to_source_major = np.argsort(self.to_expert_major, kind="stable")
+
+
+def _starts(counts) -> np.ndarray:
+    """Start of each block when the blocks of a 2-D count table are laid out row by row."""
+    flat = counts.reshape(-1)
+    return (np.cumsum(flat) - flat).reshape(counts.shape)
+
+
+def moe_step_metrics(model, mesh, tokens: int) -> tuple[dict, float]:
+    """(metrics, this rank's auxiliary loss sum) of a training step's MoE layers (model.pop_aux_losses()).
+
+    The loss sum is what the trainer adds to its cross-entropy sum (summed over dp and pp like it). The metrics are
+    the same on every rank: moe_aux_loss (the auxiliary losses' share of the mean loss), moe_balance and moe_z_loss
+    (their means over MoE layers and micro-batches; balance 1 = uniform), and on world rank 0 `expert_shares`, each
+    MoE block's share of the picks per expert. Nothing (and no communication) without MoE layers on any rank."""
+    aux = model.pop_aux_losses()
+    moe = MoeSettings.of(model.cfg)
+    layers = sum(moe.is_moe_block(i) for i in range(model.cfg.n_layer))  # of the whole model, on every rank
+    if not layers:
+        return {}, 0.0
+    totals = [aux.get(key, 0.0) for key in ("weighted", "balance", "z")]
+    totals = [mesh.pp.all_reduce_scalar(mesh.dp.all_reduce_scalar(value)) for value in totals]
+    metrics = {"moe_aux_loss": totals[0] / tokens, "moe_balance": totals[1] / (tokens * layers),
+               "moe_z_loss": totals[2] / (tokens * layers)}
+    mine = aux.get("routed", {}) if mesh.tp.rank == 0 else {}  # tp ranks route alike: count them once
+    gathered = mesh.world.gather_object(mine)
+    if gathered is not None:
+        routed: dict = {}
+        for part in gathered:
+            for layer, counts in part.items():
+                routed[layer] = routed.get(layer, 0) + np.asarray(counts)
+        metrics["expert_shares"] = {str(layer): (counts / counts.sum()).round(6).tolist()
+                                    for layer, counts in sorted(routed.items())}
+    return metrics, aux.get("weighted", 0.0)
+
