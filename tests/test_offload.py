@@ -87,8 +87,8 @@ def test_placement_from_config(tmp_path):
 
 
 # float64: the parameters are their own master, the moments move; bfloat16: the fp32 master moves too (ZeRO-0's
-# replicated master is covered by the resume test below)
-@pytest.mark.parametrize("compute, zero", [("float64", 0), ("float64", 1), ("bfloat16", 3)])
+# replicated master is covered by the resume test below; ZeRO-2 reduce-scatters into a sharded gradient)
+@pytest.mark.parametrize("compute, zero", [("float64", 0), ("float64", 1), ("bfloat16", 2), ("bfloat16", 3)])
 def test_two_ranks_offloaded_run_is_bitwise_the_in_memory_run(tmp_path, dataset, compute, zero):
     """Losses, gradient norms and the final checkpoint's tensors (read through the memory-mapped master and moments)
     are equal to the bit; chunks of 0.01 MB cut every unit's shard into several."""
