@@ -89,6 +89,21 @@ def test_trainable_parameters_and_optimizer_bytes_fall_by_99_percent():
     print(f"trainable {lora[0]:,} of {full[0]:,}; optimizer bytes {lora[1]:,} of {full[1]:,}")
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_flops_per_token_count_no_weight_gradient_for_the_frozen_base(arch):
+    """MFU's FLOPs under LoRA: the frozen base's matmuls run forward (2) and input gradient (2) only, the adapters
+    train (6 each); attention is unchanged. Checked against the plain model's count, term by term."""
+    base, _, _ = small_model(arch, rank=0)
+    lora, state, _ = small_model(arch, rank=2)
+    cfg = base.cfg
+    attention = 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+    base_matmul_weights = (base.flops_per_token() - attention) / 6
+    adapters = state.inner.params.size
+    assert adapters == lora.n_trainable == lora.n_params - base.n_params > 0
+    assert lora.flops_per_token() == pytest.approx(4 * base_matmul_weights + 6 * adapters + attention, rel=1e-12)
+    assert lora.flops_per_token() < base.flops_per_token()
+
+
 def test_merged_weights_give_the_logits_of_base_plus_adapters():
     model, state, _ = small_model("llama", compute="float32")
     randomise_adapters(state)

@@ -65,6 +65,8 @@ class GPT:
         if self.lora:
             apply_lora(every, self.lora.rank, self.lora.alpha, self.lora.targets, self.tp)
         self.n_params = sum(math.prod(spec.full_shape) for unit in every for spec in unit.layout.specs)
+        self.n_trainable = sum(math.prod(spec.full_shape) for unit in every for spec in unit.layout.specs
+                               if spec.trainable)
         stages = stages or [(0, len(every))]
         self.units, self.chunks = [], []  # chunks[c]: local indices of chunk c's units, in data order
         for first, end in stages:
@@ -125,7 +127,10 @@ class GPT:
         embedding = cfg.vocab_size * cfg.d_model + (cfg.seq_len * cfg.d_model if cfg.arch == "gpt2" else 0)
         # MoE: a token uses k of the E experts, so only the active parameters count (inactive_params)
         matmul_weights = self.n_params - embedding + cfg.vocab_size * cfg.d_model - inactive_params(cfg)
-        return 6.0 * matmul_weights + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+        flops = 6.0 * matmul_weights + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+        if self.lora:  # every base weight is frozen: forward 2 and input gradient 2, no weight gradient (adapters 6)
+            flops -= 2.0 * (matmul_weights - self.n_trainable)
+        return flops
 
     def context(self, seq_len: int) -> dict:
         """Per-sequence-length constants shared by all units: positions, causal mask, rotary tables."""
