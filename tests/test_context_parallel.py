@@ -120,14 +120,14 @@ def test_ring_attention_equals_one_process_and_sends_the_ring_bytes(cp):
 
 
 # ----------------------------------------------------------------------------- whole runs at parity (MPI)
-def train_run(n_ranks, run_dir, *overrides):
+def train_run(n_ranks, run_dir, *overrides, resume=None, expect=0):
     settings = ["data.synthetic=true", "precision.compute=float64", "train.steps=10", "train.eval_batches=1",
                 *overrides]
     args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
     for setting in settings:
         args += ["--set", setting]
-    result = run_mpi(n_ranks, args, timeout=300)
-    assert result.returncode == 0, describe(result)
+    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=300)
+    assert result.returncode == expect, describe(result)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return metrics, final_params(run_dir)
 
@@ -150,7 +150,7 @@ LAYOUTS = {  # name: (arch, ranks, overrides)
     "cp4": ("llama", 4, ["parallel.cp=4"]),
     "dp2-cp2-zero2": ("gpt2", 4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=2"]),
     "cp2-tp2-sp": ("llama", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "cp2-pp2": ("gpt2", 4, ["parallel.cp=2", "parallel.pp=2"]),
+    "cp2-pp2-recompute": ("gpt2", 4, ["parallel.cp=2", "parallel.pp=2", "memory.recompute=full"]),
     "tp2-cp2-pp2": ("llama", 8, ["parallel.cp=2", "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                                  "parallel.zero=1"]),
 }
@@ -179,3 +179,11 @@ def test_context_parallel_run_matches_one_process(tmp_path, single_process, name
         for record in run[0]:
             assert record["comm_bytes"]["cp_ring"] == expected
         print(f"cp2 ring bytes per step and rank: {expected:,.0f} (measured {run[0][0]['comm_bytes']['cp_ring']:,})")
+
+
+def test_a_cp_checkpoint_resumes_under_another_layout(tmp_path, single_process):
+    """Saved by cp 2 x ZeRO-1 (replicas over dp x cp), resumed by dp 2 x ZeRO-2 without cp: the one-process run."""
+    run_dir = tmp_path / "moved"
+    train_run(2, run_dir, *ARCH["gpt2"], "parallel.cp=2", "parallel.zero=1", "train.stop_at=5", expect=75)
+    moved = train_run(2, run_dir, *ARCH["gpt2"], "parallel.zero=2", resume="auto")
+    assert_same_run(single_process("gpt2"), moved, "cp 2 -> dp 2")
