@@ -27,6 +27,7 @@ import numpy as np
 
 from mpitrain.checkpoint.pieces import HeldPiece, Piece, count_coverage, fill_box
 from mpitrain.errors import MpitrainError
+from mpitrain.profile.progress import progress
 
 MARKER = "COMMITTED"
 INDEX = "index.json"
@@ -205,7 +206,7 @@ class Checkpoint:
             f.attrs["config"] = self.index.get("config", "")
             for kind in kinds:
                 group = f.create_group("params" if kind == "param" else kind)
-                for tensor, info in self.tensors().items():
+                for tensor, info in progress(self.tensors().items(), desc=f"export {kind}", unit="tensor"):
                     shape = tuple(info["global_shape"])
                     group.create_dataset(tensor, data=self.read_box(kind, tensor, (0,) * len(shape), shape,
                                                                     np.dtype(info["dtype"])))

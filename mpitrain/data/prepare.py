@@ -11,6 +11,7 @@ import numpy as np
 
 from mpitrain.data.tokenizer import BPETokenizer, ByteTokenizer, token_dtype
 from mpitrain.errors import DataError
+from mpitrain.profile.progress import BIG_BYTES, progress
 
 STDLIB = "python-stdlib"
 SEPARATOR = "\n\n"
@@ -83,8 +84,13 @@ def _walk(folder, skip_dirs=(), suffix=""):
 def _read_documents(paths, max_bytes):
     """Texts of the files that are UTF-8, stopping (and cutting the last one) once `max_bytes` have been read."""
     documents, total = [], 0
+    size = sum(path.stat().st_size for path in paths)
+    if max_bytes is not None:
+        size = min(size, max_bytes)
+    bar = progress(total=size, desc="reading", unit="B", unit_scale=True, show=size >= BIG_BYTES)
     for path in paths:
         data = path.read_bytes()
+        bar.update(len(data))
         if max_bytes is not None:
             data = data[:max_bytes - total]
         text = _as_text(data)
@@ -93,6 +99,7 @@ def _read_documents(paths, max_bytes):
             total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
+    bar.close()
     return documents
 
 
@@ -134,7 +141,8 @@ def _build_tokenizer(kind, vocab_size, train_docs):
 def _encode_documents(tok, documents):
     separator = tok.encode(SEPARATOR)
     pieces = []
-    for i, doc in enumerate(documents):
+    big = sum(len(doc) for doc in documents) >= BIG_BYTES  # characters, near enough to bytes for the threshold
+    for i, doc in enumerate(progress(documents, desc="tokenizing", unit="doc", show=big)):
         pieces += [separator, tok.encode(doc)] if i else [tok.encode(doc)]
     return np.concatenate(pieces).astype(token_dtype(tok.vocab_size))
 
