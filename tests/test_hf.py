@@ -208,3 +208,40 @@ def test_a_bpe_tokenizer_goes_out_and_back(tmp_path):
     assert theirs(text)["input_ids"] == ours.encode(text).tolist()
     notes = []
     assert _import_tokenizer(tmp_path, notes) == ours.description() and not notes
+
+
+def test_a_llama_with_tied_embeddings_gets_a_copied_head(tmp_path):
+    from mpitrain.checkpoint.hf import import_hf
+    model = random_hf_model("llama", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "tied")
+    final, notes = import_hf(tmp_path / "tied", tmp_path / "ckpt")
+    assert any("tie_word_embeddings" in note for note in notes)
+    ours, state, _, _ = load_checkpoint_model(final)
+    tokens = np.random.default_rng(2).integers(0, 256, (2, SEQ))
+    assert_close(full_logits(ours, state, tokens), hf_logits(model, tokens))
+
+
+def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
+    """transformers computes the logits of base + (alpha / r) a b, and the trained adapters do change them."""
+    from mpitrain.backend import make_backend
+    from mpitrain.config import ModelConfig
+    from mpitrain.layers.lora import merge
+    from mpitrain.model.gpt import GPT
+    from mpitrain.state.replicated import ReplicatedState
+    settings = ["data.synthetic=true", "train.steps=2", "lora.rank=4", "lora.alpha=8.0", *MODELS["llama"]]
+    cli("train", "configs/tiny.toml", "--out", str(tmp_path / "run"), *[a for s in settings for a in ("--set", s)])
+    printed = cli("ckpt", "export", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf")
+    assert "4 adapters merged" in printed  # wq and wv of 2 layers
+    tensors = {name: value.astype(np.float64) for name, value in checkpoint_tensors(tmp_path / "run").items()}
+    cfg = ModelConfig(arch="llama", n_layer=2, d_model=32, n_head=4, n_kv_head=2, vocab_size=256, seq_len=SEQ)
+    tokens = np.random.default_rng(4).integers(0, 256, (2, SEQ))
+    logits = []
+    for weights in (merge(tensors, 4, 8.0), tensors):  # the second: the adapters left out
+        model = GPT(cfg, make_backend("cpu", "float32"))
+        state = ReplicatedState(model.layouts, model.backend, None)
+        for name, view in state.params.named_views():
+            view[...] = weights[name]
+        logits.append(full_logits(model, state, tokens))
+    theirs = hf_logits(tmp_path / "hf", tokens)
+    assert_close(theirs, logits[0])
+    assert np.abs(theirs - logits[1]).max() > 1e-3 * np.abs(theirs).max()
