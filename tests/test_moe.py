@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from mpitrain.config import ModelConfig, load_config
+from mpitrain.config import ModelConfig, load_config, resolve_layout
 from mpitrain.errors import ConfigError
 from mpitrain.layers.moe import MoE, inactive_params
 from mpitrain.layers.moe_settings import MoeSettings
@@ -117,9 +117,30 @@ def test_config_keys_are_checked_by_name():
 
 
 def test_flops_count_active_parameters_only():
+    from mpitrain.backend import make_backend
+    from mpitrain.model.gpt import GPT
     cfg = ModelConfig(arch="llama", d_model=16, n_head=2, d_ff=32, n_layer=4, moe={"experts": 8, "top_k": 2,
                                                                                      "every": 2})
     assert inactive_params(cfg) == 2 * (8 - 2) * 3 * 16 * 32
+    # top-1: a token uses one expert, the dense MLP's size less its two biases, plus the router (C x E)
+    dense = ModelConfig(n_layer=2, d_model=16, n_head=2)
+    moe = ModelConfig(n_layer=2, d_model=16, n_head=2, moe={"experts": 4, "top_k": 1})
+    backend = make_backend("cpu", "float64")
+    extra = 2 * (16 * 4 - 4 * 16 - 16)  # per block: router, less b_fc (F = 4C) and b_proj (C)
+    assert GPT(moe, backend).flops_per_token() == GPT(dense, backend).flops_per_token() + 6 * extra
+
+
+def test_memory_plan_holds_this_ranks_experts_and_names_the_active_parameters():
+    from mpitrain.plan.memory import memory_report, rank_param_count
+    overrides = ["model.moe={experts = 8, top_k = 2}", "train.micro_batch=1"]
+    cfg1, cfg4 = load_config("configs/tiny.toml", overrides), load_config("configs/tiny.toml", [*overrides,
+                                                                                               "parallel.ep=4"])
+    resolve_layout(cfg1, 1)
+    resolve_layout(cfg4, 4)
+    per_expert = 2 * 32 * 128  # up and down, d_model 32, d_ff 128
+    assert rank_param_count(cfg1) - rank_param_count(cfg4) == 2 * (8 - 2) * per_expert  # 2 blocks, 6 experts away
+    assert "2 of 8 experts per MoE block on each rank" in memory_report(cfg4, rank_param_count(cfg4))[
+        "formulas"]["params"]
 
 
 EXCHANGE = """

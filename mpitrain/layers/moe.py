@@ -59,6 +59,11 @@ def inactive_params(cfg) -> int:
     return layers * (moe.experts - moe.top_k) * per_expert if moe.experts else 0
 
 
+def rank_experts(cfg) -> ExpertParallel:
+    """Expert-parallel rank 0's share of the experts, without a group (mpitrain memory plans shapes only)."""
+    return ExpertParallel(None, MoeSettings.of(cfg.model).experts or 1, size=cfg.parallel.ep)
+
+
 def _expert_spec(name, full_shape, tp_axis, tp, ep, std) -> ParamSpec:
     """This rank's experts (axis 0, ep) and their tp slice (tp_axis) of a (E, ., .) batch of weights."""
     shape, offset = list(full_shape), [0, 0, 0]

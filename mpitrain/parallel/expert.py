@@ -121,3 +121,15 @@ def moe_step_metrics(model, mesh, tokens: int) -> tuple[dict, float]:
                                     for layer, counts in sorted(routed.items())}
     return metrics, aux.get("weighted", 0.0)
 
+
+def moe_note(cfg) -> str:
+    """What `mpitrain memory` adds to its params row for MoE: experts per rank and active parameters per token."""
+    moe, m = MoeSettings.of(cfg.model), cfg.model
+    if not moe.experts:
+        return ""
+    from mpitrain.backend import make_backend
+    from mpitrain.layers.moe import inactive_params
+    from mpitrain.model.gpt import GPT  # the whole model's count (layouts only, no arrays)
+    total = GPT(m, make_backend("cpu", "float32")).n_params
+    return (f"; MoE: {moe.experts // cfg.parallel.ep} of {moe.experts} experts per MoE block on each rank, a token "
+            f"uses {moe.top_k}: {total - inactive_params(m):,} active of {total:,} parameters")

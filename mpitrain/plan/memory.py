@@ -22,7 +22,9 @@ import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
+from mpitrain.layers.moe import rank_experts
 from mpitrain.optim.footprint import optimizer_row
+from mpitrain.parallel.expert import moe_note
 from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 
@@ -84,7 +86,8 @@ def rank_model(cfg: Config):
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora)
+    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
+                ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
     from mpitrain.parallel.context import ContextParallel, apply_context_parallel
     apply_context_parallel(model, ContextParallel(None, size=p.cp))  # activations of T/cp tokens, ring attention
@@ -115,6 +118,7 @@ def memory_report(cfg: Config, n_params: int) -> dict:
         formulas["state"] = "params + grads + optimizer rows"
     in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
+    formulas["params"] += moe_note(cfg)  # model.moe: experts held here, active parameters per token
     if p.cp > 1:
         formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
     if cfg.memory.recompute != "none":  # the blocks' declaration already follows the mode
