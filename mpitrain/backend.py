@@ -109,6 +109,8 @@ def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int 
             raise ConfigError("device = 'cuda' needs CuPy: pip install 'mpitrain[cuda12]' (or cuda13)") from exc
         n_devices = cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(local_rank % n_devices).use()  # one GPU per rank on a node; shared GPUs only in tests
+        from mpitrain.kernels import install
+        install()  # ops and AdamW dispatch CuPy arrays to the fused kernels (mpitrain/kernels)
         return Backend("cuda", cupy, dtype, master_dtype)
     raise ConfigError(f"device = {device!r} is not allowed; allowed: 'cpu', 'cuda'")
 

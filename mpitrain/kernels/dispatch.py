@@ -1,0 +1,93 @@
+"""Route the ops to the fused kernels for CuPy arrays, without touching the ops' code: `install()` wraps the
+functions of mpitrain/layers/ops.py that have a fused twin (the layers call them as `ops.name`) and AdamW's
+per-segment update. numpy arrays keep going to the originals, so CPU runs and tests are unchanged. Low-precision
+arrays are cast to float32 around the kernels by the same rule as the numpy ops (layers/precision.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from mpitrain.backend import array_module
+from mpitrain.layers.precision import computes_in_float32
+
+# op -> the arguments it adds into (kept in their dtype by the cast rule, as ops.py declares them)
+FUSED_OPS = {"layernorm_forward": (), "layernorm_backward": ("dw", "db"), "rmsnorm_forward": (),
+             "rmsnorm_backward": ("dw",), "gelu_forward": (), "gelu_backward": (), "swiglu_forward": (),
+             "swiglu_backward": (), "rope_forward": (), "rope_backward": ()}
+
+
+def cupy_status() -> tuple[bool, str]:
+    """(usable, why not): CuPy importable and at least one GPU visible."""
+    try:
+        import cupy
+    except ImportError:
+        return False, "CuPy is not installed (pip install 'mpitrain[cuda12]' or cuda13)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 (CuPy raises its own runtime errors without a driver)
+        return False, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
+    return (count > 0, "" if count else "CuPy sees no CUDA device")
+
+
+def _first_array(args):
+    for value in args:
+        if hasattr(value, "dtype"):
+            return value
+        if isinstance(value, (tuple, list)) and value:
+            return _first_array(value)
+    return None
+
+
+def _dispatching(name: str, original, fused_function, accumulators=()):
+    fused = computes_in_float32(*accumulators)(fused_function)
+
+    @functools.wraps(original)
+    def op(*args, **kwargs):
+        first = _first_array(args)
+        if first is not None and array_module(first) is not np:
+            return fused(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    op.fused_twin = fused_function
+    return op
+
+
+def install() -> bool:
+    """Make ops.* and AdamW dispatch CuPy arrays to the fused kernels (idempotent). False if CuPy is unusable."""
+    usable, _ = cupy_status()
+    if not usable:
+        return False
+    from mpitrain.kernels import fused
+    from mpitrain.layers import ops
+    from mpitrain.optim.adamw import AdamW
+    for name, accumulators in FUSED_OPS.items():
+        current = getattr(ops, name)
+        if not hasattr(current, "fused_twin"):
+            setattr(ops, name, _dispatching(name, current, getattr(fused, name), accumulators))
+    if not hasattr(AdamW._update, "fused_twin"):
+        AdamW._update = _fused_adamw(AdamW._update)
+    return True
+
+
+def _fused_adamw(original):
+    """AdamW._update with one fused kernel for the moments and the step (decay first, as the reference does)."""
+    from mpitrain.kernels import fused
+
+    @functools.wraps(original)
+    def update(self, segment, m, v, lr, grad_scale):
+        p = segment.params
+        if array_module(p) is np or p.dtype != m.dtype:
+            return original(self, segment, m, v, lr, grad_scale)
+        h = self.hyper
+        if h.weight_decay and lr:
+            for start, end in segment.decay_ranges:
+                p[start:end] *= 1.0 - lr * h.weight_decay
+        fused.adamw_update(p, segment.grads, m, v, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                           step=self.steps_taken, grad_scale=grad_scale)
+        return None
+
+    update.fused_twin = fused.adamw_update
+    return update
