@@ -98,8 +98,19 @@ theory = ring_bytes_per_block(kv_full, cp.size)
 declared = [((B, H, T // cp.size, D), np.float64)] + [((B, Hkv, T // cp.size, D), np.float64)] * 2
 declared += [((B, H, T // cp.size, D), np.float64), ((B, H, T // cp.size), np.float64)]
 sizes = {"kept": nbytes_of(kept), "declared": sum(int(np.prod(s)) * 8 for s, _ in declared)}
-everyone = MPI.COMM_WORLD.gather({"errors": errors, "forward": forward_bytes, "total": cp.group.bytes_sent["cp_ring"],
-                                  "theory": theory, **sizes})
+total_bytes = cp.group.bytes_sent["cp_ring"]
+
+# bfloat16: computed in float32; q, k, v and the output kept in bf16, the log-sum-exp in float32
+from mpitrain.backend import BFLOAT16
+low = [x.astype(BFLOAT16) for x in local]
+out16, kept16 = ring_attention.forward(cp, *low)
+grads16 = ring_attention.backward(cp, kept16, dout[:, :, mine].astype(BFLOAT16))
+errors16 = [float(np.abs(a.astype(np.float64) - b[:, :, mine]).max() / np.abs(b).max())
+            for a, b in zip((out16, *grads16), (ref, *ref_grads))]
+declared16 = sum(int(np.prod(s)) * 2 for s, _ in declared[:4]) + int(np.prod(declared[4][0])) * 4
+everyone = MPI.COMM_WORLD.gather({"errors": errors, "forward": forward_bytes, "total": total_bytes, "theory": theory,
+                                  "errors16": errors16, "kept16": nbytes_of(kept16), "declared16": declared16,
+                                  "dtypes16": [str(x.dtype) for x in kept16], **sizes})
 if cp.rank == 0:
     print("RESULTS " + json.dumps(everyone))
 """
@@ -114,6 +125,8 @@ def test_ring_attention_equals_one_process_and_sends_the_ring_bytes(cp):
         assert rank["forward"] == rank["theory"]["forward"]
         assert rank["total"] - rank["forward"] == rank["theory"]["backward"]
         assert rank["kept"] == rank["declared"]  # saved_arrays' ring declaration is what forward keeps
+        assert max(rank["errors16"]) < 3e-2, rank  # bf16 inputs: a few bf16 roundings
+        assert rank["dtypes16"] == ["bfloat16"] * 4 + ["float32"] and rank["kept16"] == rank["declared16"]
     full = ranks[0]["theory"]["forward"] * cp / (cp - 1)
     print(f"cp {cp}: ring bytes per rank and block, forward {ranks[0]['forward']:,}, backward "
           f"{ranks[0]['total'] - ranks[0]['forward']:,} (K/V of the full sequence {full:,.0f})")

@@ -119,5 +119,5 @@ class Attention:
         b, t, d, h, kv = batch, seq_len, self.head_dim, self.heads, self.kv_heads
         core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
         if self.ring is not None:
-            core[3:] = [((b, h, t, d), dtype), ((b, h, t), dtype)]
+            core[3:] = [((b, h, t, d), dtype), ((b, h, t), ring_attention.lse_dtype(dtype))]
         return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)

@@ -13,7 +13,8 @@ around the ring and arrives home after c-1 hops.
 
 `ring` is the rank's ContextParallel (pass_kv, send_grads, receive_grads, chunks_of, source, size, rank): this
 module does the math and asks it to move buffers. Arrays are numpy (the MPI group's requirement); low precision is
-computed in float32 and rounded once at the end.
+computed in float32: the saved q, k, v and output stay in the input's dtype, the log-sum-exp in float32
+(`lse_dtype`), since rounding it to bfloat16 would scale every recomputed probability by up to 1 +- 2^-8 x |lse|.
 """
 from __future__ import annotations
 
@@ -83,14 +84,15 @@ def block_grads(q, k, v, dout, lse, delta, mask):
     return dq, dk, dv
 
 
-def _compute_dtype(x):
-    return np.float32 if x.dtype in LOW_PRECISION else x.dtype
+def lse_dtype(dtype):
+    """The dtype ring attention computes in and keeps its log-sum-exp in: float32 under bf16/fp16."""
+    return np.dtype(np.float32) if np.dtype(dtype) in LOW_PRECISION else np.dtype(dtype)
 
 
 def forward(ring, q, k, v):
     """(out, saved): causal attention of the local queries over the whole sequence. q: (B, H, 2m, D) holding this
     rank's two chunks; k, v: (B, Hkv, 2m, D) likewise."""
-    dtype = _compute_dtype(q)
+    inputs, dtype = (q, k, v), lse_dtype(q.dtype)
     q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
     m = q.shape[2] // 2
     queries = (q[:, :, :m], q[:, :, m:])
@@ -110,13 +112,14 @@ def forward(ring, q, k, v):
                 handle.wait()
             kv = incoming
     out, lse = np.concatenate(out, axis=2), np.concatenate(lse, axis=2)
-    return out, (q, k, v, out, lse)
+    return out, (*inputs, out.astype(inputs[0].dtype, copy=False), lse)
 
 
 def backward(ring, saved, dout):
     """(dq, dk, dv) of this rank's chunks; dK/dV of the other ranks' blocks travel back to them on the ring."""
-    q, k, v, out, lse = saved
-    dout = dout.astype(q.dtype, copy=False)
+    dtype = lse_dtype(saved[0].dtype)
+    q, k, v, out, lse = (x.astype(dtype, copy=False) for x in saved)
+    dout = dout.astype(dtype, copy=False)
     m = q.shape[2] // 2
     delta = (dout * out).sum(axis=-1)  # rowsum(dO * O): the softmax Jacobian's row term
     parts = [(x[:, :, :m], x[:, :, m:]) for x in (q, dout, lse, delta)]
