@@ -48,13 +48,15 @@ def data():
 @click.option("--vocab-size", type=int, default=None, help="BPE vocabulary size (needs the 'tokenizers' package).")
 @click.option("--val-fraction", type=float, default=0.05, show_default=True)
 @click.option("--max-bytes", type=int, default=None, help="Use at most this many bytes of text.")
+@click.option("--tokenizer-file", type=click.Path(dir_okay=False), default=None,
+              help="Tokenize with this tokenizer.json (e.g. a Hugging Face model's) instead of --tokenizer.")
 @_user_errors
-def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes):
+def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes, tokenizer_file):
     """Tokenize text into an HDF5 token file with train and val splits."""
     from mpitrain.data.prepare import prepare_dataset
     source = "python-stdlib" if list(sources) == ["python-stdlib"] else list(sources)
     summary = prepare_dataset(source, out_path, tokenizer=tokenizer, vocab_size=vocab_size,
-                              val_fraction=val_fraction, max_bytes=max_bytes)
+                              val_fraction=val_fraction, max_bytes=max_bytes, tokenizer_file=tokenizer_file)
     click.echo(f"wrote {summary['out']}: {summary['train_tokens']:,} train + {summary['val_tokens']:,} val tokens "
                f"from {summary['documents']:,} documents ({summary['bytes']:,} bytes), "
                f"{summary['tokenizer']} tokenizer, vocabulary {summary['vocab_size']}")

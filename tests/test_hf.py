@@ -210,6 +210,27 @@ def test_a_bpe_tokenizer_goes_out_and_back(tmp_path):
     assert _import_tokenizer(tmp_path, notes) == ours.description() and not notes
 
 
+def test_data_prepare_tokenizes_with_a_models_tokenizer_file(tmp_path):
+    """Fine-tuning data in the pretrained model's tokens: data prepare --tokenizer-file DIR/tokenizer.json."""
+    import h5py
+
+    from mpitrain.data.tokenizer import BPETokenizer
+    ours = BPETokenizer.train(["def f(x):\n    return x + 1\n"] * 20, 270)
+    (tmp_path / "tokenizer.json").write_text(ours.description()["json"])
+    (tmp_path / "corpus.txt").write_text("def f(y):\n    return y + 1\n" * 40)
+    out = tmp_path / "data.h5"
+    cli("data", "prepare", "--source", str(tmp_path / "corpus.txt"), "--out", str(out), "--tokenizer-file",
+        str(tmp_path / "tokenizer.json"))
+    with h5py.File(out, "r") as f:
+        assert json.loads(f.attrs["tokenizer"]) == ours.description() and f.attrs["vocab_size"] == 270
+        assert f["train"][()].max() >= 256  # the file's merges, not bytes
+    (tmp_path / "bad.json").write_text("{}")
+    result = run_mpi(1, ["-m", "mpitrain", "data", "prepare", "--source", str(tmp_path / "corpus.txt"), "--out",
+                         str(tmp_path / "bad.h5"), "--tokenizer-file", str(tmp_path / "bad.json")])
+    assert result.returncode == 1 and "bad.json is not a tokenizer.json" in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr
+
+
 def test_a_llama_with_tied_embeddings_gets_a_copied_head(tmp_path):
     from mpitrain.checkpoint.hf import import_hf
     model = random_hf_model("llama", tie_word_embeddings=True)

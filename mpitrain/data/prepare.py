@@ -22,8 +22,10 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "l
                 "__pycache__"}
 
 
-def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fraction=0.05, max_bytes=None):
-    """Reads, tokenizes and splits the documents of `sources`; writes `out_path`; returns a summary dict."""
+def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fraction=0.05, max_bytes=None,
+                    tokenizer_file=None):
+    """Reads, tokenizes and splits the documents of `sources`; writes `out_path`; returns a summary dict.
+    `tokenizer_file`: a tokenizer.json (e.g. a Hugging Face model's) to tokenize with instead of `tokenizer`."""
     if not 0 < val_fraction < 1:  # written so that NaN fails it too
         raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     if max_bytes is not None and not max_bytes > 0:
@@ -35,7 +37,10 @@ def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fr
     if len(documents) < 2:  # one text file: cut it at line breaks into pieces so that val can be held out
         documents = _cut_at_lines(documents[0], pieces=max(2, round(2 / val_fraction)))
     train_docs, val_docs = split_documents(documents, val_fraction)
-    tok = _build_tokenizer(tokenizer, vocab_size, train_docs)
+    if tokenizer_file:  # fine-tuning a pretrained model: its own tokenizer, not a new one
+        tok, tokenizer = _tokenizer_from_file(tokenizer_file), str(tokenizer_file)
+    else:
+        tok = _build_tokenizer(tokenizer, vocab_size, train_docs)
     splits = {"train": _encode_documents(tok, train_docs), "val": _encode_documents(tok, val_docs)}
     attrs = {"tokenizer": json.dumps(tok.description()), "vocab_size": tok.vocab_size,
              "source": source_label, "n_documents": len(documents)}
@@ -136,6 +141,18 @@ def _build_tokenizer(kind, vocab_size, train_docs):
             raise DataError(f"BPE vocab_size must exceed the 256 byte tokens, got {vocab_size}")
         return BPETokenizer.train(train_docs, vocab_size)  # trained on train only: val stays unseen
     raise DataError(f"unknown tokenizer {kind!r} (expected 'byte' or 'bpe')")
+
+
+def _tokenizer_from_file(path):
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer file not found: {path}")
+    text = Path(path).read_text()
+    try:
+        return BPETokenizer.from_json(text)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the tokenizers library raises plain Exception on a bad file
+        raise DataError(f"{path} is not a tokenizer.json the tokenizers library reads: {exc}") from None
 
 
 def _encode_documents(tok, documents):
