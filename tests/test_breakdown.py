@@ -78,6 +78,9 @@ def test_parts_are_exclusive_and_add_up():
         record.begin_wait(_operation("irecv", "pp"))
         clock.tick(0.75)
         record.end_wait()
+    record.begin_wait(_operation("isend", "pp"))  # the executor waiting for its sends to be received
+    clock.tick(0.25)
+    record.end_wait()
     breakdown.push("optimizer")
     clock.tick(0.5)
     record.begin_wait(_operation("all_reduce_scalar", "world"))
@@ -87,7 +90,7 @@ def test_parts_are_exclusive_and_add_up():
     parts = breakdown.finish_step()
     assert parts["data"] == 1.0 and parts["forward"] == 3.0 and parts["comm.all_reduce.tp"] == 0.25
     assert parts["backward_input"] == 3.0 and parts["backward_weight"] == 1.5
-    assert parts["pipeline_bubble"] == 0.75 and "comm.recv.pp" not in parts
+    assert parts["pipeline_bubble"] == 1.0 and "comm.recv.pp" not in parts and "comm.send.pp" not in parts
     assert parts["optimizer"] == 0.5 and parts["comm.control.world"] == 0.125 and parts["other"] == 0.5
     assert parts["step_s"] == pytest.approx(clock.now - 5.0)
     assert parts_total(parts) == pytest.approx(parts["step_s"])

@@ -5,8 +5,9 @@
     comm.<op>.<group>                          exposed communication: the time this rank WAITED on an operation of
                                                that kind (a blocking call, or Handle.wait); a transfer that finished
                                                behind compute costs nothing here
-    pipeline_bubble                            waiting on a neighbouring stage (the pipeline's sends and receives:
-                                               on one host the transfer is short, the wait is the peer's compute)
+    pipeline_bubble                            waiting on a neighbouring stage (every send and receive of the pp
+                                               group, gpt2's small tied-embedding exchange included: on one host the
+                                               transfer is short, the wait is the peer's compute)
     optimizer, data, checkpoint                the update (with the gradient norm), fetching micro-batches, and the
                                                checkpoint writes the loop made between steps (they stall the NEXT step)
     other                                      the rest of the step (remainder: Python between the parts)
@@ -42,6 +43,7 @@ EVENT_PARTS = {"forward": "forward", "backward": "backward_input", "backward_inp
 # Small control-plane operations (loss, norms, flags, pickled objects) share one kind.
 _CONTROL = {"all_reduce_scalar", "gather_object", "broadcast_object"}
 _BETWEEN = "(between steps)"
+_POINT_TO_POINT = {"send", "recv", "isend", "irecv"}
 
 
 def comm_kind(operation) -> str:
@@ -130,6 +132,8 @@ class Breakdown:
         top = self._stack[-1]
         if top == "pipeline_bubble" or not self.in_step:
             self._stack.append(top)  # charged to what surrounds it: the bubble, a checkpoint, or no step at all
+        elif operation.group == "pp" and operation.name in _POINT_TO_POINT:
+            self.push("pipeline_bubble")  # e.g. the executor waiting for its last sends: the peer is still busy
         else:
             kind = comm_kind(operation)
             self.waits[kind] = self.waits.get(kind, 0) + 1
@@ -233,9 +237,21 @@ def format_summary(per_rank_means: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
-def gather_step(group, parts: dict) -> list[dict] | None:
-    """Every rank's breakdown of this step, in rank order, on the group's rank 0 (None elsewhere). Collective."""
-    return group.gather_object({k: round(v, 7) for k, v in parts.items()})
+def gather_step(group, parts: dict, events: list[dict], timeline_path, step: int) -> list[dict] | None:
+    """Every rank's breakdown of this step, in rank order, on the group's rank 0 (None elsewhere), which also
+    writes the step's pipeline events (Timeline.to_dicts, "rank" made the group rank) to `timeline_path`, replaced
+    whole (`mpitrain report` may read it while the run goes on). Collective."""
+    import json
+
+    gathered = group.gather_object(({k: round(v, 7) for k, v in parts.items()}, events))
+    if gathered is None:
+        return None
+    every = [dict(event, rank=rank) for rank, (_, rank_events) in enumerate(gathered) for event in rank_events]
+    partial = f"{timeline_path}.partial"
+    with open(partial, "w") as out:
+        json.dump({"step": step, "ranks": len(gathered), "events": every}, out)
+    os.replace(partial, timeline_path)
+    return [rank_parts for rank_parts, _ in gathered]
 
 
 def write_run_summary(group, summary: RunSummary, path, say) -> dict | None:
