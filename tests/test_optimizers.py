@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpitrain.optim import quant4
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import BLOCK, Adam8bit, quantization_map
 from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
@@ -49,10 +50,10 @@ def _run(optimizer, grads, gradients, grad_scale=0.5):
 
 # -- Adafactor
 def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=True, beta1=0.9, clip_pieces=None,
-                        d=1.0):
+                        d=1.0, store_m=None):
     """Shazeer & Stern's Adafactor: factored (or full) second moment with beta2_t = 1 - t^-0.8, the update clipped
     to rms <= d (0: no clipping) over each of clip_pieces (global ranges; default: each tensor), then the first
-    moment (beta1 > 0), debiased as Adam's."""
+    moment (beta1 > 0), debiased as Adam's; store_m(m, t): the moment as stored (default: exactly)."""
     p = params.copy()
     state, m = {}, np.zeros_like(p)
     clip_pieces = clip_pieces or [(start, end) for start, end, _, _ in tensors]
@@ -76,6 +77,7 @@ def reference_adafactor(params, gradients, tensors, wd, grad_scale, factor_2d=Tr
             update[start:end] /= max(1.0, np.sqrt(np.mean(update[start:end] ** 2)) / d)
         if beta1:
             m = beta1 * m + (1 - beta1) * update
+            m = store_m(m, t) if store_m else m
             update = m / (1 - beta1 ** t)
         for start, end, _, decayed in tensors:
             if decayed:
@@ -100,6 +102,59 @@ def test_adafactor_matches_reference_math(beta1):
     np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
     clipped_nowhere = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5, beta1=beta1, d=0)
     assert np.abs(clipped_nowhere - expected).max() > 1e-6  # the clipping acted (the test can tell)
+
+
+def reference_int4(m, seed):
+    """quant4's storage written out block by block: scale = absmax / 7, codes floor(m / scale + uniform draw) in
+    -7..7 (stochastic rounding, the draws being those of the generator seeded with `seed`)."""
+    out = np.zeros_like(m)
+    draws = np.random.default_rng(seed).random((-(-m.size // 128), 128), dtype=np.float32)
+    for k, lo in enumerate(range(0, m.size, 128)):
+        block = m[lo:lo + 128]
+        scale = np.abs(block).max() / 7
+        if scale > 0:
+            out[lo:lo + 128] = np.clip(np.floor(block / scale + draws[k, :block.size]), -7, 7) * scale
+    return out
+
+
+def test_adafactor_with_int4_momentum_matches_reference_math():
+    """optim.adafactor_momentum = int4: the first moment stored in 4 bits (blocks of 128, stochastic rounding);
+    740 parameters make 6 blocks, the last one short."""
+    layout = _layout(rows=20, cols=30)
+    params, grads, gradients = _problem(layout, seed=2)
+    start = params.data.copy()
+    segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
+    layout_dict = {"geometry": params, "segment_windows": [(0, params.size)]}
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
+    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1, tensors=whole, momentum="int4")
+    assert optimizer.m is None and optimizer.m_codes[0].size == 370 and optimizer.m_scales[0].size == 6
+    _run(optimizer, grads, gradients)
+    expected = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5,
+                                   store_m=lambda m, t: reference_int4(m, t << 20))
+    np.testing.assert_allclose(params.data, expected, rtol=1e-12, atol=1e-14)
+    exact_m = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5)
+    assert np.abs(exact_m - expected).max() > 1e-6  # the 4-bit storage shows (the test can tell)
+
+
+def test_int4_storage_rounds_without_bias():
+    """Stochastic rounding: averaged over many draws the stored value is the value (a moving average stored every
+    step keeps its small increments); rounding to nearest is off by up to half a code step, and the test sees it."""
+    values = np.random.default_rng(3).normal(size=300)
+    step = np.abs(values[:128]).max() / 7  # the first block's code step
+    stored = np.mean([quant4.dequantize(*quant4.quantize(values, np, seed=k), np) for k in range(2000)], axis=0)
+    assert np.abs(stored - values)[:128].max() < 0.06 * step
+    nearest = quant4.dequantize(*quant4.quantize(values, np), np)
+    assert np.abs(nearest - values)[:128].max() > 0.3 * step
+    codes = quant4.quantize(values, np, seed=1)[0]
+    assert np.array_equal(quant4.unpack(quant4.pack(codes, np), 300, np), codes) and quant4.pack(codes, np).size == 150
+
+
+def test_adafactor_momentum_storage_is_a_checked_key():
+    from mpitrain.config import load_config
+    from mpitrain.errors import ConfigError
+    assert load_config("configs/tiny.toml", ["optim.name=adafactor"]).optim.adafactor_momentum == "int4"
+    with pytest.raises(ConfigError, match="optim.adafactor_momentum = 'int3': expected int4 or full"):
+        load_config("configs/tiny.toml", ["optim.name=adafactor", "optim.adafactor_momentum=int3"])
 
 
 def test_adafactor_on_a_cut_matrix_falls_back_to_unfactored():
@@ -249,6 +304,7 @@ def test_optimizer_state_bytes_per_parameter():
     per_parameter = {
         "adamw": AdamW([segment], AdamWHyper()).state_nbytes() / n,
         "adafactor": Adafactor([segment], matrices).state_nbytes() / n,
+        "adafactor with int4 first moment": Adafactor([segment], matrices, momentum="int4").state_nbytes() / n,
         "adafactor without first moment": Adafactor([segment], matrices, beta1=0).state_nbytes() / n,
         "adam8bit": Adam8bit([segment], AdamWHyper()).state_nbytes() / n,
         "sgd": SGD([segment], momentum=0.9).state_nbytes() / n,
@@ -258,6 +314,8 @@ def test_optimizer_state_bytes_per_parameter():
     assert per_parameter["adafactor"] == pytest.approx(4 + 2 * 512 * 4 / n)  # first moment + rows + cols
     assert per_parameter["adafactor without first moment"] == pytest.approx(2 * 512 * 4 / n)  # 1/64 byte
     assert per_parameter["adafactor without first moment"] < 0.05
+    assert per_parameter["adafactor with int4 first moment"] == pytest.approx(0.5 + 4 / 128 + 2 * 512 * 4 / n)
+    assert per_parameter["adafactor with int4 first moment"] < 0.55
     assert per_parameter["adam8bit"] == pytest.approx(2 + 2 * 4 / BLOCK)
     assert per_parameter["sgd"] == 4
 
@@ -279,6 +337,9 @@ def _trained(kind, sizes, seed):
     make = {"adam8bit": lambda: Adam8bit(segments, AdamWHyper()),
             "adafactor": lambda: Adafactor(segments, segment_matrices({"geometry": geometry,
                                                                        "segment_windows": windows})),
+            "adafactor-int4": lambda: Adafactor(segments, segment_matrices({"geometry": geometry,
+                                                                            "segment_windows": windows}),
+                                                momentum="int4"),
             "sgd": lambda: SGD(segments)}[kind]
     optimizer = make()
     for step, g in enumerate(gradients[:4]):
@@ -287,7 +348,7 @@ def _trained(kind, sizes, seed):
     return optimizer, make, params, grads, gradients
 
 
-@pytest.mark.parametrize("kind", ["adam8bit", "adafactor", "sgd"])
+@pytest.mark.parametrize("kind", ["adam8bit", "adafactor", "adafactor-int4", "sgd"])
 def test_checkpoint_arrays_restore_bitwise(kind):
     sizes = [64 * 80]  # one segment holding the whole (80 x 64) matrix
     optimizer, make, params, grads, gradients = _trained(kind, sizes, seed=5)
@@ -309,7 +370,7 @@ def test_checkpoint_arrays_restore_bitwise(kind):
     np.testing.assert_array_equal(params, once)
 
 
-@pytest.mark.parametrize("kind", ["adam8bit", "adafactor"])
+@pytest.mark.parametrize("kind", ["adam8bit", "adafactor", "adafactor-int4"])
 def test_checkpoint_arrays_restore_into_other_segments(kind):
     """Saved from one segment, restored into two (another ZeRO layout): 8-bit Adam requantizes its blocks,
     Adafactor keeps the matrix factored or rebuilds it from the saved second moment."""
@@ -328,6 +389,12 @@ def test_checkpoint_arrays_restore_into_other_segments(kind):
         np.testing.assert_allclose(b, a, rtol=0.04, atol=a.max() * 1e-7)
     else:
         np.testing.assert_allclose(restored[key], saved[key], rtol=1e-12)  # unfactored now: v from the estimate
+    if kind == "adafactor-int4":  # blocks now start elsewhere: requantized to nearest, within half a code step
+        def m(arrays):
+            return (arrays["adafactor_m4_code"].astype(float) - 8) * arrays["adafactor_m4_scale"]
+        assert np.abs(m(restored) - m(saved)).max() <= 0.5 * saved["adafactor_m4_scale"].max()
+        assert np.abs(m(saved)).max() > 0 and not np.array_equal(restored["adafactor_m4_scale"],
+                                                                 saved["adafactor_m4_scale"])
 
 
 # -- a training run under MPI: stopped and resumed, bitwise the same (optimizer state sharded by ZeRO-1 over 2 ranks)

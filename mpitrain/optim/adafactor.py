@@ -30,24 +30,35 @@ the same layout, bitwise.
 from __future__ import annotations
 
 from mpitrain.backend import array_module
+from mpitrain.optim import quant4
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
+
+MOMENTUM_STORAGE = ("int4", "full")
 
 
 class Adafactor:
     def __init__(self, segments, matrices: list[list[tuple[int, int, int, int]]], weight_decay: float = 0.0,
                  beta1: float = 0.9, decay_rate: float = -0.8, eps1: float = 1e-30, clip_threshold: float = 1.0,
-                 tensors: list[list[tuple[int, int]]] | None = None, state_dtype=None):
+                 tensors: list[list[tuple[int, int]]] | None = None, state_dtype=None, momentum: str = "full"):
         xp = array_module(segments[0].params)
         self.xp, self.segments, self.matrices = xp, segments, matrices
         self.weight_decay, self.beta1, self.decay_rate, self.eps1, self.clip_threshold = weight_decay, beta1, \
             decay_rate, eps1, clip_threshold
+        if momentum not in MOMENTUM_STORAGE:
+            raise ValueError(f"optim.adafactor_momentum = {momentum!r}: expected one of {', '.join(MOMENTUM_STORAGE)}")
+        self.momentum = momentum
         self.dtype = state_dtype or segments[0].params.dtype
         self.bounds = segment_bounds(segments)
         # per segment: the ranges clipped as one (whole tensors, and the pieces of cut ones)
         whole = tensors or [[] for _ in segments]
         self.clip_ranges = [sorted(ranges + complement(ranges, end - start))
                             for ranges, (start, end) in zip(whole, self.bounds)]
-        self.m = xp.zeros(self.bounds[-1][1], dtype=self.dtype) if beta1 else None
+        self.m = xp.zeros(self.bounds[-1][1], dtype=self.dtype) if beta1 and momentum == "full" else None
+        # int4: per segment, the first moment's packed codes (0x88: both zero) and block scales (quant4.py)
+        self.m_codes = [xp.full(quant4.packed_size(end - start), 0x88, dtype=xp.uint8)
+                        for start, end in self.bounds] if beta1 and momentum == "int4" else None
+        self.m_scales = [xp.zeros(quant4.blocks_of(end - start), dtype=self.dtype)
+                         for start, end in self.bounds] if self.m_codes else None
         # per segment: the element-wise v over what no factored matrix covers; rows/cols per matrix
         self.unfactored = [complement([(a, b) for a, b, _, _ in mats], end - start)
                            for mats, (start, end) in zip(matrices, self.bounds)]
@@ -58,7 +69,8 @@ class Adafactor:
         self._checkpoint: dict = {}
 
     def state_arrays(self) -> list:
-        return [self.v] + [a for group in self.rows + self.cols for a in group] + ([] if self.m is None else [self.m])
+        return [self.v] + [a for group in self.rows + self.cols for a in group] + ([] if self.m is None else [self.m]) \
+            + (self.m_codes + self.m_scales if self.m_codes else [])
 
     def state_nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.state_arrays()))
@@ -103,8 +115,21 @@ class Adafactor:
                 m *= self.beta1
                 m += (1.0 - self.beta1) * update
                 update = m / (1.0 - self.beta1 ** self.steps_taken)  # debiased, as Adam (see above)
+            elif self.m_codes:
+                update = self._int4_momentum(index, update)
             decay(segment, lr, self.weight_decay)
             segment.params -= lr * update
+
+    def _int4_momentum(self, index: int, update):
+        """The moment's step in full precision, stored back with stochastic rounding (quant4.py); the update is the
+        stored moment. The random numbers are a function of (step, segment), so a resumed run draws the same ones."""
+        xp, n = self.xp, self.bounds[index][1] - self.bounds[index][0]
+        m = quant4.dequantize(quant4.unpack(self.m_codes[index], n, xp), self.m_scales[index], xp)
+        m *= self.beta1
+        m += (1.0 - self.beta1) * update
+        codes, self.m_scales[index][...] = quant4.quantize(m, xp, seed=(self.steps_taken << 20) | index)
+        self.m_codes[index][...] = quant4.pack(codes, xp)
+        return quant4.dequantize(codes, self.m_scales[index], xp) / (1.0 - self.beta1 ** self.steps_taken)
 
     # -- checkpoints
     def checkpoint_arrays(self) -> dict:
@@ -122,6 +147,12 @@ class Adafactor:
         self._checkpoint = {"adafactor_row": row, "adafactor_col": col, "adafactor_v": v}
         if self.m is not None:
             self._checkpoint["adafactor_m"] = self.m.copy()
+        if self.m_codes:  # int4: each element's code (unpacked) and block scale
+            codes, scales = xp.zeros(total, dtype=xp.uint8), xp.zeros(total, dtype=self.dtype)
+            for index, (start, end) in enumerate(self.bounds):
+                codes[start:end] = quant4.unpack(self.m_codes[index], end - start, xp)
+                scales[start:end] = quant4.expand_scales(self.m_scales[index], end - start, xp)
+            self._checkpoint.update(adafactor_m4_code=codes, adafactor_m4_scale=scales)
         return self._checkpoint
 
     def after_restore(self) -> None:
@@ -142,6 +173,11 @@ class Adafactor:
             piece[...] = saved["adafactor_v"][start + a:start + b]
         if self.m is not None:
             self.m[...] = saved["adafactor_m"]
+        if self.m_codes:
+            for index, (start, end) in enumerate(self.bounds):
+                codes, self.m_scales[index][...] = quant4.scales_from_elements(
+                    saved["adafactor_m4_scale"][start:end], saved["adafactor_m4_code"][start:end], self.xp)
+                self.m_codes[index][...] = quant4.pack(codes, self.xp)
         self._checkpoint = {}
 
 

@@ -52,7 +52,8 @@ def make_optimizer(optim_cfg, state, placement=None):
     if name == "adafactor":
         layout = state.checkpoint_layout()
         return Adafactor(segments, segment_matrices(layout), weight_decay=o.weight_decay, beta1=o.adafactor_beta1,
-                         tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)])
+                         tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],
+                         momentum=getattr(o, "adafactor_momentum", "int4"))
     if name == "sgd":
         return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay)
     raise ValueError(f"optim.name = {name!r}: expected one of {', '.join(OPTIMIZERS)}")

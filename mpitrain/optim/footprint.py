@@ -5,6 +5,7 @@ matrix cut by a shard boundary is counted unfactored, as it runs (tests/test_opt
 """
 from __future__ import annotations
 
+from mpitrain.optim import quant4
 from mpitrain.optim.adam8bit import BLOCK
 from mpitrain.optim.factory import segment_matrices
 from mpitrain.state.params import FlatBuffer
@@ -21,7 +22,7 @@ def segment_windows(layouts, zero: int, dp: int) -> tuple[FlatBuffer, list[tuple
 
 
 def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, momentum: float = 0.9,
-                     adafactor_beta1: float = 0.9) -> int:
+                     adafactor_beta1: float = 0.9, adafactor_momentum: str = "int4") -> int:
     """Bytes of optimizer state (no master weights) for optim.name = name; itemsize: the state dtype's."""
     geometry, windows = segment_windows(layouts, zero, dp)
     sizes = [b - a for a, b in windows]
@@ -33,14 +34,18 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
         matrices = segment_matrices({"geometry": geometry, "segment_windows": windows})
         factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
         statistics = sum(rows + cols for mats in matrices for _, _, rows, cols in mats)
-        first_moment = sum(sizes) if adafactor_beta1 else 0
-        return itemsize * (statistics + sum(sizes) - factored + first_moment)
+        second_moment = itemsize * (statistics + sum(sizes) - factored)
+        if not adafactor_beta1:
+            return second_moment
+        if adafactor_momentum == "int4":  # packed codes and block scales per segment
+            return second_moment + sum(quant4.nbytes(n, itemsize) for n in sizes)
+        return second_moment + itemsize * sum(sizes)
     raise ValueError(f"no lean state for optim.name = {name!r}")
 
 
 FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales per 2048: ~2*Psi",
-            "adafactor": "row + column statistics of matrices, s per element elsewhere, + s*Psi first moment "
-                         "(optim.adafactor_beta1 > 0)"}
+            "adafactor": "row + column statistics of matrices, s per element elsewhere, + first moment "
+                         "(optim.adafactor_beta1 > 0): 0.5*Psi + s per 128 (int4) or s*Psi (full)"}
 
 
 def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
@@ -54,7 +59,8 @@ def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
         return None
     p, e = cfg.parallel, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     itemsize = 4 if e < 4 else e  # the state's dtype: the master weights' (fp32 under bf16/fp16)
-    state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum, cfg.optim.adafactor_beta1)
+    state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum, cfg.optim.adafactor_beta1,
+                             getattr(cfg.optim, "adafactor_momentum", "int4"))
     _, windows = segment_windows(layouts, p.zero, p.dp)
     master = 4 * sum(b - a for a, b in windows) if e < 4 else 0
     n = sum(b - a for a, b in windows)  # the parameters this rank's optimizer updates
