@@ -98,6 +98,7 @@ class OptimConfig:
     name: str = "adamw"  # adamw | adafactor | adam8bit | sgd (mpitrain/optim/factory.py)
     momentum: float = 0.9  # sgd only
     adafactor_beta1: float = 0.9  # adafactor only: its first moment (0: none, 4 bytes per parameter less)
+    adafactor_momentum: str = "int4"  # adafactor's first moment stored as: int4 (~0.53 B/param) | full (state dtype)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     peak_flops: float = 0.0  # per rank, FLOP/s; 0: measured with a float32 matmul at start-up
+    tensorboard: bool = False  # also RUN_DIR/tensorboard/ event files (tensorboardX, extra [tensorboard])
 
 
 @dataclass
@@ -343,6 +345,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
     _require(0 <= cfg.optim.adafactor_beta1 < 1,
              f"config key optim.adafactor_beta1 = {cfg.optim.adafactor_beta1} must be in [0, 1)")
+    _require(cfg.optim.adafactor_momentum in ("int4", "full"),
+             f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
     _require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
