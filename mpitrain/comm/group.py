@@ -1,8 +1,8 @@
 """Process groups: the only place parallel code talks to MPI.
 
-`GroupBase` is the interface every group offers (the MPI `Group` below on host arrays; an `NcclGroup` on GPU arrays
-will follow with the same methods). All buffer methods work in place on contiguous arrays, counted in elements of
-the buffers' dtype, with ranks local to the group.
+`GroupBase` is the interface every group offers (the MPI `Group` below on host arrays; `NcclGroup` and
+`HostStagedGroup` in comm/nccl.py on GPU arrays, with the same methods). All buffer methods work in place on
+contiguous arrays, counted in elements of the buffers' dtype, with ranks local to the group.
 
 Byte counters (`group.bytes_sent[kind]`) hold what THIS rank sends under the bandwidth-optimal (ring) algorithm of
 each operation, whatever algorithm MPI really picks, so that tests and reports can be checked against theory:
@@ -183,7 +183,7 @@ def _check_host(buf, role: str, writable: bool = False) -> np.ndarray:
         if hasattr(buf, "__cuda_array_interface__"):
             raise TypeError(
                 f"{role} is a GPU array ({kind}); MPI groups take numpy arrays only "
-                "(MPI is not CUDA-aware here; NCCL groups for GPU arrays come in a later issue)"
+                "(MPI is not CUDA-aware here; GPU arrays go through comm/nccl.py's groups: train.collectives)"
             )
         raise TypeError(f"{role} must be a numpy array, got {kind}")
     if not buf.flags.c_contiguous:

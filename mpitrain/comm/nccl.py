@@ -40,10 +40,10 @@ class CudaRuntime:
 
     description = "nccl"
 
-    def __init__(self):
+    def __init__(self, need_nccl: bool = True):
         import cupy
         from cupy.cuda import nccl
-        if not nccl.available:
+        if need_nccl and not nccl.available:
             raise ConfigError("train.collectives = 'nccl': CuPy found no NCCL library (pip install nvidia-nccl-cu12 "
                               "or -cu13, matching the CuPy wheel)")
         self.cupy, self.nccl = cupy, nccl
@@ -123,15 +123,15 @@ class HostRuntime:
         return ("host", 0 if self.shared_gpu else world_rank)
 
 
-def make_runtime(device: str):
+def make_runtime(device: str, need_nccl: bool = True):
     standin = os.environ.get(STANDIN_ENV, "")
-    if standin:
+    if standin and need_nccl:
         return HostRuntime(shared_gpu=standin == "shared-gpu")
     if device != "cuda":
         raise ConfigError("train.collectives = 'nccl' needs train.device = 'cuda' (NCCL moves GPU memory); "
                           "use train.collectives = 'mpi' on CPUs")
     try:
-        return CudaRuntime()
+        return CudaRuntime(need_nccl)
     except ImportError as exc:
         raise ConfigError("train.collectives = 'nccl' needs CuPy with NCCL: pip install 'mpitrain[cuda12]' "
                           "(or cuda13)") from exc
@@ -140,8 +140,11 @@ def make_runtime(device: str):
 def make_group_factory(collectives: str, device: str, say=None):
     """What Mesh builds its groups with: Group (MPI), or per group NcclGroup / HostStagedGroup (the ranks of each
     group compare their GPUs: a collective over the group). say: where to print which collectives run."""
-    if collectives == "mpi":
+    if collectives == "mpi" and device != "cuda":
         return Group
+    if collectives == "mpi":  # GPU arrays through MPI: every group host-staged (MPI never sees device memory)
+        runtime = make_runtime(device, need_nccl=False)
+        return lambda comm, kind, progress: HostStagedGroup(comm, kind, progress, runtime)
     if collectives != "nccl":
         raise ConfigError(f"train.collectives = {collectives!r} is not allowed; allowed: 'mpi', 'nccl'")
     runtime = make_runtime(device)
@@ -151,8 +154,12 @@ def make_group_factory(collectives: str, device: str, say=None):
     def make_group(comm, kind, progress):
         from mpi4py import MPI
         identities = comm.allgather(runtime.device_identity(MPI.COMM_WORLD.Get_rank()))
-        if comm.Get_size() == 1 or len(set(identities)) < len(identities):
-            return HostStagedGroup(comm, kind, progress, runtime)  # NCCL refuses two ranks on one GPU
+        if comm.Get_size() == 1:
+            return HostStagedGroup(comm, kind, progress, runtime)
+        if len(set(identities)) < len(identities):  # NCCL refuses two ranks on one GPU
+            if say is not None:
+                say(f"collectives: ranks of group {kind} share a GPU; that group is host-staged through MPI")
+            return HostStagedGroup(comm, kind, progress, runtime)
         return NcclGroup(comm, kind, progress, runtime, p2p_tags=P2P_TAGS.get(kind, ()))
     return make_group
 

@@ -67,7 +67,7 @@ def install() -> bool:
         current = getattr(ops, name)
         if not hasattr(current, "fused_twin"):
             setattr(ops, name, _dispatching(name, current, getattr(fused, name), accumulators))
-    if not hasattr(AdamW._update, "fused_twin"):
+    if hasattr(AdamW, "_update") and not hasattr(AdamW._update, "fused_twin"):
         AdamW._update = _fused_adamw(AdamW._update)
     return True
 
