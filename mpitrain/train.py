@@ -23,6 +23,8 @@ from mpitrain.checkpoint.store import step_dir_name
 from mpitrain.checkpoint.weights import load_weights
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
+from mpitrain.comm.nccl import make_group_factory
+from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
@@ -34,22 +36,25 @@ from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
+from mpitrain.parallel.expert import moe_step_metrics
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
+from mpitrain.profile.tensorboard_sink import open_sink
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.inject import strike_hang, strike_kill
+from mpitrain.resilience.restart import restart_banner
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
 from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.offload import make_placement
 from mpitrain.state.replicated import ReplicatedState
-from mpitrain.state.strategy import reduction_group
+from mpitrain.state.strategy import other_reduction_groups, reduction_group
 from mpitrain.state.zero import ZeroState
 
 
@@ -96,13 +101,18 @@ class Trainer:
                                                                     cfg.train.global_batch, cfg.train.seed)
             self.tokenizer = dataset.tokenizer
             self.tokenizer_description = dataset.tokenizer.description()
-        self.backend = make_backend(cfg.train.device, cfg.precision.compute, world_rank, cfg.precision.master)
+        nodes = discover_nodes(world_comm) if cfg.train.device == "cuda" else None  # a GPU per node-local rank
+        self.backend = make_backend(cfg.train.device, cfg.precision.compute,
+                                    nodes.node_local_rank if nodes else world_rank, cfg.precision.master)
         self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
         # --- from here on, collectives
-        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress)
+        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
+                         allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes,
+                         group_factory=make_group_factory(cfg.train.collectives, cfg.train.device,
+                                                          say=print if world_rank == 0 else None))
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
-                         stages=stages, lora=cfg.lora)
+                         stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
         apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
         apply_context_parallel(self.model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
@@ -161,6 +171,8 @@ class Trainer:
         dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
         loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro), dloss)
+        self.moe_metrics, aux_sum = moe_step_metrics(self.model, self.mesh, self.tokens_per_step)  # model.moe
+        loss_sum += aux_sum  # MoE auxiliary losses are part of the loss (their gradients already are)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
         self.guard.inject(step + 1, self.optimizer.segments)
@@ -237,6 +249,7 @@ class Trainer:
         if result.bubble is not None:
             record["bubble"] = result.bubble
         record.update(self.guard.metrics(result.skipped))
+        record.update(self.moe_metrics)  # model.moe: the auxiliary losses and each expert's share of the picks
         return record
 
     def extra_state(self) -> dict:
@@ -252,9 +265,9 @@ def make_state(cfg: Config, model: GPT, backend, mesh, placement=None):
     p = cfg.parallel
     reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
     group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
-    if p.zero == 0:
+    if p.zero == 0:  # experts under ep > 1 are reduced over expert_dp (other_reduction_groups)
         state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce,
-                                placement)
+                                placement, other_reduction_groups(layouts, mesh))
     else:
         state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
                           placement)
@@ -314,6 +327,9 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     start = 0
     path = checkpoints.find_resume_point(resume) if resume else None
     if path is not None:
+        banner = restart_banner(path, trainer.mesh.describe_layout(), dict(os.environ), time.time())
+        if banner:  # an attempt after a failure: what it left out, resumes from, runs on, has lost
+            say(banner)
         start = checkpoints.restore(path)  # also sets aside the directory's checkpoints beyond `start`
         say(f"checkpoint: resumed from {path} at step {start}")
     else:
@@ -322,16 +338,18 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
         checkpoints.set_aside_beyond(0)  # a fresh start in a used directory: the old checkpoints are not its past
         if t.init_from:  # fine-tuning: another run's weights, this run's optimizer and schedule
             say(f"checkpoint: weights from {load_weights(checkpoints, t.init_from)} (train.init_from), step 0")
-    metrics_file = None
+    metrics_file = tensorboard = None
     if logger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         if start:
             trim_metrics(run_dir / "metrics.jsonl", start)  # the rows of steps after `start` are logged again
         metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115 -- closed in finally
+        tensorboard = open_sink(cfg.logging.tensorboard, run_dir)  # profile/tensorboard_sink.py; None when off
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
              f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+        echo(trainer.mesh.describe_placement())
         p = cfg.parallel
         if p.pp > 1 or p.virtual_stages > 1:
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
@@ -366,6 +384,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                 if logger and (logged or result.skipped):
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
+                    if tensorboard:
+                        tensorboard.write(record)
                     echo(format_log_line(record, t.steps))
                 if result.skipped:
                     say(trainer.guard.describe_skip(done, result.verdict, result.loss, result.grad_norm))
@@ -395,6 +415,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     finally:
         if metrics_file is not None:
             metrics_file.close()
+        if tensorboard is not None:
+            tensorboard.close()
     write_run_summary(trainer.mesh.world, trainer.run_summary, run_dir / "breakdown.json", say)
     checkpoints.save(t.steps)
     if logger:
