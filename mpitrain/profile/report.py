@@ -14,6 +14,7 @@ import contextlib
 import html
 import io
 import json
+from itertools import pairwise
 from pathlib import Path
 
 from mpitrain.errors import MpitrainError
@@ -65,9 +66,9 @@ def _plot_throughput(axes, rows):
     axes.set_xlabel("step")
     axes.set_ylabel("tokens/s")
     mfu_axes = axes.twinx()
-    mfu_axes.plot(steps, [100 * row["mfu"] for row in rows], color="#dd8452", label="MFU")
-    if any("hardware_mfu" in row for row in rows):
-        mfu_axes.plot(steps, [100 * row.get("hardware_mfu", row["mfu"]) for row in rows], "--", color="#dd8452",
+    mfu_axes.plot(steps, [100 * row["mfu"] for row in rows], "o", markersize=4, color="#dd8452", label="MFU")
+    if any(row.get("hardware_mfu", row["mfu"]) != row["mfu"] for row in rows):  # recomputation: more hardware work
+        mfu_axes.plot(steps, [100 * row.get("hardware_mfu", row["mfu"]) for row in rows], "x", color="#c44e52",
                       label="hardware MFU")
     mfu_axes.set_ylabel("MFU (%)")
     lines = axes.get_lines() + mfu_axes.get_lines()
@@ -88,11 +89,18 @@ def _plot_breakdown(axes, rows):
         heights = [1e3 * parts.get(key, 0.0) for _, parts in means]
         if not any(heights):
             continue
-        axes.bar(steps, heights, bottom=bottom, label=key.removeprefix(COMM_PREFIX), color=colors[key], width=0.8)
+        axes.bar(steps, heights, bottom=bottom, label=key.removeprefix(COMM_PREFIX), color=colors[key],
+                 width=_bar_width(steps))
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.set_xlabel("step")
     axes.set_ylabel("time (ms)")
     axes.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _bar_width(steps) -> float:
+    """Bars as wide as 80% of the logging interval (rows are every log_every steps)."""
+    gaps = [b - a for a, b in pairwise(steps) if b > a]
+    return 0.8 * min(gaps, default=1)
 
 
 def _part_colors(order):
@@ -113,7 +121,7 @@ def _plot_bytes(axes, rows):
     bottom = [0.0] * len(rows)
     for kind in kinds:
         heights = [row.get("comm_bytes", {}).get(kind, 0) / 1e6 for row in rows]
-        axes.bar(steps, heights, bottom=bottom, label=kind, width=0.8)
+        axes.bar(steps, heights, bottom=bottom, label=kind, width=_bar_width(steps))
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.set_xlabel("step")
     axes.set_ylabel("MB sent (ring-algorithm bytes)")
