@@ -157,11 +157,14 @@ def test_import_gives_the_logits_of_transformers(hf_folder, tmp_path):
 
 
 def test_training_continues_from_a_transformers_folder_under_dp2(hf_folder, tmp_path):
-    """train.init_from = the folder itself: step 1's loss is transformers' loss on step 1's batch, and it trains."""
+    """train.init_from = the folder itself: step 1's loss is transformers' loss on step 1's batch, and it trains
+    (llama as LoRA fine-tuning: the base stays bitwise the folder's, the adapters move)."""
     from mpitrain.data.synthetic import SyntheticSampler
     arch, folder, model = hf_folder
     run_dir = tmp_path / "run"
-    settings = ["data.synthetic=true", "train.steps=2", "parallel.dp=2", f"train.init_from={folder}", *MODELS[arch]]
+    lora = ["lora.rank=4"] if arch == "llama" else []
+    settings = ["data.synthetic=true", "train.steps=2", "parallel.dp=2", f"train.init_from={folder}", *MODELS[arch],
+                *lora]
     printed = cli("train", "configs/tiny.toml", "--out", str(run_dir), *[a for s in settings for a in ("--set", s)],
                   n=2)
     assert "(Hugging Face;" in printed
@@ -172,8 +175,25 @@ def test_training_continues_from_a_transformers_folder_under_dp2(hf_folder, tmp_
     want = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), torch.tensor(targets).reshape(-1)))
     assert metrics[0]["loss"] == pytest.approx(want, rel=1e-5)
     trained = checkpoint_tensors(run_dir)
-    assert not np.array_equal(trained["embed.wte"], model.state_dict()[
-        "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"].numpy())
+    embedding = model.state_dict()["transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"]
+    if lora:
+        assert np.array_equal(trained["embed.wte"], embedding.numpy())
+        assert any(np.abs(value).max() > 0 for name, value in trained.items() if name.endswith("_lora_b"))
+    else:
+        assert not np.array_equal(trained["embed.wte"], embedding.numpy())
+
+
+def test_sharded_bfloat16_folders_import_exactly(tmp_path):
+    """A save_pretrained split over several files (an index names them), in bfloat16: every value kept exactly."""
+    from mpitrain.checkpoint.hf import read_hf_folder
+    model = random_hf_model("llama").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours = read_hf_folder(tmp_path / "sharded").tensors
+    theirs = {name: value.float().numpy() for name, value in model.state_dict().items()}
+    assert np.array_equal(ours["blocks.1.wk"].astype(np.float32), theirs["model.layers.1.self_attn.k_proj.weight"].T)
+    assert np.array_equal(ours["head.w_lm"].astype(np.float32), theirs["lm_head.weight"].T)
+    assert len(ours) == len(theirs) and all(str(value.dtype) == "bfloat16" for value in ours.values())
 
 
 def test_what_mpitrain_cannot_compute_is_refused_in_one_line(tmp_path):
