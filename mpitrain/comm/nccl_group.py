@@ -255,15 +255,12 @@ class NcclGroup(Group):
                 self._api.groupEnd()
 
         sources, targets = ([buf], []) if sending else ([], [buf])
-        # A blocking send returns once queued (its buffer is staged or ordered before later compute): waiting for
-        # the peer's receive here would deadlock two ranks that each send before they receive.
+        # A blocking send returns once queued (its buffer is staged, or later compute waits for the send on the GPU):
+        # blocking the host until the peer receives would deadlock two ranks that each send before they receive.
         handle = self._launch(name, buf.nbytes, False, sources, targets, issue, lane=lane, peer=peer)
         if not blocking:
             return handle
-        if sending:
-            handle._request.Wait()
-        else:
-            handle.wait()
+        handle.wait()
         return None
 
     def _p2p_over_mpi(self, name, buf, peer, tag, kind):
