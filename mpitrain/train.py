@@ -349,6 +349,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
              f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+        echo(f"MFU against {trainer.peak_flops / 1e12:.3g} TFLOP/s per rank ({trainer.peak_source})")
         echo(trainer.mesh.describe_placement())
         p = cfg.parallel
         if p.pp > 1 or p.virtual_stages > 1:
