@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from mpitrain import tiles
 from mpitrain.backend import array_module as _xp
 from mpitrain.layers.precision import computes_in_float32
 
 GELU_K = math.sqrt(2.0 / math.pi)
+ATTENTION_QUERY_BLOCK = 64  # query rows per attention tile: a 64 x Tk block of scores stays in the L2 cache
 
 
 def _rows(x):
@@ -57,45 +61,101 @@ def add_bias_grad(db, dy) -> None:
 
 
 # ----------------------------------------------------------------------------- norms
+# Row tiles: each tile's chain of ufuncs runs in cache, and the tiles spread over the rank's threads (layers/tiles.py).
+def _row_tiles(xp, n_rows, row_bytes, work):
+    if xp is np:
+        tiles.for_each_tile(n_rows, tiles.tile_rows(row_bytes), work)
+    else:  # CuPy: one call over all rows
+        work(0, 0, n_rows)
+
+
+def _n_tiles(xp, n_rows, row_bytes):
+    return -(-n_rows // tiles.tile_rows(row_bytes)) if xp is np else 1
+
+
 @computes_in_float32()
 def layernorm_forward(x, w, b, eps):
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    rstd = 1.0 / _xp(x).sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc
-    xhat *= rstd
-    y = xhat * w
-    y += b
-    return y, (xhat, rstd)
+    xp = _xp(x)
+    xr = _rows(x)
+    xhat, y = xp.empty(xr.shape, x.dtype), xp.empty(xr.shape, x.dtype)
+    rstd = xp.empty((xr.shape[0], 1), x.dtype)
+
+    def tile(_, start, stop):
+        xs, xh, ys, rs = xr[start:stop], xhat[start:stop], y[start:stop], rstd[start:stop]
+        xp.subtract(xs, xs.mean(axis=-1, keepdims=True), out=xh)
+        xp.multiply(xh, xh, out=ys)
+        xp.add(ys.mean(axis=-1, keepdims=True), eps, out=rs)
+        xp.sqrt(rs, out=rs)
+        xp.divide(1.0, rs, out=rs)
+        xh *= rs
+        xp.multiply(xh, w, out=ys)
+        ys += b
+
+    _row_tiles(xp, xr.shape[0], xr.shape[1] * x.itemsize, tile)
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(*lead, 1))
+
+
+def _norm_backward(xp, xhat, rstd, w, dy, dw, db, centre: bool):
+    """dx of layernorm (centre) or rmsnorm; dw (and db) += their sums over rows, added per tile in tile order."""
+    xr, dyr, rs_all = _rows(xhat), _rows(dy), _rows(rstd)
+    dx = xp.empty(xr.shape, dy.dtype)
+    n_tiles = _n_tiles(xp, xr.shape[0], xr.shape[1] * xr.itemsize)
+    dw_parts = xp.empty((n_tiles, xr.shape[1]), dy.dtype)
+    db_parts = xp.empty_like(dw_parts) if db is not None else None
+
+    def tile(index, start, stop):
+        xh, dys, dxs, rs = xr[start:stop], dyr[start:stop], dx[start:stop], rs_all[start:stop]
+        scratch = xp.multiply(dys, xh)
+        scratch.sum(axis=0, out=dw_parts[index])
+        if db is not None:
+            dys.sum(axis=0, out=db_parts[index])
+        xp.multiply(dys, w, out=dxs)  # dxhat
+        xp.multiply(dxs, xh, out=scratch)
+        mean_dxhat_xhat = scratch.mean(axis=-1, keepdims=True)
+        if centre:
+            dxs -= dxs.mean(axis=-1, keepdims=True)
+        xp.multiply(xh, mean_dxhat_xhat, out=scratch)
+        dxs -= scratch
+        dxs *= rs
+
+    _row_tiles(xp, xr.shape[0], xr.shape[1] * xr.itemsize, tile)
+    dw += dw_parts.sum(axis=0)
+    if db is not None:
+        db += db_parts.sum(axis=0)
+    return dx.reshape(dy.shape)
 
 
 @computes_in_float32("dw", "db")
 def layernorm_backward(saved, w, dy, dw, db):
     xhat, rstd = saved
-    dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
-    db += _rows(dy).sum(axis=0)
-    dxhat = dy * w
-    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
-    dx -= xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-    dx *= rstd
-    return dx
+    return _norm_backward(_xp(dy), xhat, rstd, w, dy, dw, db, centre=True)
 
 
 @computes_in_float32()
 def rmsnorm_forward(x, w, eps):
-    rstd = 1.0 / _xp(x).sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
-    xhat = x * rstd
-    return xhat * w, (xhat, rstd)
+    xp = _xp(x)
+    xr = _rows(x)
+    xhat, y = xp.empty(xr.shape, x.dtype), xp.empty(xr.shape, x.dtype)
+    rstd = xp.empty((xr.shape[0], 1), x.dtype)
+
+    def tile(_, start, stop):
+        xs, xh, ys, rs = xr[start:stop], xhat[start:stop], y[start:stop], rstd[start:stop]
+        xp.multiply(xs, xs, out=ys)
+        xp.add(ys.mean(axis=-1, keepdims=True), eps, out=rs)
+        xp.sqrt(rs, out=rs)
+        xp.divide(1.0, rs, out=rs)
+        xp.multiply(xs, rs, out=xh)
+        xp.multiply(xh, w, out=ys)
+
+    _row_tiles(xp, xr.shape[0], xr.shape[1] * x.itemsize, tile)
+    return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(*x.shape[:-1], 1))
 
 
 @computes_in_float32("dw")
 def rmsnorm_backward(saved, w, dy, dw):
     xhat, rstd = saved
-    dw += (_rows(dy) * _rows(xhat)).sum(axis=0)
-    dxhat = dy * w
-    dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-    dx *= rstd
-    return dx
+    return _norm_backward(_xp(dy), xhat, rstd, w, dy, dw, None, centre=False)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -103,37 +163,52 @@ def rmsnorm_backward(saved, w, dy, dw):
 def gelu_forward(x):
     """GELU, tanh approximation (GPT-2). Saves only x; tanh is recomputed in backward (memory over speed)."""
     xp = _xp(x)
-    inner = x * x
-    inner *= 0.044715 * GELU_K
-    inner += GELU_K
-    inner *= x
-    y = xp.tanh(inner)
-    y += 1.0
-    y *= x
-    y *= 0.5
-    return y, x
+    xr = _rows(x)
+    y = xp.empty(xr.shape, x.dtype)
+
+    def tile(_, start, stop):
+        xs, ys = xr[start:stop], y[start:stop]
+        xp.multiply(xs, xs, out=ys)
+        ys *= 0.044715 * GELU_K
+        ys += GELU_K
+        ys *= xs
+        xp.tanh(ys, out=ys)
+        ys += 1.0
+        ys *= xs
+        ys *= 0.5
+
+    _row_tiles(xp, xr.shape[0], xr.shape[1] * x.itemsize, tile)
+    return y.reshape(x.shape), x
 
 
 @computes_in_float32()
 def gelu_backward(x, dy):
     xp = _xp(x)
-    x2 = x * x
-    t = x2 * (0.044715 * GELU_K)
-    t += GELU_K
-    t *= x
-    t = xp.tanh(t, out=t)
-    # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)
-    slope = x2
-    slope *= 3 * 0.044715 * GELU_K
-    slope += GELU_K
-    slope *= x
-    slope *= 0.5
-    slope *= 1.0 - t * t
-    t += 1.0
-    t *= 0.5
-    slope += t
-    slope *= dy
-    return slope
+    xr, dyr = _rows(x), _rows(dy)
+    dx = xp.empty(xr.shape, dy.dtype)
+
+    def tile(_, start, stop):
+        xs, slope = xr[start:stop], dx[start:stop]
+        x2 = xs * xs
+        t = x2 * (0.044715 * GELU_K)
+        t += GELU_K
+        t *= xs
+        xp.tanh(t, out=t)
+        # d/dx 0.5 x (1 + t) = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2)
+        xp.multiply(x2, 3 * 0.044715 * GELU_K, out=slope)
+        slope += GELU_K
+        slope *= xs
+        slope *= 0.5
+        xp.multiply(t, t, out=x2)
+        xp.subtract(1.0, x2, out=x2)
+        slope *= x2
+        t += 1.0
+        t *= 0.5
+        slope += t
+        slope *= dyr[start:stop]
+
+    _row_tiles(xp, xr.shape[0], xr.shape[1] * x.itemsize, tile)
+    return dx.reshape(x.shape)
 
 
 @computes_in_float32()
@@ -204,11 +279,80 @@ def attention_forward(q, k, v, bias):
     """((out, lse), saved): softmax(q k^T / sqrt(D) + bias) v with grouped-query heads, and each query row's
     log-sum-exp of its scores, lse (B, H, Tq), by which attention over several key blocks is merged.
 
-    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv; bias (Tq, Tk), e.g. causal_bias with the
-    block's position offset, so that a block of queries can be run against a block of keys (context parallelism).
-    Query heads that share a key/value head are stacked along the time axis, (B, Hkv, G*Tq, D), so each product is
-    one large matmul and K/V are never copied.
+    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv; bias (Tq, Tk) or a scalar, e.g. causal_bias
+    with the block's position offset, so that a block of queries can be run against a block of keys (context
+    parallelism). saved holds the probabilities (B, Hkv, G*Tq, Tk): query heads that share a key/value head are
+    stacked along the time axis, so K/V are never copied.
+
+    On numpy the work is cut into (batch, kv head, block of query rows) tiles spread over the threads; a block skips
+    the keys its bias masks for every one of its rows (the causal future: about half of the work), and those
+    probabilities are exact zeros. CuPy takes the whole batch in one product.
     """
+    xp = _xp(q)
+    if xp is not np:
+        return _attention_forward_whole(q, k, v, bias)
+    b, h, t, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = h // hkv
+    qg = q.reshape(b, hkv, group, t, d)
+    probs = np.empty((b, hkv, group, t, tk), q.dtype)
+    out = np.empty((b, hkv, group, t, d), q.dtype)
+    lse = np.empty((b, hkv, group, t), q.dtype)
+    spans = _key_spans(bias, t, tk)
+    scale = 1.0 / math.sqrt(d)
+    biased = getattr(bias, "ndim", 0) > 0
+    if not biased and bias is not None and float(bias) == 0.0:
+        bias = None  # adding 0.0 changes nothing
+
+    def pairs(first, last):
+        for pair in range(first, last):
+            i, j = divmod(pair, hkv)
+            kt = k[i, j].T
+            for g in range(group):
+                for q0, q1, k0, k1 in spans:
+                    s = probs[i, j, g, q0:q1]
+                    s[:, :k0] = 0.0
+                    s[:, k1:] = 0.0
+                    s = s[:, k0:k1]
+                    np.matmul(qg[i, j, g, q0:q1], kt[:, k0:k1], out=s)
+                    s *= scale
+                    if biased:
+                        s += bias[q0:q1, k0:k1]
+                    elif bias is not None:
+                        s += bias
+                    row_max = s.max(axis=-1, keepdims=True)
+                    s -= row_max
+                    np.exp(s, out=s)
+                    row_sum = s.sum(axis=-1, keepdims=True)
+                    s /= row_sum
+                    np.matmul(s, v[i, j, k0:k1], out=out[i, j, g, q0:q1])
+                    np.log(row_sum, out=row_sum)
+                    np.add(row_max[:, 0], row_sum[:, 0], out=lse[i, j, g, q0:q1])
+
+    tiles.parallel_for(b * hkv, pairs)
+    probs = probs.reshape(b, hkv, group * t, tk)
+    return (out.reshape(b, h, t, d), lse.reshape(b, h, t)), (q, k, v, probs)
+
+
+def _key_spans(bias, t_q, t_k):
+    """[(q0, q1, k0, k1)]: blocks of query rows and the key columns [k0, k1) outside of which the bias masks (-inf)
+    every row of the block. A block whose rows are all fully masked keeps every key (and gives NaN, as softmax
+    over nothing does)."""
+    rows = ATTENTION_QUERY_BLOCK
+    spans = []
+    visible = np.isfinite(bias) if getattr(bias, "ndim", 0) == 2 else None
+    for q0 in range(0, t_q, rows):
+        q1 = min(q0 + rows, t_q)
+        k0, k1 = 0, t_k
+        if visible is not None:
+            columns = np.flatnonzero(visible[q0:q1].any(axis=0))
+            if columns.size:
+                k0, k1 = int(columns[0]), int(columns[-1]) + 1
+        spans.append((q0, q1, k0, k1))
+    return spans
+
+
+def _attention_forward_whole(q, k, v, bias):
     xp = _xp(q)
     b, h, t, d = q.shape
     hkv = k.shape[1]
@@ -231,6 +375,49 @@ def attention_forward(q, k, v, bias):
 
 @computes_in_float32()
 def attention_backward(saved, dout):
+    q, k, v, probs = saved
+    xp = _xp(q)
+    if xp is not np:
+        return _attention_backward_whole(saved, dout)
+    b, h, t, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = h // hkv
+    probs = probs.reshape(b, hkv, group, t, tk)
+    qg, dout_g = q.reshape(b, hkv, group, t, d), dout.reshape(b, hkv, group, t, d)
+    dq = np.empty((b, hkv, group, t, d), dout.dtype)
+    dk, dv = np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
+    scale = 1.0 / math.sqrt(d)
+
+    def pairs(first, last):
+        for pair in range(first, last):
+            i, j = divmod(pair, hkv)
+            for g in range(group):
+                for q0 in range(0, t, ATTENTION_QUERY_BLOCK):
+                    q1 = min(q0 + ATTENTION_QUERY_BLOCK, t)
+                    # keys where every row's probability is exactly 0 contribute exactly 0: skip them
+                    k0, k1 = _nonzero_columns(probs[i, j, g, q0:q1])
+                    p, do = probs[i, j, g, q0:q1, k0:k1], dout_g[i, j, g, q0:q1]
+                    dv[i, j, k0:k1] += p.T @ do  # sums over the query heads of each group
+                    # softmax backward: ds = p * (dp - sum(dp * p))
+                    ds = do @ v[i, j, k0:k1].T
+                    weighted = ds * p
+                    ds -= weighted.sum(axis=-1, keepdims=True)
+                    ds *= p
+                    ds *= scale
+                    np.matmul(ds, k[i, j, k0:k1], out=dq[i, j, g, q0:q1])
+                    dk[i, j, k0:k1] += ds.T @ qg[i, j, g, q0:q1]
+
+    tiles.parallel_for(b * hkv, pairs)
+    return dq.reshape(b, h, t, d), dk, dv
+
+
+def _nonzero_columns(block):
+    """[k0, k1): the columns outside of which a block of probabilities is exactly zero (NaN counts as non-zero)."""
+    columns = np.flatnonzero((block != 0).any(axis=0))
+    return (int(columns[0]), int(columns[-1]) + 1) if columns.size else (0, 0)
+
+
+def _attention_backward_whole(saved, dout):
     q, k, v, probs = saved
     b, h, t, d = q.shape
     hkv = k.shape[1]

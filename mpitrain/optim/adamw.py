@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from mpitrain import tiles
 from mpitrain.backend import array_module
 from mpitrain.state.offload import OnDevice, resident_nbytes
 
@@ -70,24 +73,36 @@ class AdamW:
     def _update(self, segment: Segment, m, v, lr: float, grad_scale: float) -> None:
         h, xp, t = self.hyper, array_module(segment.params), self.steps_taken
         p, g = segment.params, segment.grads
-        if g.dtype != m.dtype:  # low-precision gradients, fp32 master and moments: the update is computed in fp32
-            g = g.astype(m.dtype)
-        if grad_scale != 1.0:
-            g = g * grad_scale
         if h.weight_decay and lr:
             shrink = 1.0 - lr * h.weight_decay  # decoupled: p <- p (1 - lr wd), before the Adam update (as torch)
             for start, end in segment.decay_ranges:
                 p[start:end] *= shrink
-        m *= h.beta1
-        m += (1.0 - h.beta1) * g
-        v *= h.beta2
-        v += (1.0 - h.beta2) * (g * g)
-        denom = xp.sqrt(v)
-        denom /= math.sqrt(1.0 - h.beta2 ** t)
-        denom += h.eps
-        update = m / denom
-        update *= lr / (1.0 - h.beta1 ** t)
-        p -= update
+        step_size, bias_root = lr / (1.0 - h.beta1 ** t), math.sqrt(1.0 - h.beta2 ** t)
+
+        def update(_, start, stop):  # one cache-sized chunk: its temporaries never leave the cache
+            gs, ms, vs = g[start:stop], m[start:stop], v[start:stop]
+            # low-precision gradients, fp32 master and moments: the update is computed in fp32
+            gs = gs.astype(m.dtype) if gs.dtype != m.dtype else gs
+            if grad_scale != 1.0:
+                gs = gs * grad_scale
+            ms *= h.beta1
+            scratch = (1.0 - h.beta1) * gs
+            ms += scratch
+            vs *= h.beta2
+            xp.multiply(gs, gs, out=scratch)
+            scratch *= 1.0 - h.beta2
+            vs += scratch
+            xp.sqrt(vs, out=scratch)
+            scratch /= bias_root
+            scratch += h.eps
+            xp.divide(ms, scratch, out=scratch)
+            scratch *= step_size
+            p[start:stop] -= scratch
+
+        if xp is np:
+            tiles.for_each_tile(p.size, tiles.tile_rows(m.itemsize), update)
+        else:
+            update(0, 0, p.size)
 
 
 def clip_scale(grad_norm: float, max_norm: float) -> float:

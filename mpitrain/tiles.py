@@ -1,0 +1,90 @@
+"""Elementwise work in cache-sized tiles, spread over a small thread pool.
+
+numpy makes one full-size temporary per operation and streams it through memory; an op such as GELU then runs at
+memory speed, on one core. Cut into tiles of ~128 KB the same chain of ufuncs stays in the L2 cache, and since numpy
+releases the GIL inside ufuncs, reductions and BLAS calls, a few Python threads keep all of a rank's cores busy.
+
+Results do not depend on the number of threads: tile boundaries follow only from the array shapes, each tile writes
+its own rows, and per-tile partial sums (weight gradients of the norms) are added in tile order.
+
+The thread count is the rank's BLAS thread count (OMP_NUM_THREADS, set per rank by the launcher, design decision 10),
+else the CPUs this process may run on. CuPy arrays are never tiled: the callers hand them to one call.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+TILE_BYTES = 128 * 1024  # a few such tiles live at once per thread: well inside a 512 KB-1 MB L2 cache
+
+
+
+def thread_count() -> int:
+    for var in ("MPITRAIN_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """One pool per process, created on first use (its threads sleep, not spin, between ops)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="mpitrain-tiles")
+
+
+def tile_rows(row_bytes: int) -> int:
+    """Rows per tile for rows of `row_bytes` bytes."""
+    return max(1, TILE_BYTES // max(1, row_bytes))
+
+
+def parallel_for(n_items: int, work, threads: int | None = None) -> None:
+    """work(start, stop) over [0, n_items) cut into one contiguous range per thread (work tiles its range itself).
+
+    While the threads run, BLAS runs one thread per call: OpenBLAS serialises multithreaded calls made from several
+    threads at once (and its idle threads spin), so each thread's small products are best left on its own core.
+    Exceptions in a worker are raised here."""
+    threads = min(thread_count() if threads is None else threads, n_items)
+    if threads <= 1:
+        if n_items:
+            work(0, n_items)
+        return
+    bounds = [n_items * i // threads for i in range(threads + 1)]
+    pool = _executor(threads)
+    with _one_blas_thread():
+        futures = [pool.submit(work, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        work(bounds[0], bounds[1])  # the calling thread takes the first range
+        for future in futures:
+            future.result()
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    import numpy  # noqa: F401  (the controller finds the BLAS libraries loaded when it is made)
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    return _blas_controller().limit(limits=1, user_api="blas")
+
+
+def for_each_tile(n_rows: int, rows_per_tile: int, work) -> None:
+    """work(tile_index, start, stop) for every tile of `rows_per_tile` rows of [0, n_rows), tiles spread over the
+    threads. Tile boundaries depend on the sizes only, never on the thread count."""
+    n_tiles = -(-n_rows // rows_per_tile)
+
+    def run(first, last):
+        for tile in range(first, last):
+            start = tile * rows_per_tile
+            work(tile, start, min(start + rows_per_tile, n_rows))
+
+    parallel_for(n_tiles, run)
+
+
+def is_numpy(*arrays) -> bool:
+    return all(type(a).__module__.split(".")[0] == "numpy" for a in arrays)

@@ -1,0 +1,121 @@
+"""The tiled CPU ops (mpitrain/tiles.py): cut into many tiles and run on several threads they still give the gradients
+finite differences give, the same numbers as the whole-array formulas (the CuPy path), and bitwise the same numbers
+whatever the thread count. The default tile sizes make one tile of test_ops' small cases, so here the tiles are made
+tiny: a few rows of a norm, two query rows of attention (so masked key blocks are skipped)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpitrain import tiles
+from mpitrain.layers import ops
+from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+from tests import test_ops
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    monkeypatch.setattr(tiles, "TILE_BYTES", 64)  # 1-8 rows per tile in these cases
+    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 2)
+    monkeypatch.setenv("MPITRAIN_THREADS", "3")
+
+
+TILED_CASES = [name for name in test_ops.CASES if name.startswith(("layernorm", "rmsnorm", "gelu", "attention",
+                                                                     "sublayer-attention", "block"))]
+
+
+@pytest.mark.parametrize("name", TILED_CASES)
+def test_tiled_backward_matches_finite_differences(tiny_tiles, name):
+    test_ops.test_backward_matches_finite_differences(name)
+
+
+@pytest.mark.parametrize("name", [n for n in TILED_CASES if n in test_ops.PARAM_CASES])
+def test_tiled_parameter_grads_accumulate(tiny_tiles, name):
+    test_ops.test_parameter_grads_accumulate(name)
+
+
+@pytest.mark.parametrize("name", TILED_CASES)
+def test_tiled_ops_do_not_modify_their_arguments(tiny_tiles, name):
+    test_ops.test_ops_do_not_modify_their_arguments(name)
+
+
+def _attention_inputs(rng, n_head=4, n_kv_head=2, t_q=7, t_k=11, b=2, d=4):
+    return (rng.normal(size=(b, n_head, t_q, d)), rng.normal(size=(b, n_kv_head, t_k, d)),
+            rng.normal(size=(b, n_kv_head, t_k, d)), rng.normal(size=(b, n_head, t_q, d)))
+
+
+@pytest.mark.parametrize("bias", ["causal-offset", "causal-square", "zeros", "scalar"])
+def test_tiled_attention_equals_the_whole_array_formula(tiny_tiles, bias):
+    """Skipped key blocks are exactly the masked ones: out, lse, the saved probabilities (exact zeros where masked)
+    and the three gradients agree with the one-product formula to rounding."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout = _attention_inputs(rng, t_q=7 if bias != "causal-square" else 11)
+    t_q, t_k = q.shape[2], k.shape[2]
+    mask = {"causal-offset": ops.causal_bias(t_q, t_k, np, np.float64, offset=t_k - t_q),
+            "causal-square": ops.causal_bias(t_q, t_k, np, np.float64),
+            "zeros": np.zeros((t_q, t_k)), "scalar": 0.0}[bias]
+    (out, lse), saved = ops.attention_forward(q, k, v, mask)
+    (ref_out, ref_lse), ref_saved = ops._attention_forward_whole(q, k, v, mask)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(saved[3] == 0, ref_saved[3] == 0)
+    np.testing.assert_allclose(saved[3], ref_saved[3], rtol=1e-12, atol=1e-15)
+    for grad, ref in zip(ops.attention_backward(saved, dout), ops._attention_backward_whole(ref_saved, dout)):
+        np.testing.assert_allclose(grad, ref, rtol=1e-11, atol=1e-13)
+
+
+def test_a_fully_masked_row_gives_nan_as_before(tiny_tiles):
+    rng = np.random.default_rng(2)
+    q, k, v, _ = _attention_inputs(rng, t_q=3, t_k=3)
+    mask = ops.causal_bias(3, 3, np, np.float64)
+    mask[1] = -np.inf
+    (out, _), _ = ops.attention_forward(q, k, v, mask)
+    assert np.isnan(out[:, :, 1]).all() and np.isfinite(out[:, :, [0, 2]]).all()
+
+
+def _run_everything(rng):
+    """Every tiled op (forward and backward) and an AdamW step on fixed inputs -> list of arrays."""
+    x, dy, w, b = rng.normal(size=(3, 5, 6)), rng.normal(size=(3, 5, 6)), rng.normal(size=6), rng.normal(size=6)
+    results = []
+    for forward, backward, params in [
+            (lambda: ops.layernorm_forward(x, w, b, 1e-5), lambda s, g: ops.layernorm_backward(s, w, dy, *g), 2),
+            (lambda: ops.rmsnorm_forward(x, w, 1e-5), lambda s, g: ops.rmsnorm_backward(s, w, dy, *g), 1),
+            (lambda: ops.gelu_forward(x), lambda s, g: ops.gelu_backward(s, dy), 0)]:
+        y, saved = forward()
+        grads = [np.zeros(6) for _ in range(params)]
+        results += [y, backward(saved, grads), *grads]
+    q, k, v, dout = _attention_inputs(rng)
+    (out, lse), saved = ops.attention_forward(q, k, v, ops.causal_bias(7, 11, np, np.float64, offset=4))
+    results += [out, lse, *ops.attention_backward(saved, dout)]
+    params, grads = rng.normal(size=100), rng.normal(size=100)
+    optimizer = AdamW([Segment(params, grads, [(10, 60)])], AdamWHyper())
+    for lr in (1e-2, 3e-3):
+        optimizer.step(lr, grad_scale=0.5)
+    return results + [params, optimizer.exp_avg, optimizer.exp_avg_sq]
+
+
+def test_results_do_not_depend_on_the_thread_count(tiny_tiles, monkeypatch):
+    """Tile boundaries follow from the shapes only, and partial sums are added in tile order: bitwise equal."""
+    runs = []
+    for threads in ("1", "2", "5"):
+        monkeypatch.setenv("MPITRAIN_THREADS", threads)
+        runs.append(_run_everything(np.random.default_rng(3)))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_tiled_adamw_equals_the_textbook_update(tiny_tiles):
+    rng = np.random.default_rng(4)
+    params, grads = rng.normal(size=50), rng.normal(size=50)
+    p, m, v = params.copy(), np.zeros(50), np.zeros(50)
+    h = AdamWHyper()
+    optimizer = AdamW([Segment(params, grads, [(0, 20)])], h)
+    for t, lr in enumerate((1e-2, 5e-3), start=1):
+        optimizer.step(lr, grad_scale=0.25)
+        g = 0.25 * grads
+        p[:20] *= 1 - lr * h.weight_decay
+        m = h.beta1 * m + (1 - h.beta1) * g
+        v = h.beta2 * v + (1 - h.beta2) * g * g
+        p -= lr / (1 - h.beta1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - h.beta2 ** t) + h.eps)
+    np.testing.assert_allclose(params, p, rtol=1e-13, atol=1e-15)
