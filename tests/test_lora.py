@@ -156,6 +156,35 @@ def test_adapters_on_kv_weights_replicated_over_tp_are_refused():
     GPT(cfg, make_backend("cpu", "float64"), tp=tp, lora=LoraConfig(rank=2, targets=["wq", "wo"]))
 
 
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_a_split_backward_defers_the_adapters_weight_gradients(kind):
+    """zb1p's B pass hands the adapters' dA/dB to the W pass as work items (the frozen base has none); run there they
+    give the gradients of an unsplit backward, bitwise, and the input gradient does not wait for them."""
+    from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear, run_weight_grads
+    from mpitrain.layers.lora import Adapter
+    from mpitrain.layers.tensor_parallel import TensorParallel
+    tp, rng = TensorParallel(None), np.random.default_rng(4)
+    linear = (ColumnParallelLinear(tp, 6, ["w"], trainable=False) if kind == "column"
+              else RowParallelLinear(tp, 6, "w", trainable=False))
+    linear.adapters["w"] = Adapter("w", kind, (6, 5), 2, 4.0, tp)
+    p = {"w": rng.normal(size=(6, 5)), "w_lora_a": rng.normal(size=(6, 2)), "w_lora_b": rng.normal(size=(2, 5))}
+    x, dy = rng.normal(size=(2, 3, 6)), rng.normal(size=(2, 3, 5))
+
+    def backward(deferred):
+        g = {"w_lora_a": np.zeros((6, 2)), "w_lora_b": np.zeros((2, 5))}
+        dx = linear.backward(p, g, x, [dy] if kind == "column" else dy, deferred=deferred)
+        return dx, g
+    dx_now, g_now = backward(None)
+    deferred = []
+    dx_split, g_split = backward(deferred)
+    assert sorted(name for name, _, _ in deferred) == ["w_lora_a", "w_lora_b"]
+    assert not any(g.any() for g in g_split.values())  # nothing taken in B
+    run_weight_grads(deferred, g_split)
+    assert np.array_equal(dx_split, dx_now)
+    for name in g_now:
+        assert g_now[name].any() and np.array_equal(g_split[name], g_now[name]), name
+
+
 def test_targets_are_checked_by_name():
     from mpitrain.errors import ConfigError
     with pytest.raises(ConfigError, match="lora.targets.*unknown w_nope"):
@@ -222,8 +251,13 @@ def test_base_weights_stay_bitwise_and_adapters_train(reference):
                                            (2, ["parallel.dp=2", "parallel.zero=3"]),
                                            (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                                            (2, ["parallel.pp=2"]),
+                                           (2, ["parallel.pp=2", "train.micro_batch=2", "parallel.schedule=zb1p"]),
+                                           # adapters' tp-partial gradients are reduced in the W pass
+                                           (4, ["parallel.tp=2", "parallel.pp=2", "train.micro_batch=2",
+                                                "parallel.schedule=zb1p"]),
                                            (2, ["parallel.tp=2", "memory.recompute=full"])],
-                         ids=["dp2", "tp2", "zero1", "zero3", "tp2-sp", "pp2", "tp2-recompute"])
+                         ids=["dp2", "tp2", "zero1", "zero3", "tp2-sp", "pp2", "pp2-zb1p", "tp2-pp2-zb1p",
+                              "tp2-recompute"])
 def test_layouts_match_one_process_in_float64(tmp_path, dataset, reference, ranks, layout):
     ref_metrics, ref_params = reference
     metrics, params = train_run(ranks, tmp_path, dataset, *layout)

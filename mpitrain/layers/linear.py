@@ -31,7 +31,8 @@ def run_weight_grads(work, grads) -> None:
         ops.add_weight_grad(grads[name], x, dy)
 
 
-def _weight_grads(work, grads, deferred, tp) -> None:
+def weight_grads(work, grads, deferred, tp) -> None:
+    """Run the work items now, or append them to `deferred` (the W pass runs them later)."""
     if deferred is None:
         with tp.phase("backward_weight"):  # the step breakdown keeps weight gradients apart from input gradients
             run_weight_grads(work, grads)
@@ -60,13 +61,13 @@ class ColumnParallelLinear:
         dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
         for w, dy in zip(self.weights, output_grads):
             if w in self.adapters:
-                dh += self.adapters[w].backward(p, g, h, dy)
+                dh += self.adapters[w].backward(p, g, h, dy, deferred)
         pending = self.tp.start_enter_backward(dh)
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
                     ops.add_bias_grad(g[bias], dy)
-            _weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
+            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
@@ -98,10 +99,10 @@ class RowParallelLinear:
         if self.trainable:
             if self.bias:
                 ops.add_bias_grad(g[self.bias], dy)
-            _weight_grads([(self.weight, x, dy)], g, deferred, self.tp)
+            weight_grads([(self.weight, x, dy)], g, deferred, self.tp)
         dx = ops.linear_input_grad([p[self.weight]], [dy])
         if self.weight in self.adapters:
-            dx += self.adapters[self.weight].backward(p, g, x, dy)
+            dx += self.adapters[self.weight].backward(p, g, x, dy, deferred)
         return dx
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:

@@ -15,8 +15,9 @@ Tensor parallelism, derived from where the weight is split:
       linear's partial output BEFORE the linear's own reduction: no extra collective in forward. b's gradient
       (x_local a_local)^T dy is a partial sum over tp: all-reduced; a's gradient and the input gradient are local.
 
-The adapters' gradients are taken at once in backward (small matmuls, never deferred to zb1p's W pass); x a is
-recomputed there rather than saved, so activation memory is the base model's.
+The adapters' weight gradients follow their linear's: taken at once, or (zero-bubble schedules) handed to the W pass
+as work items like any trainable weight's (the frozen base has none); x a is recomputed in backward rather than
+saved, so activation memory is the base model's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import replace
 
 from mpitrain.errors import ConfigError
 from mpitrain.layers import ops
+from mpitrain.layers.linear import weight_grads
 from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
 from mpitrain.state.params import ParamSpec, UnitLayout
 
@@ -36,7 +38,7 @@ class Adapter:
 
     def __init__(self, weight: str, kind: str, shape: tuple[int, int], rank: int, alpha: float, tp: TensorParallel):
         self.a, self.b = weight + SUFFIXES[0], weight + SUFFIXES[1]
-        self.scale = alpha / rank
+        self.scale, self.tp = alpha / rank, tp
         n_in, n_out = shape
         std = 1.0 / math.sqrt(n_in)  # x a keeps x's scale
         if kind == "column":
@@ -52,12 +54,12 @@ class Adapter:
         """y += scale (x a) b, in place (y: the linear's output, or its partial sum before the tp reduction)."""
         y += self.scale * ops.linear_forward(ops.linear_forward(x, p[self.a])[0], p[self.b])[0]
 
-    def backward(self, p, g, x, dy):
-        """Adds the gradients of a and b; returns this adapter's share of the input gradient."""
+    def backward(self, p, g, x, dy, deferred=None):
+        """Adds the gradients of a and b (or appends them to `deferred`, as the linear does); returns this adapter's
+        share of the input gradient."""
         u = ops.linear_forward(x, p[self.a])[0]  # recomputed, not saved
         du = self.scale * ops.linear_input_grad([p[self.b]], [dy])
-        ops.add_weight_grad(g[self.b], self.scale * u, dy)
-        ops.add_weight_grad(g[self.a], x, du)
+        weight_grads([(self.b, self.scale * u, dy), (self.a, x, du)], g, deferred, self.tp)
         return ops.linear_input_grad([p[self.a]], [du])
 
 

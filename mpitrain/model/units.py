@@ -29,12 +29,18 @@ from mpitrain.layers.attention import Attention
 from mpitrain.layers.embedding import TokenEmbedding
 from mpitrain.layers.head import LMHead
 from mpitrain.layers.linear import run_weight_grads
+from mpitrain.layers.lora import SUFFIXES as LORA_SUFFIXES
 from mpitrain.layers.moe import make_mlp
 from mpitrain.layers.norm import Norm
 from mpitrain.layers.tensor_parallel import PartialGrads, TensorParallel
 from mpitrain.state.params import UnitLayout
 
 DEFERRED_PARTIALS = ("wk", "wv")  # tp-partial gradients that are weight matmuls (replicated K/V heads): reduced in W
+
+
+def deferred_partial(name: str) -> bool:
+    """A tp-partial gradient a split backward computes in W: replicated K/V weights' and LoRA adapters'."""
+    return name in DEFERRED_PARTIALS or name.endswith(LORA_SUFFIXES)
 
 
 class Unit:
@@ -53,7 +59,7 @@ class Unit:
 
     def partial(self, g, deferred) -> PartialGrads:
         """The partial gradients reduced in B: all of them, or in a split backward all but the deferred matmuls'."""
-        names = [n for n in self.partial_grads if deferred is None or n not in DEFERRED_PARTIALS]
+        names = [n for n in self.partial_grads if deferred is None or not deferred_partial(n)]
         return PartialGrads(self.tp, g, names)
 
     def weight_views(self, g) -> dict:
@@ -61,7 +67,7 @@ class Unit:
         return g
 
     def backward_weight(self, g, deferred) -> None:
-        partial = PartialGrads(self.tp, g, [n for n in self.partial_grads if n in DEFERRED_PARTIALS])
+        partial = PartialGrads(self.tp, g, [n for n in self.partial_grads if deferred_partial(n)])
         run_weight_grads(deferred, self.weight_views(partial.grads))
         partial.reduce()
 
