@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpitrain.kernels import cupy_status, reference
-from mpitrain.kernels.dispatch import _dispatching
+from mpitrain.kernels.dispatch import _dispatching, _native_when_low_precision
 from mpitrain.layers import ops
 
 GPU_USABLE, GPU_REASON = cupy_status()
@@ -63,6 +63,9 @@ def test_numpy_arrays_never_reach_a_fused_kernel():
     np.testing.assert_array_equal(wrapped(x)[0], ops.gelu_forward(x)[0])
     bf16 = x.astype(ml_dtypes.bfloat16)
     assert wrapped(bf16)[0].dtype == bf16.dtype
+    native = _native_when_low_precision(ops.linear_forward, kernel)
+    w = np.ones((4, 2), ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(native(bf16, w)[0], ops.linear_forward(bf16, w)[0])
 
 
 # ---- kernels vs references (GPU) ---------------------------------------------------------------------------------
@@ -153,6 +156,21 @@ def test_bf16_batched_gemm_accumulates_in_fp32(cp, transpose_a, transpose_b):
     # fp32 accumulation: only the final rounding to bf16 (8 bits of mantissa) remains
     assert np.max(np.abs(got - want)) <= 2 ** -7 * np.max(np.abs(want))
     assert math.isfinite(float(got.sum()))
+
+
+@needs_gpu
+def test_bf16_linears_run_in_bf16_and_match_fp32_to_bf16_rounding(cp):
+    from mpitrain.kernels import fused
+    rng = np.random.default_rng(7)
+    x, w, dy = (rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in ((2, 16, 64), (64, 48), (2, 16, 48)))
+    y = fused.linear_forward(cp.asarray(x), cp.asarray(w))[0]
+    assert y.dtype == x.dtype
+    want = x.astype(np.float32).reshape(-1, 64) @ w.astype(np.float32)
+    assert np.max(np.abs(y.get().astype(np.float32).reshape(-1, 48) - want)) <= 2 ** -7 * np.max(np.abs(want))
+    dw = cp.zeros((64, 48), x.dtype)
+    fused.add_weight_grad(dw, cp.asarray(x), cp.asarray(dy))
+    want_dw = x.astype(np.float32).reshape(-1, 64).T @ dy.astype(np.float32).reshape(-1, 48)
+    assert np.max(np.abs(dw.get().astype(np.float32) - want_dw)) <= 2 ** -7 * np.max(np.abs(want_dw))
 
 
 @needs_gpu

@@ -1,7 +1,8 @@
 """Route the ops to the fused kernels for CuPy arrays, without touching the ops' code: `install()` wraps the
 functions of mpitrain/layers/ops.py that have a fused twin (the layers call them as `ops.name`) and AdamW's
 per-segment update. numpy arrays keep going to the originals, so CPU runs and tests are unchanged. Low-precision
-arrays are cast to float32 around the kernels by the same rule as the numpy ops (layers/precision.py).
+arrays are cast to float32 around the kernels by the same rule as the numpy ops (layers/precision.py), except in
+the linears: bf16/fp16 CuPy linears run as GEMMs in their own dtype (tensor cores, fp32 accumulation in cuBLAS).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import functools
 import numpy as np
 
 from mpitrain.backend import array_module
-from mpitrain.layers.precision import computes_in_float32
+from mpitrain.layers.precision import computes_in_float32, low_precision_dtype
 
+# Linears whose bf16/fp16 CuPy arrays skip the cast rule (native GEMMs); fp32/fp64 ones keep the ops' code.
+NATIVE_LOW_PRECISION_OPS = ("linear_forward", "linear_input_grad", "add_weight_grad", "add_bias_grad")
 # op -> the arguments it adds into (kept in their dtype by the cast rule, as ops.py declares them)
 FUSED_OPS = {"layernorm_forward": (), "layernorm_backward": ("dw", "db"), "rmsnorm_forward": (),
              "rmsnorm_backward": ("dw",), "gelu_forward": (), "gelu_backward": (), "swiglu_forward": (),
@@ -55,6 +58,18 @@ def _dispatching(name: str, original, fused_function, accumulators=()):
     return op
 
 
+def _native_when_low_precision(original, native_function):
+    @functools.wraps(original)
+    def op(*args, **kwargs):
+        first = _first_array(args)
+        if first is not None and array_module(first) is not np and low_precision_dtype(args) is not None:
+            return native_function(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    op.fused_twin = native_function
+    return op
+
+
 def install() -> bool:
     """Make ops.* and AdamW dispatch CuPy arrays to the fused kernels (idempotent). False if CuPy is unusable."""
     usable, _ = cupy_status()
@@ -67,6 +82,10 @@ def install() -> bool:
         current = getattr(ops, name)
         if not hasattr(current, "fused_twin"):
             setattr(ops, name, _dispatching(name, current, getattr(fused, name), accumulators))
+    for name in NATIVE_LOW_PRECISION_OPS:
+        current = getattr(ops, name)
+        if not hasattr(current, "fused_twin"):
+            setattr(ops, name, _native_when_low_precision(current, getattr(fused, name)))
     if hasattr(AdamW, "_update") and not hasattr(AdamW._update, "fused_twin"):
         AdamW._update = _fused_adamw(AdamW._update)
     return True

@@ -306,6 +306,36 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, shrink=1.0, grad_sc
                             c(lr / (1.0 - beta1 ** step)), c(grad_scale), p, m, v)
 
 
+# ---- linears in the compute dtype ---------------------------------------------------------------------------------
+# The cast rule would run bf16/fp16 linears as fp32 GEMMs (no tensor cores); on the GPU they stay 2-D GEMMs in their
+# own dtype, which cuBLAS accumulates in fp32. Same contracts as ops.linear_*.
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def linear_forward(x, w, b=None):
+    y = _rows(x) @ w
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[1]), x
+
+
+def linear_input_grad(weights, output_grads):
+    dx = None
+    for w, dy in zip(weights, output_grads):
+        part = _rows(dy) @ w.T
+        dx = part if dx is None else dx + part
+    return dx.reshape(*output_grads[0].shape[:-1], weights[0].shape[0])
+
+
+def add_weight_grad(dw, x, dy) -> None:
+    dw += _rows(x).T @ _rows(dy)
+
+
+def add_bias_grad(db, dy) -> None:
+    db += _rows(dy).sum(axis=0, dtype=np.float32)
+
+
 # ---- bf16 / fp16 batched GEMM through cuBLAS ---------------------------------------------------------------------
 CUDA_DTYPES = {"bfloat16": 14, "float16": 2, "float32": 0}
 CUBLAS_COMPUTE_32F = 68
