@@ -308,7 +308,8 @@ def memory(config, overrides, world_size):
     shares = [f"its 1/{cfg.parallel.tp} tensor-parallel share"] if cfg.parallel.tp > 1 else []
     shares += ["of the first pipeline stage"] if cfg.parallel.pp > 1 else []
     where = f" (this rank's: {', '.join(shares)})" if shares else ""
-    click.echo(f"{config}: {n_params:,} parameters (Psi){where}, ZeRO-{cfg.parallel.zero}, dp N = {cfg.parallel.dp}, "
+    ranks = f"dp x cp N = {cfg.parallel.dp} x {cfg.parallel.cp}" if cfg.parallel.cp > 1 else f"dp N = {cfg.parallel.dp}"
+    click.echo(f"{config}: {n_params:,} parameters (Psi){where}, ZeRO-{cfg.parallel.zero}, {ranks}, "
                f"{cfg.precision.compute} (e = {report['e']} bytes), micro-batch {cfg.train.micro_batch} x "
                f"{cfg.model.seq_len} tokens; per rank:")
     for kind, value in report["bytes"].items():

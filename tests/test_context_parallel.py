@@ -69,6 +69,15 @@ def test_memory_plan_counts_a_cp_ranks_tokens():
     print(f"activations per rank, tiny llama: cp 1 {reports[1]:,} B, cp 2 {reports[2]:,} B")
     assert reports[2] < 0.55 * reports[1]  # everything scales with T/c, attention's T x T by more
 
+    from mpitrain.plan.memory import memory_report
+    sharded = {}
+    for layout in (["parallel.cp=2"], ["parallel.dp=2"]):  # ZeRO shards over dp x cp: the same N = 2 either way
+        cfg = load_config("configs/tiny.toml", [*layout, "parallel.zero=1"])
+        resolve_layout(cfg, 2)
+        sharded[layout[0]] = memory_report(cfg, 34_624)
+    assert sharded["parallel.cp=2"]["N"] == 2
+    assert sharded["parallel.cp=2"]["bytes"]["optimizer"] == sharded["parallel.dp=2"]["bytes"]["optimizer"]
+
 
 # ----------------------------------------------------------------------------- ring attention on its own (MPI)
 RING_SCRIPT = """
