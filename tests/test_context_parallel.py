@@ -12,7 +12,14 @@ import pytest
 
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from mpitrain.parallel.context import attention_pairs_per_rank, ring_bytes_per_block, split_sequence, zigzag_positions
+from mpitrain.parallel.context import (
+    attention_flops_per_rank,
+    attention_pairs_per_rank,
+    ring_bytes_per_block,
+    ring_pairs_computed,
+    split_sequence,
+    zigzag_positions,
+)
 from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
 from tests.test_train_parity import final_params
 
@@ -31,14 +38,18 @@ def test_zigzag_positions_cover_the_sequence_once_in_mirrored_pairs():
 
 
 def test_zigzag_balances_causal_attention_work_at_cp4():
-    zigzag, contiguous = attention_pairs_per_rank(4096, 4, "zigzag"), attention_pairs_per_rank(4096, 4, "contiguous")
-    print(f"attention (query, key) pairs per rank at cp 4, T 4096: zig-zag {zigzag}, contiguous {contiguous}")
+    zigzag, contiguous = (attention_flops_per_rank(4096, 4, 32, 128, layout) for layout in ("zigzag", "contiguous"))
+    print(f"forward attention FLOPs per rank at cp 4, T 4096, 32 heads of 128: zig-zag {zigzag}, "
+          f"contiguous {contiguous}")
     print(f"max / min: zig-zag {max(zigzag) / min(zigzag):.3f}, contiguous {max(contiguous) / min(contiguous):.3f}; "
           f"last rank / mean: contiguous {contiguous[-1] / np.mean(contiguous):.3f}")
-    total = 4096 * 4097 // 2
+    total = 4 * 32 * 128 * 4096 * 4097 // 2
     assert sum(zigzag) == sum(contiguous) == total  # the same causal work, split differently
     assert max(zigzag) / min(zigzag) < 1.05  # in fact equal: m^2 (2c-1) + m (m+1) on every rank
     assert contiguous[-1] / np.mean(contiguous) > 1.7  # the plain split's last rank does ~2x the mean
+    assert attention_pairs_per_rank(4096, 4) == [p // (4 * 32 * 128) for p in zigzag]
+    for cp in (2, 4, 8):  # what the code runs: 2c+1 chunk pairs on every rank (the fully masked ones skipped)
+        assert ring_pairs_computed(cp) == [2 * cp + 1] * cp
 
 
 def test_config_checks_name_the_key():

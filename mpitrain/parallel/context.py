@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from mpitrain.layers.ring_attention import visible_pairs
 from mpitrain.state.params import UnitLayout
 
 RING_KIND = "cp_ring"
@@ -60,6 +61,24 @@ def attention_pairs_per_rank(seq_len: int, cp_size: int, layout: str = "zigzag")
     FLOPs per rank are 4 D H times this (QK^T and PV, 2 FLOPs per multiply-add) in forward."""
     positions = zigzag_positions if layout == "zigzag" else contiguous_positions
     return [int((positions(seq_len, cp_size, r) + 1).sum()) for r in range(cp_size)]
+
+
+def attention_flops_per_rank(seq_len: int, cp_size: int, heads: int, head_dim: int,
+                             layout: str = "zigzag") -> list[int]:
+    """Forward attention FLOPs of each rank with a causal mask applied exactly: 2 matmuls (QK^T, PV) of 2 FLOPs per
+    multiply-add for every visible (query, key) pair and head."""
+    return [4 * heads * head_dim * pairs for pairs in attention_pairs_per_rank(seq_len, cp_size, layout)]
+
+
+def ring_pairs_computed(cp_size: int) -> list[int]:
+    """(query chunk, key chunk) pairs each rank's ring attention runs over a step's c ring steps (m x m blocks; a
+    diagonal pair is computed whole and masked): 2c+1 on every rank under zig-zag, the masked pairs skipped."""
+    counts = []
+    for rank in range(cp_size):
+        mine = zigzag_chunks(cp_size, rank)
+        counts.append(sum(len(visible_pairs(mine, zigzag_chunks(cp_size, source), 1, np.float64))
+                          for source in range(cp_size)))
+    return counts
 
 
 def ring_bytes_per_block(kv_full_bytes: int, cp_size: int) -> dict[str, float]:
