@@ -67,7 +67,7 @@ class CudaRuntime:
         return array.data.ptr
 
     def to_native(self, array):
-        return self.cupy.ascontiguousarray(array)
+        return self.cupy.ascontiguousarray(self.cupy.asarray(array))  # a host array: copied to the device
 
     def to_host(self, array) -> np.ndarray:
         return self.cupy.asnumpy(array)

@@ -39,7 +39,7 @@ class _EventRequest:
         self._runtime, self._event, self._copy_back = runtime, event, list(copy_back)
 
     def Test(self) -> bool:
-        if self._event is not None and self._event.query():
+        if self._event is not None and self._event.done:
             self._finish()
         return self._event is None
 

@@ -124,7 +124,8 @@ class HostEvent:
     def record(self, stream: HostStream | None = None) -> None:
         self._pending = list((stream or NULL_STREAM).pending)
 
-    def query(self) -> bool:
+    @property
+    def done(self) -> bool:  # cupy.cuda.Event's name: drives MPI progress, True once the recorded work completed
         return all(p.test() for p in self._pending)
 
     def synchronize(self) -> None:
