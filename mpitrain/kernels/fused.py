@@ -17,12 +17,16 @@ GELU_K = math.sqrt(2.0 / math.pi)
 ROW_THREADS = 256  # threads per row block: 8 warps; rows are d_model or vocab wide
 
 _ROW_SOURCE = r"""
+// -infinity without math headers (NVRTC compiles this with no includes)
+template<typename T> __device__ T lowest();
+template<> __device__ float lowest<float>() { return -__int_as_float(0x7f800000); }
+template<> __device__ double lowest<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
 template<typename T> __device__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     return v;
 }
 template<typename T> __device__ T warp_max(T v) {
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_down_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_down_sync(0xffffffffu, v, o));
     return v;
 }
 // Sum (or max) over the block; every thread gets the result. `shared` holds one value per warp.
@@ -32,7 +36,7 @@ template<typename T> __device__ T block_reduce(T v, T* shared, bool is_max) {
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        T u = threadIdx.x < warps ? shared[threadIdx.x] : (is_max ? -INFINITY : T(0));
+        T u = threadIdx.x < warps ? shared[threadIdx.x] : (is_max ? lowest<T>() : T(0));
         u = is_max ? warp_max(u) : warp_sum(u);
         if (threadIdx.x == 0) shared[32] = u;
     }
@@ -88,8 +92,8 @@ template<typename T> __global__ void norm_backward(const T* xhat, const T* rstd,
 template<typename T> __global__ void softmax_forward(const T* x, T* y, int n) {
     __shared__ T shared[33];
     long long base = (long long)blockIdx.x * n;
-    T top = -INFINITY;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) top = max(top, x[base + i]);
+    T top = lowest<T>();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) top = fmax(top, x[base + i]);
     top = block_reduce(top, shared, true);
     T s = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += exp(x[base + i] - top);
@@ -111,8 +115,8 @@ template<typename T> __global__ void cross_entropy(const T* logits, const long l
                                                    int n, T scale) {
     __shared__ T shared[33];
     long long base = (long long)blockIdx.x * n;
-    T top = -INFINITY;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) top = max(top, logits[base + i]);
+    T top = lowest<T>();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) top = fmax(top, logits[base + i]);
     top = block_reduce(top, shared, true);
     T s = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += exp(logits[base + i] - top);
