@@ -179,9 +179,19 @@ def _check_sums(rows, ranks):
 
 
 def test_tp2_pp2_parts_sum_to_the_step(tmp_path):
+    """Also: 10 ms slept in every tensor-parallel all-reduce wait (inside forwards and backwards) is taken out of
+    the compute parts and shows as that kind's exposed time."""
+    delay = 0.01
     result, rows, summary = _train(tmp_path, 4, ["parallel.tp=2", "parallel.pp=2", "train.steps=4",
-                                                 "checkpoint.every=2", "memory.recompute=full"])
+                                                 "checkpoint.every=2", "memory.recompute=full"],
+                                   env={"MPITRAIN_COMM_DELAY": f"all_reduce.tp={delay}"})
     _check_sums(rows, 4)
+    # per micro-batch and block: attention and MLP outputs forward, recomputed forward, their inputs backward
+    blocks, micro_batches = 1, 2
+    waits = 6 * blocks * micro_batches
+    for row in rows:
+        for parts in row["breakdown"]:
+            assert parts["comm.all_reduce.tp"] >= delay * waits
     assert all(row["hardware_mfu"] > row["mfu"] for row in rows)  # full recomputation: more hardware FLOPs
     kinds = {key for row in rows for parts in row["breakdown"] for key in parts}
     assert "comm.all_reduce.tp" in kinds and "pipeline_bubble" in kinds
