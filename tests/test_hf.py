@@ -65,10 +65,16 @@ def trained(request, tmp_path_factory):
     return request.param, run_dir
 
 
-def test_export_from_tp2_pp2_gives_our_logits_in_transformers(trained, tmp_path):
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The trained run exported through the CLI: (arch, run directory, HF folder, what the export printed)."""
     arch, run_dir = trained
-    out = tmp_path / "hf"
-    printed = cli("ckpt", "export", str(run_dir), str(out), "--format", "hf")
+    out = tmp_path_factory.mktemp(f"exported_{arch}") / "hf"
+    return arch, run_dir, out, cli("ckpt", "export", str(run_dir), str(out), "--format", "hf")
+
+
+def test_export_from_tp2_pp2_gives_our_logits_in_transformers(exported):
+    arch, run_dir, out, printed = exported
     assert ("key bias written as zeros" in printed) == (arch == "gpt2") and "synthetic" in printed
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]]
@@ -80,10 +86,9 @@ def test_export_from_tp2_pp2_gives_our_logits_in_transformers(trained, tmp_path)
         assert config["num_key_value_heads"] == 2 and not config["tie_word_embeddings"]
 
 
-def test_export_then_import_is_bitwise(trained, tmp_path):
-    _, run_dir = trained
-    cli("ckpt", "export", str(run_dir), str(tmp_path / "hf"), "--format", "hf")
-    cli("ckpt", "import", str(tmp_path / "hf"), str(tmp_path / "back"))
+def test_export_then_import_is_bitwise(exported, tmp_path):
+    _, run_dir, out, _ = exported
+    cli("ckpt", "import", str(out), str(tmp_path / "back"))
     before, after = checkpoint_tensors(run_dir), checkpoint_tensors(tmp_path / "back")
     assert before.keys() == after.keys()
     for name, value in before.items():
