@@ -257,7 +257,9 @@ def ckpt_export(path, out, optimizer, merge_lora, out_format, dtype):
     from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     checkpoint.verify_files()
-    if out_format == "hf":  # mpitrain/checkpoint/hf.py
+    if out_format == "hf":  # mpitrain/checkpoint/hf.py; LoRA adapters are always merged
+        if optimizer:
+            raise click.BadParameter("a Hugging Face folder holds weights only", param_hint="--optimizer")
         from mpitrain.checkpoint.hf import export_hf
         for note in export_hf(checkpoint, Path(out), dtype):
             click.echo(note)
@@ -448,23 +450,7 @@ def bench_comm(n_ranks, sizes, ops, tp, json_path, launched):
                    sizes, "--ops", ops, "--tp", str(tp), "--json", json_path, "--launched"]
         sys.stdout.flush()
         os.execvpe(command[0], command, rank_environment(n_ranks, cores, os.environ))
-    from mpi4py import MPI
-
-    from mpitrain.comm.failure import abort_on_error
-    from mpitrain.comm.mesh import Mesh, validate_degrees
-    comm = MPI.COMM_WORLD
-    with abort_on_error(comm):
-        validate_degrees(comm.Get_size(), dp=comm.Get_size() // max(tp, 1), tp=tp, pp=1, cp=1, ep=1)
-        mesh = Mesh(comm, dp=comm.Get_size() // tp, tp=tp, pp=1, cp=1, ep=1)
-        say = click.echo if comm.Get_rank() == 0 else (lambda text: None)
-        say(f"bench comm: {comm.Get_size()} ranks, float32 payloads; memory copy "
-            f"{comm_bench.memcpy_bandwidth():.2f} GB/s on rank 0")
-        groups = {"world": mesh.world} | ({"tp": mesh.tp, "dp": mesh.dp} if tp > 1 else {})
-        report = comm_bench.run_bench(groups, op_list, size_list, say)
-        if comm.Get_rank() == 0:
-            report["world_size"] = comm.Get_size()
-            comm_bench.write_report(report, json_path)
-            say(f"wrote {json_path}")
+    comm_bench.run_world(op_list, size_list, tp, json_path, click.echo)
 
 
 if __name__ == "__main__":
