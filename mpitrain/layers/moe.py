@@ -92,7 +92,10 @@ class MoE:
     # -- routing (every tp rank the same)
     def _route(self, p, x2d):
         xp, moe, n = array_module(x2d), self.moe, x2d.shape[0]
-        logits = ops.linear_forward(x2d, p["router"])[0]
+        x_router, w_router = x2d, p["router"]
+        if x2d.dtype.itemsize < 4:  # the router in float32 (Switch's selective precision): bf16 logits would tie
+            x_router, w_router = x2d.astype(np.float32), w_router.astype(np.float32)
+        logits = ops.linear_forward(x_router, w_router)[0]
         top = logits.max(axis=-1, keepdims=True)
         probs = xp.exp(logits - top)
         total = probs.sum(axis=-1, keepdims=True)
@@ -181,7 +184,7 @@ class MoE:
         d_token = d_y[picked["token"]]
         d_gate = (d_token * s["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
         self.tp.all_reduce(d_gate)
-        d_rows = self.ep.dispatch(picked["gate"][:, None] * d_token, s["routing"])
+        d_rows = self.ep.dispatch((picked["gate"][:, None] * d_token).astype(d_token.dtype), s["routing"])  # wire
         d_in = self.ep.combine(self._experts_backward(p, g, s["experts"], d_rows, s["routing"]), s["routing"])
         dx = xp.zeros_like(x2d)
         for j in range(moe.top_k):
