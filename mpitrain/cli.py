@@ -376,8 +376,7 @@ def report_command(run_dir, out_path):
     """Plot a run (also one still going): loss, tokens/s and MFU, time breakdown, bytes, pipeline timeline."""
     from mpitrain.profile.report import render
     out_path = out_path or str(Path(run_dir) / "report.png")
-    titles = render(run_dir, out_path)
-    click.echo(f"wrote {out_path}: {', '.join(titles)}")
+    click.echo(f"wrote {out_path}: {', '.join(render(run_dir, out_path))}")
 
 
 # ----------------------------------------------------------------------------- bench
@@ -398,7 +397,7 @@ def bench_step(config, overrides, steps, warmup, real_data):
 
     from mpitrain.comm.failure import abort_on_error
     from mpitrain.config import load_config
-    from mpitrain.profile.breakdown import RunSummary, max_over_ranks
+    from mpitrain.profile.breakdown import RunSummary, gather_summary
     from mpitrain.train import Trainer
 
     comm = MPI.COMM_WORLD
@@ -426,8 +425,7 @@ def bench_step(config, overrides, steps, warmup, real_data):
                   "tp_comm_share": statistics.median(tp_seconds) / step_time,
                   "pipeline_bubble": statistics.median(bubbles) if None not in bubbles else None,
                   "comm_bytes_per_step": result.comm_bytes}
-        per_rank = trainer.mesh.world.gather_object(breakdown.means())  # profile/breakdown.py: mean over steps
-        report["breakdown"] = per_rank and max_over_ranks(per_rank)  # ... max over ranks
+        report["breakdown"] = gather_summary(trainer.mesh.world, breakdown)  # mean over steps, max over ranks
         if comm.Get_rank() == 0:
             click.echo(json.dumps(report))
 
@@ -438,18 +436,13 @@ def bench_step(config, overrides, steps, warmup, real_data):
 @click.option("--ops", default="all_reduce,reduce_scatter,all_gather,all_to_all,sendrecv", show_default=True)
 @click.option("--tp", type=int, default=1, show_default=True, help="Also measure the tp and dp groups of this split.")
 @click.option("--json", "json_path", default="comm_bench.json", show_default=True, help="Where the fit is written.")
-@click.option("--launched", is_flag=True, hidden=True)
 @_user_errors
-def bench_comm(n_ranks, sizes, ops, tp, json_path, launched):
+def bench_comm(n_ranks, sizes, ops, tp, json_path):
     """Collective bandwidth per size (nccl-tests' table) and a fitted latency + bandwidth per op and group."""
     from mpitrain.profile import comm_bench
     size_list, op_list = comm_bench.parse_sizes(sizes), comm_bench.parse_ops(ops)
-    if n_ranks and not launched:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        command = [find_mpiexec(), "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "bench", "comm", "--sizes",
-                   sizes, "--ops", ops, "--tp", str(tp), "--json", json_path, "--launched"]
-        sys.stdout.flush()
-        os.execvpe(command[0], command, rank_environment(n_ranks, cores, os.environ))
+    if n_ranks:  # this command again (without -n) on N local ranks
+        comm_bench.relaunch(find_mpiexec(), n_ranks, rank_environment, sizes=sizes, ops=ops, tp=tp, json=json_path)
     comm_bench.run_world(op_list, size_list, tp, json_path, click.echo)
 
 

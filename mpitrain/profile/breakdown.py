@@ -254,6 +254,12 @@ def gather_step(group, parts: dict, events: list[dict], timeline_path, step: int
     return [rank_parts for rank_parts, _ in gathered]
 
 
+def gather_summary(group, summary: RunSummary) -> dict | None:
+    """The summary's per-part means, max over the group's ranks, on its rank 0 (None elsewhere). Collective."""
+    per_rank = group.gather_object(summary.means())
+    return max_over_ranks(per_rank) if per_rank is not None else None
+
+
 def write_run_summary(group, summary: RunSummary, path, say) -> dict | None:
     """Gather every rank's mean breakdown to rank 0, which writes `path` (JSON: mean over steps per rank, and the
     max over ranks) and prints the table. Collective; returns the max over ranks on rank 0."""

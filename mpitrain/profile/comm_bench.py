@@ -165,3 +165,38 @@ def memcpy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 def write_report(report: dict, path) -> None:
     with open(path, "w") as out:
         json.dump(report, out, indent=1)
+
+
+def relaunch(mpiexec: str, n_ranks: int, rank_environment, **options) -> None:
+    """Replace this process with `mpiexec -n N python -m mpitrain bench comm --OPTION VALUE ...` (without -n: the
+    ranks run in their MPI job; cli.rank_environment sets their BLAS threads and MPICH's yield settings)."""
+    import os
+    import sys
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    args = [item for key, value in options.items() for item in (f"--{key}", str(value))]
+    command = [mpiexec, "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "bench", "comm", *args]
+    os.execvpe(command[0], command, rank_environment(n_ranks, cores, os.environ))
+
+
+def run_world(ops: list[str], sizes: list[int], tp: int, json_path, echo) -> None:
+    """The benchmark over this MPI job's ranks: the world group and, with tp > 1, the tp and dp groups of that
+    split; rank 0 prints (`echo`) and writes `json_path`."""
+    from mpi4py import MPI
+
+    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.comm.mesh import Mesh, validate_degrees
+
+    comm = MPI.COMM_WORLD
+    with abort_on_error(comm):
+        validate_degrees(comm.Get_size(), dp=comm.Get_size() // max(tp, 1), tp=tp, pp=1, cp=1, ep=1)
+        mesh = Mesh(comm, dp=comm.Get_size() // tp, tp=tp, pp=1, cp=1, ep=1)
+        say = echo if comm.Get_rank() == 0 else (lambda text: None)
+        say(f"bench comm: {comm.Get_size()} ranks, float32 payloads; memory copy {memcpy_bandwidth():.2f} GB/s "
+            f"on rank 0")
+        groups = {"world": mesh.world} | ({"tp": mesh.tp, "dp": mesh.dp} if tp > 1 else {})
+        report = run_bench(groups, ops, sizes, say)
+        if comm.Get_rank() == 0:
+            report["world_size"] = comm.Get_size()
+            write_report(report, json_path)
+            say(f"wrote {json_path}")
