@@ -109,9 +109,12 @@ def fit_alpha_beta(sizes, seconds, factor: float) -> dict:
     weights = 1.0 / seconds
     design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
     (alpha, beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
-    alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-30)
+    alpha, beta = max(float(alpha), 0.0), max(float(beta), 0.0)
     predicted = alpha + beta * sizes
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "algbw_GBps": 1e-9 / beta, "busbw_GBps": factor * 1e-9 / beta,
+    # beta 0: time did not grow with size (latency-bound sizes, or noise): no bandwidth can be read off
+    algbw = 1e-9 / beta if beta > 0 else None
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "algbw_GBps": algbw,
+            "busbw_GBps": factor * algbw if algbw else None,
             "max_relative_error": float(np.max(np.abs(predicted - seconds) / seconds))}
 
 
@@ -144,9 +147,11 @@ def run_bench(groups: dict, ops: list[str], sizes: list[int], say) -> dict:
             if len(points) >= 2:
                 fit = fit_alpha_beta(*zip(*points), factor)
                 report["fit"].setdefault(op, {})[group_name] = dict(fit, ranks=group.size)
-                say(f"fit {op} on {group_name}: alpha {1e6 * fit['alpha_s']:.1f} us, "
-                    f"busbw {fit['busbw_GBps']:.2f} GB/s (time = alpha + bytes / algbw {fit['algbw_GBps']:.2f} "
-                    f"GB/s; worst relative error {100 * fit['max_relative_error']:.0f}%)")
+                bandwidth = (f"busbw {fit['busbw_GBps']:.3g} GB/s (time = alpha + bytes / algbw "
+                             f"{fit['algbw_GBps']:.3g} GB/s" if fit["algbw_GBps"] else
+                             "bandwidth not resolved (time did not grow with size: try larger --sizes")
+                say(f"fit {op} on {group_name}: alpha {1e6 * fit['alpha_s']:.1f} us, {bandwidth}; "
+                    f"worst relative error {100 * fit['max_relative_error']:.0f}%)")
     return report
 
 
@@ -188,6 +193,8 @@ def run_world(ops: list[str], sizes: list[int], tp: int, json_path, echo) -> Non
     from mpitrain.comm.mesh import Mesh, validate_degrees
 
     comm = MPI.COMM_WORLD
+    if tp < 1 or comm.Get_size() % tp:
+        raise MpitrainError(f"--tp {tp} does not divide the {comm.Get_size()} ranks")
     with abort_on_error(comm):
         validate_degrees(comm.Get_size(), dp=comm.Get_size() // max(tp, 1), tp=tp, pp=1, cp=1, ep=1)
         mesh = Mesh(comm, dp=comm.Get_size() // tp, tp=tp, pp=1, cp=1, ep=1)
