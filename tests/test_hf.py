@@ -206,6 +206,12 @@ def test_what_mpitrain_cannot_compute_is_refused_in_one_line(tmp_path):
     result = run_mpi(1, ["-m", "mpitrain", "ckpt", "import", str(tmp_path / "biased"), str(tmp_path / "out")])
     assert result.returncode == 1 and "attention_bias = True cannot be represented" in result.stderr, describe(result)
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    random_hf_model("llama").save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "model.safetensors").unlink()  # as in a folder of pytorch_model.bin only
+    result = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path / "run"), "--set",
+                         "data.synthetic=true", "--set", "model.arch=llama", "--set",
+                         f"train.init_from={tmp_path / 'plain'}"])
+    assert result.returncode != 0 and "holds no *.safetensors weights" in result.stderr, describe(result)
 
 
 def test_refusals_name_the_key():

@@ -49,9 +49,9 @@ def _safetensors():
 
 
 def is_hf_folder(path) -> bool:
-    """A folder transformers' save_pretrained wrote: config.json beside safetensors weights."""
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    """A folder transformers' save_pretrained wrote (its config.json; our runs have config.toml): one without
+    safetensors weights is then refused by name rather than searched for checkpoints."""
+    return (Path(path) / "config.json").is_file()
 
 
 # ----------------------------------------------------------------------------- export
