@@ -257,6 +257,7 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("case, ranks, layout", [
     ("E4-top1", 2, ["parallel.ep=2"]),
     ("E4-top1", 2, ["parallel.zero=3"]),  # ep 1: the experts are whole on every rank and shard like the rest
+    ("E4-top1", 2, ["parallel.ep=2", "memory.recompute=full"]),  # the exchange runs again in backward
     ("E8-top2-llama", 4, ["parallel.ep=4"]),
     ("E4-top2-capacity", 4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 ])  # and dp 4 with ep 2 (expert_dp of 2) in the resume test below

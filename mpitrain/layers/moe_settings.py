@@ -62,7 +62,8 @@ def validate_moe(cfg) -> None:
                           "reduced over expert-dp; use parallel.zero = 0 with expert parallelism")
     if p.cp > 1:
         raise ConfigError("model.moe with parallel.cp > 1 is not supported yet; use parallel.cp = 1")
-    if cfg.memory.recompute != "none":
-        raise ConfigError("model.moe with memory.recompute is not supported yet; use memory.recompute = 'none'")
+    if cfg.memory.recompute == "selective":
+        raise ConfigError("model.moe with memory.recompute = 'selective' is not supported yet (it keeps the dense "
+                          "MLP's activation); use 'full' or 'none'")
     if cfg.lora.rank:
         raise ConfigError("model.moe with lora.rank > 0 is not supported yet")

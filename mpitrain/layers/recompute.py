@@ -61,7 +61,7 @@ def forward(block, p, x, ctx):
 
 def restore(block, p, kept) -> dict:
     """The saved state a `none` block would hold, recomputed from what the block kept."""
-    ctx = kept["ctx"].ctx
+    ctx = {**kept["ctx"].ctx, "aux_losses": {}}  # MoE: the forward already logged its auxiliary losses
     if block.recompute == "full":
         return block.forward_all(p, kept["x"], ctx)[1]
     h1, norm1 = block.norm1.forward(p, kept["x"])
