@@ -297,3 +297,22 @@ def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
     theirs = hf_logits(tmp_path / "hf", tokens)
     assert_close(theirs, logits[0])
     assert np.abs(theirs - logits[1]).max() > 1e-3 * np.abs(theirs).max()
+
+
+def test_an_old_style_gpt2_folder_imports_like_a_new_one(tmp_path):
+    """The hub's original GPT-2 files: names without 'transformer.', causal-mask buffers saved beside the weights."""
+    from safetensors.numpy import save_file
+
+    from mpitrain.checkpoint.hf import read_hf_folder
+    model, folder = random_hf_model("gpt2"), tmp_path / "new"
+    model.save_pretrained(folder)
+    weights = {name.removeprefix("transformer."): value.numpy() for name, value in model.state_dict().items()
+               if name != "lm_head.weight"}
+    for i in range(2):
+        weights[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, SEQ, SEQ), np.float32))
+        weights[f"h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    (tmp_path / "old").mkdir()
+    save_file(weights, str(tmp_path / "old" / "model.safetensors"))
+    (tmp_path / "old" / "config.json").write_text((folder / "config.json").read_text())
+    old, new = read_hf_folder(tmp_path / "old").tensors, read_hf_folder(folder).tensors
+    assert old.keys() == new.keys() and all(np.array_equal(old[name], new[name]) for name in new)
