@@ -199,7 +199,8 @@ def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed):
     from mpitrain.generate import load_checkpoint_model, sample
     model, state, tokenizer, _ = load_checkpoint_model(checkpoint, echo=lambda text: click.echo(text, err=True))
     if tokenizer is None:
-        raise MpitrainError(f"{checkpoint} was trained on synthetic data: it has no tokenizer to sample text with")
+        raise MpitrainError(f"{checkpoint} has no tokenizer to sample text with (trained on synthetic data, or "
+                            f"imported from a Hugging Face folder without tokenizer.json)")
     click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))
 
 
