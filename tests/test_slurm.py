@@ -18,11 +18,11 @@ Each test submits a 2-task job and interrupts it once it is under way:
 - two nodes (issue 18): the README's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
   process, the refusal of a tp group spanning nodes, and a node lost mid-run (its slurmd and ranks SIGKILLed; the
   script finds it gone, restarts on the other node with dp 1, and the losses equal the uninterrupted run's).
-Two srun tasks on one node used to fail now and then in MPICH's MPI_Init ("Message truncated", "Out of memory" in
-MPIDI_POSIX_comm_bootstrap): MPICH names its shared-memory segment after the PMI kvs name, which under srun is
-"JOBID.STEPID", and a step whose ranks were killed leaves /dev/shm/mpich_shm_* behind for the next job of that id (a
-restarted CI cluster numbers jobs from 1 again; a requeued job reuses its id). train.sbatch removes its job's stale
-segments before each step, and .ci/slurm/start.sh starts job ids from the clock.
+Two srun tasks on one node used to fail now and then in MPICH's MPI_Init ("Out of memory" in
+MPIDI_POSIX_comm_bootstrap, "Message truncated"): MPICH names its shared-memory segment after the PMI kvs name, under
+srun "JOBID.STEPID", and a step whose ranks were killed leaves /dev/shm/mpich_shm_* behind for the next job of that id
+(each fresh CI cluster numbered jobs from 1; a requeued job reuses its id). train.sbatch removes its job's segments
+before each step, and .ci/slurm/start.sh draws its first job id at random (slurm/README.md has the measurements).
 A requeued job is held ~10 s on the CI cluster before it restarts; the module takes about ten minutes.
 """
 from __future__ import annotations

@@ -111,9 +111,10 @@ KillWait=5
 InactiveLimit=0
 Waittime=0
 JobRequeue=1
-# job ids differ from the previous cluster's (a fresh state directory would start again at 1): MPICH names its
-# shared-memory segments after "JOBID.STEPID", and a killed job's leftovers in /dev/shm break a later job of that id
-FirstJobId=$(( $(date +%s) % 6000000 * 10 + 1 ))
+# job ids differ from those of earlier (or concurrent) clusters on this machine, which a fresh state directory would
+# start again at 1: MPICH names its shared-memory segments after "JOBID.STEPID", and a killed job's leftovers in
+# /dev/shm break a later job of that id (two live jobs of one id would share one)
+FirstJobId=$(( (RANDOM * 32768 + RANDOM) % 60000000 + 1 ))
 # reject impossible requests (e.g. -n > CPUs) at submit time instead of leaving them PENDING forever
 EnforcePartLimits=ALL
 ${GRES_TYPES}
