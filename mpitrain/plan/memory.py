@@ -18,6 +18,8 @@ declares it (`saved_arrays`), times the micro-batches in flight (1 without pipel
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES
@@ -65,19 +67,58 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
     stage holds at once (1F1B: p; GPipe: m), which is the most of any stage."""
     p = cfg.parallel
     b = micro_batch or cfg.train.micro_batch
-    per_micro_batch, shared = rank_model(cfg).saved_bytes(b, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]))
+    per_micro_batch, shared = saved_bytes_per_micro_batch(cfg, b)
     if p.pp == 1:
         return per_micro_batch + shared
-    from mpitrain.parallel.schedule import make_schedule
-    from mpitrain.parallel.schedule_analysis import peak_activations
     micro_batches = cfg.train.global_batch // (p.dp * b)
-    in_flight = peak_activations(make_schedule(p.schedule, p.pp, micro_batches, p.virtual_stages))[0]
+    in_flight = _first_stage_peak(p.schedule, p.pp, micro_batches, p.virtual_stages)
     return int(per_micro_batch * in_flight / p.virtual_stages + shared)
 
 
+def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int) -> tuple[int, int]:
+    """rank_model(cfg).saved_bytes(micro_batch, compute dtype), cached by shape."""
+    key = (shape_key(cfg), micro_batch)
+    if key not in _SAVED:
+        _SAVED[key] = rank_model(cfg).saved_bytes(micro_batch, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]))
+    return _SAVED[key]
+
+
+@functools.lru_cache(maxsize=512)  # mpitrain plan asks for the same schedules thousands of times
+def _first_stage_peak(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> int:
+    """The first stage's most micro-batches in flight. Beyond 4p micro-batches only GPipe's still grows (the others
+    stop at their warm-up depth), so the schedule is built with at most 4p (a multiple of p, as interleaved needs)."""
+    from mpitrain.parallel.schedule import make_schedule
+    from mpitrain.parallel.schedule_analysis import peak_activations
+    if kind != "gpipe":
+        micro_batches = min(micro_batches, 4 * pp)
+    return peak_activations(make_schedule(kind, pp, micro_batches, virtual_stages))[0]
+
+
+_RANK_MODELS: dict = {}  # shape key -> model: mpitrain plan evaluates thousands of layouts of a few shapes
+_SAVED: dict = {}  # (shape key, micro-batch) -> saved_bytes
+_PARAMS: dict = {}  # shape key -> rank_param_count
+_SPLIT: dict = {}  # shape key -> split_frozen of the layouts
+
+
+def shape_key(cfg: Config) -> str:
+    p, m = cfg.parallel, cfg.memory
+    return repr((cfg.model, cfg.lora, cfg.precision.compute, p.tp, p.sequence_parallel, p.pp, p.virtual_stages,
+                 p.stage_layers, p.cp, p.ep, m.recompute, m.recompute_layers))
+
+
 def rank_model(cfg: Config):
-    """The model of tp rank 0 and pipeline rank 0, built without a group: only its shapes are used."""
-    from mpitrain.backend import make_backend
+    """The model of tp rank 0 and pipeline rank 0, built without a group: only its shapes are used (and cached by
+    them: callers only read it)."""
+    key = shape_key(cfg)
+    if key not in _RANK_MODELS:
+        if len(_RANK_MODELS) > 256:
+            for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT):
+                cache.clear()
+        _RANK_MODELS[key] = _build_rank_model(cfg)
+    return _RANK_MODELS[key]
+
+
+def _build_rank_model(cfg: Config):
     from mpitrain.layers.recompute import apply_recompute
     from mpitrain.layers.tensor_parallel import TensorParallel
     from mpitrain.model.gpt import GPT
@@ -86,7 +127,7 @@ def rank_model(cfg: Config):
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
     stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
-    model = GPT(cfg.model, make_backend("cpu", cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
+    model = GPT(cfg.model, _shape_backend(cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
                 ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
     from mpitrain.parallel.context import ContextParallel, apply_context_parallel
@@ -94,16 +135,33 @@ def rank_model(cfg: Config):
     return model
 
 
+@functools.lru_cache(maxsize=8)  # make_backend asks ldconfig for libc each time: a process per call
+def _shape_backend(compute: str):
+    from mpitrain.backend import make_backend
+    return make_backend("cpu", compute)
+
+
+def split_rank_layouts(cfg: Config):
+    """split_frozen of the rank model's layouts (trainable, frozen), cached by shape like the model."""
+    key = shape_key(cfg)
+    if key not in _SPLIT:
+        _SPLIT[key] = split_frozen(rank_model(cfg).layouts)
+    return _SPLIT[key]
+
+
 def rank_param_count(cfg: Config) -> int:
     """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
-    return sum(layout.size for layout in rank_model(cfg).layouts)
+    key = shape_key(cfg)
+    if key not in _PARAMS:
+        _PARAMS[key] = sum(layout.size for layout in rank_model(cfg).layouts)
+    return _PARAMS[key]
 
 
 def memory_report(cfg: Config, n_params: int) -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size)."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
-    frozen = sum(layout.size for layout in split_frozen(rank_model(cfg).layouts)[1] or [])  # lora: the base
+    frozen = sum(layout.size for layout in split_rank_layouts(cfg)[1] or [])  # lora: the base
     # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters)
     state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp * p.cp)
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
@@ -112,7 +170,7 @@ def memory_report(cfg: Config, n_params: int) -> dict:
     if frozen:
         formulas["params"] += f" + e*{frozen:,} frozen (LoRA: Psi counts only the {n_params - frozen:,} adapters)"
         formulas["state"] = formulas["state"].replace("per parameter", f"per adapter parameter, {itemsize} per frozen")
-    lean = optimizer_row(cfg, split_frozen(rank_model(cfg).layouts)[0])  # optim.name = adafactor | adam8bit | sgd
+    lean = optimizer_row(cfg, split_rank_layouts(cfg)[0])  # optim.name = adafactor | adam8bit | sgd
     if lean:
         state["optimizer"], formulas["optimizer"] = lean
         formulas["state"] = "params + grads + optimizer rows"

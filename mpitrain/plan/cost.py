@@ -1,0 +1,236 @@
+"""The step-time and memory model of one layout on one cluster: what `mpitrain plan` ranks layouts by.
+
+Memory is mpitrain/plan/memory.py's per-rank report (the arrays the state and the saved activations hold) plus the
+transient buffers it leaves out: gradient buckets in flight, and under ZeRO-3 the gathered units (this one and the
+prefetched next).
+
+Time of one step on the slowest rank (the first pipeline stage):
+
+    t_micro = matmul FLOPs / (peak * efficiency(shape)) + elementwise bytes / HBM bandwidth
+              + tp collectives + cp ring (beyond the attention it hides behind) + MoE all-to-all
+              + ZeRO-3 gathers beyond the compute they hide behind + pipeline sends
+    t_step  = m * t_micro / (1 - bubble(schedule, p, m, v)) + exposed gradient reduction + ZeRO-1/2 parameter
+              all-gather + optimizer (over PCIe when offloaded)
+
+Collectives are rings (design.md): all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
+all-gather and reduce-scatter (n-1)/n in n-1. A group runs on the intra-node link when all its ranks share a node
+(mesh order pp, dp, cp, tp with tp fastest: a group of size n and stride s spans n*s consecutive ranks), else on
+the inter-node link. Gradient reduction overlaps the backward of the micro-batch that produces it; tp collectives
+sit on the critical path. GEMM efficiency falls for thin shapes: efficiency * r/(r + 256) * c/(c + 128), with r the
+rows (tokens of a micro-batch) and c the columns (d_model / tp) of a rank's GEMMs.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpitrain.backend import COMPUTE_DTYPES
+from mpitrain.config import (
+    Config,
+    resolve_layout,
+    validate_context_parallel,
+    validate_pipeline,
+    validate_tensor_parallel,
+)
+from mpitrain.layers.moe import MoeSettings
+from mpitrain.layers.moe_settings import validate_moe
+from mpitrain.parallel.pipeline import stage_layer_counts
+from mpitrain.parallel.schedule import theoretical_bubble
+from mpitrain.plan.clusters import Cluster, Link
+from mpitrain.plan.memory import (
+    memory_report,
+    rank_model,
+    rank_param_count,
+    shape_key,
+)
+from mpitrain.profile.flops import recomputed_flops_per_token
+
+ADAM_BYTES_PER_PARAM = 36  # read master, m, v, grad (4 each), write master, m, v, and the compute-dtype copy
+ELEMENTWISE_PASSES = 4  # saved activations are written, read in backward, and their gradients written and read
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    cp: int = 1
+    ep: int = 1
+    zero: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    offload: str = "none"
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}"] * (self.cp > 1) + \
+                [f"ep{self.ep}"] * (self.ep > 1) + [f"zero{self.zero}", f"mb{self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + [f"offload-{self.offload}"] * \
+                 (self.offload != "none")
+        return " ".join(parts)
+
+
+def layout_config(base: Config, layout: Layout, compute: str) -> Config:
+    """base with the layout's keys set, validated and resolved (raises ConfigError for an impossible layout)."""
+    cfg = copy.copy(base)
+    cfg.parallel = copy.copy(base.parallel)
+    cfg.train, cfg.memory, cfg.precision = copy.copy(base.train), copy.copy(base.memory), copy.copy(base.precision)
+    p = cfg.parallel
+    p.dp, p.tp, p.pp, p.cp, p.ep, p.zero = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero
+    p.sequence_parallel, p.schedule, p.virtual_stages = layout.tp > 1, layout.schedule, layout.virtual_stages
+    p.microbatches, p.stage_layers, p.allow_cross_node_tp = 0, [], True
+    cfg.train.micro_batch, cfg.train.device = layout.micro_batch, "cpu"  # shapes only: cp's device check aside
+    cfg.memory.recompute, cfg.memory.recompute_layers, cfg.memory.offload = layout.recompute, 0, layout.offload
+    cfg.precision.compute = compute
+    for check in (validate_tensor_parallel, validate_pipeline, validate_context_parallel,
+                  validate_moe):  # what a layout changes
+        check(cfg)
+    resolve_layout(cfg, layout.dp * layout.tp * layout.pp * layout.cp)
+    return cfg
+
+
+_NUMBERS: dict = {}
+
+
+def _model_numbers(cfg: Config, model) -> dict:
+    """Per-shape numbers that take a walk over every tensor: computed once per shape."""
+    key = shape_key(cfg)
+    if key not in _NUMBERS:
+        _NUMBERS[key] = {"flops_per_token": model.flops_per_token(),
+                         "largest_unit": max(layout.size for layout in model.layouts)}
+    return _NUMBERS[key]
+
+
+def group_link(cluster: Cluster, size: int, stride: int) -> tuple[Link, bool]:
+    """The link a group of `size` ranks `stride` apart runs on, and whether it crosses nodes."""
+    crosses = size > 1 and size * stride > cluster.gpus_per_node
+    return (cluster.inter if crosses else cluster.intra), crosses
+
+
+def ring(link: Link, op: str, nbytes: float, n: int, times: float = 1.0) -> float:
+    """Seconds of `times` ring collectives of an `nbytes` buffer over n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor, steps = (2 * (n - 1) / n, 2 * (n - 1)) if op == "all_reduce" else ((n - 1) / n, n - 1)
+    return times * link.seconds(factor * nbytes, steps)
+
+
+def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
+    """Memory per rank and step time, by part, of `layout` on `cluster` (module docstring)."""
+    cfg = layout_config(base, layout, cluster.compute)
+    m_cfg, p, t = cfg.model, cfg.parallel, cfg.train
+    e = np.dtype(COMPUTE_DTYPES[cluster.compute]).itemsize
+    world = p.dp * p.tp * p.pp * p.cp
+    psi = rank_param_count(cfg)
+    memory = memory_report(cfg, psi)
+    transient = p.bucket_mb * 2**20 * 2  # a bucket being reduced and the next one filling
+    model = rank_model(cfg)
+    shape = _model_numbers(cfg, model)
+    if p.zero == 3:  # the unit being computed and the prefetched next one, gathered whole
+        transient += 2 * shape["largest_unit"] * e
+    held = memory["total"]
+    total = held + transient
+
+    micro_batches = t.global_batch // (p.dp * t.micro_batch)
+    tokens = t.global_batch * m_cfg.seq_len
+    model_flops = shape["flops_per_token"]
+    layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
+    hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
+    rows = t.micro_batch * m_cfg.seq_len // p.cp
+    thin = rows / (rows + 256) * (m_cfg.d_model / p.tp) / (m_cfg.d_model / p.tp + 128)
+    matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency * thin)
+    # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
+    # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
+    per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
+    layers_here = sum(layer_counts) // p.pp
+    elementwise = ELEMENTWISE_PASSES * per_token * layers_here * tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
+    compute_micro = (matmul + elementwise) / micro_batches
+
+    layers = sum(layer_counts) // p.pp  # blocks on one pipeline rank
+    activation = t.micro_batch * (m_cfg.seq_len // p.cp) * m_cfg.d_model * e  # one micro-batch's (b, T/c, d)
+    tp_link, tp_crosses = group_link(cluster, p.tp, 1)
+    per_layer = 12 if cfg.memory.recompute == "full" else 8  # 2 gathers + 2 scatters, forward and backward
+    tp_micro = ring(tp_link, "all_gather", activation, p.tp, per_layer * layers)
+
+    cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
+    cp_micro = 0.0
+    if p.cp > 1:
+        kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
+        kv_full = 2 * t.micro_batch * m_cfg.seq_len * kv_width * e
+        ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
+        attention_s = layers * 12 * rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
+                                                                                  cluster.matmul_efficiency)
+        cp_micro = max(0.0, ring_s - attention_s)  # the ring hides behind the attention blocks it feeds
+
+    moe = MoeSettings.of(m_cfg)
+    ep_link, ep_crosses = group_link(cluster, p.ep, p.tp * p.cp)
+    ep_micro = 0.0
+    if moe.experts and p.ep > 1:
+        moe_layers = layers // max(moe.every, 1)
+        routed = rows * moe.top_k * m_cfg.d_model * e
+        ep_micro = 4 * moe_layers * ep_link.seconds((p.ep - 1) / p.ep * routed, p.ep - 1)
+
+    pp_link, pp_crosses = group_link(cluster, p.pp, p.tp * p.cp * p.dp)
+    message = activation / (p.tp if p.sequence_parallel else 1)
+    pp_micro = 2 * p.virtual_stages * pp_link.seconds(message, 1) if p.pp > 1 else 0.0
+
+    n_reduce = p.dp * p.cp
+    dp_link, dp_crosses = group_link(cluster, n_reduce, p.tp)
+    grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
+    grad_bytes = max(grad_bytes, e)
+    backward_micro = compute_micro * 2 / 3
+    zero3_micro = 0.0
+    if p.zero == 3:  # gathered in forward and again in backward, hidden behind the compute they precede
+        gathers = ring(dp_link, "all_gather", psi * e, n_reduce, 2)
+        zero3_micro = max(0.0, gathers - compute_micro)
+    if p.zero in (2, 3):  # reduce-scatter every micro-batch, behind that micro-batch's backward
+        reduce_micro = ring(dp_link, "reduce_scatter", psi * grad_bytes, n_reduce)
+        zero3_micro += max(0.0, reduce_micro - backward_micro)
+        reduce_exposed = min(reduce_micro, backward_micro) * 0.05  # the last bucket
+    else:
+        reduce_s = ring(dp_link, "all_reduce" if p.zero == 0 else "reduce_scatter", psi * grad_bytes, n_reduce)
+        reduce_exposed = max(0.0, reduce_s - backward_micro) + reduce_s * min(1.0, transient / max(psi * e, 1))
+    gather_params = ring(dp_link, "all_gather", psi * e, n_reduce) if p.zero in (1, 2) else 0.0
+
+    shard = psi / (n_reduce if p.zero >= 1 else 1)
+    optimizer = shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth
+    if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
+        optimizer = shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
+
+    micro = compute_micro + tp_micro + cp_micro + ep_micro + pp_micro + zero3_micro
+    bubble = theoretical_bubble(p.schedule, p.pp, micro_batches, p.virtual_stages) if p.pp > 1 else 0.0
+    pipeline = micro_batches * micro / (1 - bubble)
+    step = pipeline + reduce_exposed + gather_params + optimizer
+    parts = {"matmul": matmul, "elementwise": elementwise, "tp": micro_batches * tp_micro,
+             "cp_ring": micro_batches * cp_micro, "ep_all_to_all": micro_batches * ep_micro,
+             "pp_send": micro_batches * pp_micro, "zero_exposed": micro_batches * zero3_micro + gather_params,
+             "dp_reduce": reduce_exposed, "bubble": pipeline - micro_batches * micro, "optimizer": optimizer}
+    crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
+    return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": world, "micro_batches": micro_batches,
+            "memory": {"held": held, "transient": transient, "total": total, "rows": memory["bytes"],
+                       "headroom": cluster.usable_bytes - total},
+            "fits": total <= cluster.usable_bytes, "step_s": step, "parts": parts,
+            "tokens_per_s": tokens / step, "mfu": model_flops * tokens / step / (world * cluster.peak_flops),
+            "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+
+
+def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
+    """The largest part of the step, in words."""
+    step = sum(parts.values())
+    kind, seconds = max(parts.items(), key=lambda item: item[1])
+    share = f"{100 * seconds / step:.0f}% of the step"
+    if kind == "matmul":
+        return f"compute-bound: matmuls {share}"
+    words = {"elementwise": "memory-bound elementwise ops (norms, softmax, activations)",
+             "tp": f"tp {p.tp} collectives" + (f" cross the node ({cluster.inter.bandwidth / 1e9:.0f} GB/s link)"
+                                                if crosses["tp"] else ""),
+             "cp_ring": f"cp {p.cp} K/V ring", "ep_all_to_all": f"ep {p.ep} all-to-all",
+             "pp_send": "pipeline sends", "zero_exposed": f"ZeRO-{p.zero} parameter gathers",
+             "dp_reduce": "gradient reduction" + (" across nodes" if crosses["dp"] else ""),
+             "bubble": f"pipeline bubble ({p.schedule}, pp {p.pp})", "optimizer": "optimizer step"}
+    return f"{words[kind]}: {share}"

@@ -1,0 +1,201 @@
+"""`mpitrain plan`: enumerate layouts of a model on a cluster, keep those that fit, rank them by predicted step time,
+and say why the obvious alternatives lost.
+
+The space: dp x tp x pp x cp x ep = the GPUs; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
+interleaved with 2 chunks per rank, zb1p; gpipe has 1f1b's bubble with m instead of p micro-batches in flight, so
+it never wins); optimizer offload (tried only where the layout does not fit without it). Layouts mpitrain itself
+refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so that the table can say what it costs.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from mpitrain.config import Config, to_toml
+from mpitrain.errors import ConfigError
+from mpitrain.layers.moe_settings import MoeSettings
+from mpitrain.plan.clusters import Cluster
+from mpitrain.plan.cost import Layout, estimate, layout_config
+
+GB = 1e9
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_PP = 32  # deeper pipelines leave a stage fewer than a few blocks at any size we plan
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
+    """Every layout worth evaluating, cheapest in memory savings first within each mesh."""
+    m = cfg.model
+    experts = MoeSettings.of(m).experts
+    long_context = m.seq_len >= 16384
+    for tp in divisors(gpus):
+        if tp > 2 * cluster.gpus_per_node or m.n_head % tp:
+            continue
+        for cp in divisors(gpus // tp):
+            if cp > 1 and (not long_context or experts):
+                continue
+            for pp in divisors(gpus // (tp * cp)):
+                if pp > min(MAX_PP, m.n_layer // 2) and pp > 1:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                for ep in (divisors(dp) if experts else [1]):
+                    if experts and experts % ep:
+                        continue
+                    yield from _settings(cfg, Layout(dp, tp, pp, cp, ep), cluster)
+
+
+def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
+    schedules = [("1f1b", 1)] if mesh.pp == 1 else [("1f1b", 1), ("zb1p", 1)] + \
+        ([("interleaved", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
+    zeros = [0] if mesh.ep > 1 else ([0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2])  # ZeRO-3 under pp: regathers
+    recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
+    for micro_batch in MICRO_BATCHES:
+        if cfg.train.global_batch % (mesh.dp * micro_batch):
+            continue
+        for schedule, v in schedules:
+            for zero in zeros:  # recomputation only adds FLOPs: the search stops at the first mode that fits
+                yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v)
+                       for recompute in recomputes]
+
+
+def search(cfg: Config, cluster: Cluster, gpus: int) -> dict:
+    """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count}}."""
+    fits, too_big, refused = [], [], {}
+    for by_recompute in candidate_layouts(cfg, gpus, cluster):
+        for layout in by_recompute:
+            try:
+                result = estimate(cfg, layout, cluster)
+                if not result["fits"] and layout.zero >= 1 and layout.recompute == "full":  # the last resort:
+                    offloaded = estimate(cfg, _with(layout, offload="host"), cluster)  # optimizer state off the GPU
+                    result = offloaded if offloaded["fits"] else result
+            except ConfigError as exc:
+                reason = str(exc).split(";")[0]
+                refused[reason] = refused.get(reason, 0) + 1
+                continue
+            (fits if result["fits"] else too_big).append(result)
+            if result["fits"]:
+                break
+    fits.sort(key=lambda r: (r["step_s"], r["memory"]["total"], r["name"]))
+    too_big.sort(key=lambda r: (-r["memory"]["headroom"], r["name"]))
+    return {"fits": fits, "too_big": too_big, "refused": refused}
+
+
+def _with(layout: Layout, **changes) -> Layout:
+    return Layout(**{**layout.__dict__, **changes})
+
+
+def alternatives(found: dict, cluster: Cluster) -> list[str]:
+    """Why the obvious alternatives to the best layout lost: the best of each other tp, pp, cp, ZeRO stage and
+    recomputation mode, or the nearest miss where none of them fits."""
+    if not found["fits"]:
+        return []
+    best = found["fits"][0]
+    lines = []
+    for key in ("tp", "pp", "cp", "ep", "zero", "recompute", "micro_batch"):
+        values = {r["layout"][key] for r in found["fits"] + found["too_big"]} - {best["layout"][key]}
+        for value in sorted(values, key=str):
+            same = [r for r in found["fits"] if r["layout"][key] == value]
+            if same:
+                rival = same[0]
+                lines.append(f"{key} {value}: {rival['name']} is {rival['step_s'] / best['step_s']:.2f}x slower: "
+                             f"{_why_slower(rival, best, cluster)}")
+            else:
+                missed = [r for r in found["too_big"] if r["layout"][key] == value]
+                if missed:
+                    rival = missed[0]
+                    lines.append(f"{key} {value}: no layout fits; nearest {rival['name']} does not fit by "
+                                 f"{-rival['memory']['headroom'] / GB:.1f} GB")
+    faster = sorted((r for r in found["too_big"] if r["step_s"] < best["step_s"]), key=lambda r: r["step_s"])
+    for rival in faster[:3]:  # what the memory limit cost: the fastest layouts that were pruned
+        lines.append(f"{rival['name']} would be {best['step_s'] / rival['step_s']:.2f}x faster but does not fit by "
+                     f"{-rival['memory']['headroom'] / GB:.1f} GB (needs {rival['memory']['total'] / GB:.1f} of "
+                     f"{cluster.usable_bytes / GB:.0f} GB usable)")
+    return lines
+
+
+def _why_slower(rival: dict, best: dict, cluster: Cluster) -> str:
+    grown = max(rival["parts"], key=lambda k: rival["parts"][k] - best["parts"][k])
+    delta = rival["parts"][grown] - best["parts"][grown]
+    words = {"matmul": "thinner GEMMs / more recomputed FLOPs", "elementwise": "more elementwise traffic",
+             "tp": "more tensor-parallel traffic", "cp_ring": "the cp ring is exposed",
+             "ep_all_to_all": "all-to-all of routed tokens", "pp_send": "more pipeline sends",
+             "zero_exposed": "ZeRO parameter gathers", "dp_reduce": "gradient reduction is exposed",
+             "bubble": "a larger pipeline bubble", "optimizer": "a slower optimizer step"}
+    crossing = [k for k, crosses in rival["crosses"].items() if crosses and not best["crosses"][k]]
+    where = ""
+    if crossing:
+        size = rival["layout"].get(crossing[0], "")
+        where = f" ({crossing[0]} {size} crosses the node: {cluster.inter.bandwidth / GB:.0f} GB/s link)"
+    return f"{words[grown]} +{delta:.2f} s{where}"
+
+
+def format_table(found: dict, cluster: Cluster, top: int) -> str:
+    header = (f"{'#':>2}  {'layout':<44} {'mem/rank GB':>11} {'headroom':>9} {'step s':>8} {'tokens/s':>10} "
+              f"{'MFU':>6}  bottleneck")
+    lines = [header]
+    for i, r in enumerate(found["fits"][:top], 1):
+        lines.append(f"{i:>2}  {r['name']:<44} {r['memory']['total'] / GB:>11.1f} "
+                     f"{r['memory']['headroom'] / GB:>8.1f}G {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
+                     f"{100 * r['mfu']:>5.1f}%  {r['bottleneck']}")
+    return "\n".join(lines)
+
+
+def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int) -> str:
+    fits = found["fits"]
+    evaluated = len(fits) + len(found["too_big"])
+    lines = [(f"{model_name} on {gpus} x {cluster.name} ({math.ceil(gpus / cluster.gpus_per_node)} node(s)), "
+             f"seq {cfg.model.seq_len}, global batch {cfg.train.global_batch}, {cluster.compute}: {evaluated} layouts "
+             f"evaluated, {len(fits)} fit in {cluster.usable_bytes / GB:.0f} GB usable per GPU")]
+    if not fits:
+        nearest = found["too_big"][:top]
+        lines.append("nothing fits; nearest misses:")
+        lines += [f"  {r['name']}: does not fit by {-r['memory']['headroom'] / GB:.1f} GB" for r in nearest]
+        return "\n".join(lines)
+    lines += [format_table(found, cluster, top), "", "why not:"]
+    lines += [f"  {line}" for line in alternatives(found, cluster)]
+    if found["refused"]:
+        lines.append(f"  refused by mpitrain's config checks: {sum(found['refused'].values())} layouts, e.g. "
+                     f"{next(iter(found['refused']))}")
+    return "\n".join(lines)
+
+
+def as_json(found: dict, top: int) -> str:
+    return json.dumps({"fits": found["fits"][:top], "nearest_misses": found["too_big"][:top],
+                       "refused": found["refused"]}, indent=1)
+
+
+def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -> None:
+    """The chosen layout as an mpitrain config (loadable by mpitrain.config.load_config)."""
+    layout = Layout(**result["layout"])
+    chosen = layout_config(cfg, layout, cluster.compute)
+    chosen.parallel.dp = 0  # from the world size at launch (sbatch slurm/train.sbatch)
+    chosen.parallel.allow_cross_node_tp = layout.tp > cluster.gpus_per_node
+    chosen.train.device = "cuda" if cluster.compute in ("bfloat16", "float16") and layout.cp == 1 else "cpu"
+    chosen.train.collectives = "nccl" if chosen.train.device == "cuda" else "mpi"
+    header = (f"# mpitrain plan: {result['name']} on {result['world']} x {cluster.name}; predicted step "
+              f"{result['step_s']:.3f} s, {result['memory']['total'] / GB:.1f} GB per rank, MFU "
+              f"{100 * result['mfu']:.1f}%\n")
+    Path(path).write_text(header + to_toml(chosen))
+
+
+def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None) -> tuple:
+    """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search.
+    Returns (cfg, name, cluster, found, gpus)."""
+    from mpitrain.config import validate
+    from mpitrain.plan.clusters import load_cluster
+    from mpitrain.plan.presets import model_config
+    cfg, name = model_config(model)
+    cluster = load_cluster(cluster_name)
+    gpus = gpus or cluster.gpus_per_node
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: need at least one GPU")
+    if seq:
+        cfg.model.seq_len = seq
+    if global_batch:
+        cfg.train.global_batch = global_batch
+    validate(cfg)
+    return cfg, name, cluster, search(cfg, cluster, gpus), gpus
