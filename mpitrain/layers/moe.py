@@ -46,8 +46,7 @@ def make_mlp(cfg, index: int, tp, ep: ExpertParallel | None):
     moe = MoeSettings.of(cfg)
     if not moe.is_moe_block(index):
         return MLP(cfg, tp)
-    ep = ep if ep is not None and ep.experts == moe.experts else ExpertParallel(None, moe.experts)
-    return MoE(cfg, moe, tp, ep, index)
+    return MoE(cfg, moe, tp, ep or ExpertParallel(None, moe.experts), index)
 
 
 def inactive_params(cfg) -> int:
