@@ -85,12 +85,12 @@ def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int) -> tuple[int, int
 
 @functools.lru_cache(maxsize=512)  # mpitrain plan asks for the same schedules thousands of times
 def _first_stage_peak(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> int:
-    """The first stage's most micro-batches in flight. Beyond 4p micro-batches only GPipe's still grows (the others
-    stop at their warm-up depth), so the schedule is built with at most 4p (a multiple of p, as interleaved needs)."""
+    """The first stage's most micro-batches in flight. Beyond 2p micro-batches only GPipe's still grows (the others
+    stop at their warm-up depth), so the schedule is built with at most 2p (a multiple of p, as interleaved needs)."""
     from mpitrain.parallel.schedule import make_schedule
     from mpitrain.parallel.schedule_analysis import peak_activations
     if kind != "gpipe":
-        micro_batches = min(micro_batches, 4 * pp)
+        micro_batches = min(micro_batches, 2 * pp)
     return peak_activations(make_schedule(kind, pp, micro_batches, virtual_stages))[0]
 
 

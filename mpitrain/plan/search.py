@@ -20,7 +20,7 @@ from mpitrain.plan.cost import Layout, estimate, layout_config
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8)
-MAX_PP = 32  # deeper pipelines leave a stage fewer than a few blocks at any size we plan
+MAX_PP = 16  # deeper pipelines leave a stage only a few blocks at the sizes we plan
 
 
 def divisors(n: int) -> list[int]:
@@ -109,8 +109,9 @@ def alternatives(found: dict, cluster: Cluster) -> list[str]:
                     rival = missed[0]
                     lines.append(f"{key} {value}: no layout fits; nearest {rival['name']} does not fit by "
                                  f"{-rival['memory']['headroom'] / GB:.1f} GB")
-    faster = sorted((r for r in found["too_big"] if r["step_s"] < best["step_s"]), key=lambda r: r["step_s"])
-    for rival in faster[:3]:  # what the memory limit cost: the fastest layouts that were pruned
+    faster = sorted((r for r in found["too_big"] if r["step_s"] < best["step_s"]),
+                    key=lambda r: -r["memory"]["headroom"])
+    for rival in faster[:3]:  # what the memory limit cost: the faster layouts that came nearest to fitting
         lines.append(f"{rival['name']} would be {best['step_s'] / rival['step_s']:.2f}x faster but does not fit by "
                      f"{-rival['memory']['headroom'] / GB:.1f} GB (needs {rival['memory']['total'] / GB:.1f} of "
                      f"{cluster.usable_bytes / GB:.0f} GB usable)")
@@ -125,12 +126,20 @@ def _why_slower(rival: dict, best: dict, cluster: Cluster) -> str:
              "ep_all_to_all": "all-to-all of routed tokens", "pp_send": "more pipeline sends",
              "zero_exposed": "ZeRO parameter gathers", "dp_reduce": "gradient reduction is exposed",
              "bubble": "a larger pipeline bubble", "optimizer": "a slower optimizer step"}
+    if grown == "matmul":
+        recompute = rival["layout"]["recompute"]
+        more = recompute != best["layout"]["recompute"] and recompute != "none"
+        words["matmul"] = f"recomputes more (memory.recompute = {recompute})" if more else "thinner GEMMs"
     crossing = [k for k, crosses in rival["crosses"].items() if crosses and not best["crosses"][k]]
     where = ""
     if crossing:
         size = rival["layout"].get(crossing[0], "")
         where = f" ({crossing[0]} {size} crosses the node: {cluster.inter.bandwidth / GB:.0f} GB/s link)"
-    return f"{words[grown]} +{delta:.2f} s{where}"
+    return f"{words[grown]} +{_seconds(delta)}{where}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 0.1 else f"{1000 * value:.2f} ms"
 
 
 def format_table(found: dict, cluster: Cluster, top: int) -> str:
