@@ -15,7 +15,7 @@ from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
 from tests.test_train_parity import assert_same_run, final_params, train_run
 
 GROUP_OPERATIONS = r"""
-import json, sys
+import json, sys, time
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
@@ -96,10 +96,38 @@ try:
     offset_caught = False
 except ValueError as exc:
     offset_caught = "not inside any buffer" in str(exc)
+
+# NCCL's send holds its stream until the peer posts the receive: ranks 0 and 1 each send, then receive, on one
+# stream without a group call, which deadlocks on a GPU; the stand-in must stay stuck too (2 s of polling), and the
+# same exchange inside groupStart/groupEnd must complete.
+stuck = None
+pair = world.Split(int(rank >= 2), rank)  # collective over the world: ranks 0 and 1 together
+if rank < 2:
+    api = nccl_standin.HostNccl(pair)
+    comm = api.NcclCommunicator(2, pair.bcast(nccl_standin.get_unique_id() if rank == 0 else None), rank)
+    lane, mine, theirs = nccl_standin.HostStream(), np.full(64, float(rank)), np.zeros(64)
+    comm.send(runtime.pointer(mine), 64, 8, 1 - rank, lane.ptr)
+    comm.recv(runtime.pointer(theirs), 64, 8, 1 - rank, lane.ptr)
+    event, deadline = lane.record(), time.monotonic() + 2.0
+    while time.monotonic() < deadline and not event.done:
+        time.sleep(0.01)
+    stuck = not event.done
+    pair.Barrier()  # both have looked before either frees anything
+    if stuck:  # free it by hand: a raw receive matches the peer's send, then a raw send feeds the queued receive
+        comm._comm.Recv(np.zeros(64), source=1 - rank, tag=0)
+        comm._comm.Send(mine, dest=1 - rank, tag=0)
+        lane.synchronize()
+    theirs[:] = 0
+    nccl_standin.groupStart()
+    comm.send(runtime.pointer(mine), 64, 8, 1 - rank, lane.ptr)
+    comm.recv(runtime.pointer(theirs), 64, 8, 1 - rank, lane.ptr)
+    nccl_standin.groupEnd()
+    lane.synchronize()
+    stuck = stuck and bool(theirs[0] == 1 - rank)
 world.Barrier()
 if rank == 0:
     print("RESULTS " + json.dumps({"worst": worst, "counters": counters, "short_count_caught": short_count_caught,
-                                   "offset_caught": offset_caught}))
+                                   "offset_caught": offset_caught, "ungrouped_exchange_stuck": stuck}))
 """
 
 
@@ -112,6 +140,7 @@ def test_every_operation_matches_the_mpi_group_with_the_same_byte_counters():
     assert results["counters"]["mpi"]["all_reduce"] > 0 and results["counters"]["mpi"]["send"] > 0
     assert results["short_count_caught"], "a reduce-scatter one element short went unnoticed"
     assert results["offset_caught"], "a pointer past the buffer's end was not refused"
+    assert results["ungrouped_exchange_stuck"], "the stand-in's sends no longer hold their stream like NCCL's"
 
 
 def test_nccl_needs_a_gpu_or_the_stand_in(monkeypatch):
@@ -159,3 +188,12 @@ def nccl_train_run(n_ranks, run_dir, dataset, standin, *overrides):
 ], ids=["dp2", "zero3-dp2", "tp2", "pp2", "host-staged-zero1-dp2"])
 def test_training_through_nccl_groups_matches_one_process(tmp_path, dataset, single_process, layout, standin):
     assert_same_run(single_process, nccl_train_run(2, tmp_path / "run", dataset, standin, *layout))
+
+
+def test_interleaved_pipeline_through_nccl_lanes_matches_one_process(tmp_path, dataset):
+    """Interleaved 1F1B at pp 2: both directions between the two ranks carry activations and gradients (chunk
+    boundaries wrap around); with the stand-in's synchronous sends a lane layout that could deadlock on NCCL hangs."""
+    deeper = ["model.n_layer=4", "train.micro_batch=1"]
+    single = train_run(1, tmp_path / "single", dataset, "train.steps=5", *deeper)
+    layout = ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", *deeper]
+    assert_same_run(single, nccl_train_run(2, tmp_path / "run", dataset, "1", *layout))

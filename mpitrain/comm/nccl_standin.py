@@ -6,11 +6,14 @@ What is the same as NCCL: `NcclCommunicator(ndev, commId, rank)` with allReduce 
 broadcast / bcast / send / recv taking raw pointers, counts in elements of an NCCL dtype code and a stream;
 module-level `groupStart()` / `groupEnd()` (operations issued in between start together at groupEnd); results
 appear when the stream's work is complete (an event recorded after the call has completed), not at the call.
-What differs: a stream is a queue of MPI requests on the host (`HostStream`, `HostEvent`); a pointer must lie inside
-an array handed out by `pointer()` (the registry), so an offset or count past a buffer's end is an error instead of
-a stray write; the communicator bootstraps over a given MPI communicator instead of NCCL's socket rendezvous
-(the unique id is still broadcast by the caller and checked equal on all ranks); sends never block a stream (MPI
-buffers them), so a send/recv order that would deadlock on a GPU does not deadlock here.
+Streams are modelled too: a `HostStream` runs its operations one after the other (the next one's MPI requests are
+posted once the previous completed, whenever the host looks at an event or stream), and a send is MPI's synchronous
+send, complete only once the peer's receive started, so it holds its stream as an NCCL send does: an order of sends
+and receives that would deadlock on GPUs hangs here too (tests/test_nccl_standin.py checks both).
+What differs: memory is numpy's; a pointer must lie inside an array handed out by `pointer()` (the registry), so an
+offset or count past a buffer's end is an error instead of a stray write; the communicator bootstraps over a given
+MPI communicator instead of NCCL's socket rendezvous (the unique id is still broadcast by the caller and checked
+equal on all ranks); streams make progress only when the host polls them, not on their own.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import ClassVar
 
 import ml_dtypes
@@ -66,47 +70,59 @@ def _memory(address: int, count: int, dtype_code: int) -> np.ndarray:
                      "inside any buffer passed to pointer(): wrong offset or count")
 
 
-# ---- streams and events: queues of MPI requests ----------------------------------------------------------------
+# ---- streams and events: FIFO queues of MPI operations ----------------------------------------------------------
 class _Pending:
-    """One launched operation: its MPI requests and what to do once they completed (write the result)."""
+    """One operation on a stream (or one group call's operations): `start()` posts its MPI requests, which happens
+    only once everything queued before it on the stream completed; `finish` writes the result when they complete."""
 
-    def __init__(self, requests, finish=None):
-        self.requests, self.finish, self.done = list(requests), finish, False
+    def __init__(self, start, finish=None):
+        self._start, self.finish = start, finish
+        self.requests, self.done = None, False
+
+    @classmethod
+    def together(cls, parts: list[_Pending]) -> _Pending:
+        """A group call: its operations start together, as one entry of the stream."""
+        return cls(lambda: [r for part in parts for r in part._start()],
+                   lambda: [part.finish() for part in parts if part.finish is not None])
+
+    def start(self) -> None:
+        if self.requests is None:
+            self.requests = list(self._start())
 
     def test(self) -> bool:
         from mpi4py import MPI
-        if not self.done and MPI.Request.Testall(self.requests):
-            self._complete()
+        if not self.done and self.requests is not None and MPI.Request.Testall(self.requests):
+            self.done = True
+            if self.finish is not None:
+                self.finish()
         return self.done
-
-    def wait(self) -> None:
-        from mpi4py import MPI
-        if not self.done:
-            MPI.Request.Waitall(self.requests)
-            self._complete()
-
-    def _complete(self):
-        self.done = True
-        if self.finish is not None:
-            self.finish()
 
 
 class HostStream:
+    """Operations run one after the other, as on a CUDA stream: a send whose receiver has not posted its receive
+    (MPI's synchronous send) holds up everything behind it, as an NCCL send does."""
+
     _ids = itertools.count(1)
 
     def __init__(self, non_blocking: bool = True):
         self.ptr = next(self._ids)
-        self.pending: list[_Pending] = []
+        self.queue: deque[_Pending] = deque()
         _streams[self.ptr] = self
 
     def launch(self, pending: _Pending) -> None:
-        self.pending = [p for p in self.pending if not p.test()]
-        self.pending.append(pending)
+        self.queue.append(pending)
+        self.advance()
+
+    def advance(self) -> None:
+        """Start the head, drop it once complete, and go on (called whenever the host looks at any stream)."""
+        while self.queue:
+            self.queue[0].start()
+            if not self.queue[0].test():
+                return
+            self.queue.popleft()
 
     def synchronize(self) -> None:
-        for pending in self.pending:
-            pending.wait()
-        self.pending = []
+        self.record().synchronize()
 
     def wait_event(self, event: HostEvent) -> None:
         event.synchronize()  # host work is synchronous: waiting on the event is the only way to order after it
@@ -117,20 +133,26 @@ class HostStream:
         return event
 
 
+def _advance_all() -> None:
+    for stream in list(_streams.values()):
+        stream.advance()
+
+
 class HostEvent:
     def __init__(self, disable_timing: bool = True):
         self._pending: list[_Pending] = []
 
     def record(self, stream: HostStream | None = None) -> None:
-        self._pending = list((stream or NULL_STREAM).pending)
+        self._pending = list((stream or NULL_STREAM).queue)
 
     @property
-    def done(self) -> bool:  # cupy.cuda.Event's name: drives MPI progress, True once the recorded work completed
-        return all(p.test() for p in self._pending)
+    def done(self) -> bool:  # cupy.cuda.Event's name: advances every stream, True once the recorded work completed
+        _advance_all()
+        return all(p.done for p in self._pending)
 
     def synchronize(self) -> None:
-        for pending in self._pending:
-            pending.wait()
+        while not self.done:
+            time.sleep(0)
 
 
 _streams: weakref.WeakValueDictionary[int, HostStream] = weakref.WeakValueDictionary()  # pointer -> stream
@@ -152,16 +174,19 @@ def groupEnd() -> None:
         raise RuntimeError("NCCL stand-in: groupEnd() without groupStart()")
     _GroupCall.depth -= 1
     if _GroupCall.depth == 0:
-        launches, _GroupCall.launches = _GroupCall.launches, []
-        for launch in launches:
-            launch()
+        grouped, _GroupCall.launches = _GroupCall.launches, []
+        streams = {}
+        for stream, pending in grouped:
+            streams.setdefault(stream.ptr, (stream, []))[1].append(pending)
+        for stream, parts in streams.values():
+            stream.launch(_Pending.together(parts))
 
 
-def _launch(launch) -> None:
+def _launch(stream: HostStream, pending: _Pending) -> None:
     if _GroupCall.depth:
-        _GroupCall.launches.append(launch)
+        _GroupCall.launches.append((stream, pending))
     else:
-        launch()
+        stream.launch(pending)
 
 
 def get_unique_id() -> tuple:
@@ -269,7 +294,8 @@ class NcclCommunicator:
 
     def send(self, sendbuf, count, datatype, peer, stream):
         data = _memory(sendbuf, count, datatype).copy()
-        self._start(lambda: [self._comm.Isend(_bytes(data), dest=peer, tag=0)], None, stream)
+        # synchronous: complete once the peer's receive started, as an NCCL send holds its stream until then
+        self._start(lambda: [self._comm.Issend(_bytes(data), dest=peer, tag=0)], None, stream)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         target = _memory(recvbuf, count, datatype)
@@ -281,8 +307,7 @@ class NcclCommunicator:
         self._start(lambda: [self._comm.Irecv(_bytes(data), source=peer, tag=0)], finish, stream)
 
     def _start(self, requests, finish, stream) -> None:
-        host_stream = stream_of(stream)
-        _launch(lambda: host_stream.launch(_Pending(requests(), finish)))
+        _launch(stream_of(stream), _Pending(requests, finish))
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:
