@@ -6,11 +6,14 @@
 In one run it measures
   1. this machine's float32 matmul peak (numpy, and torch if present) with 1 thread and with all threads;
   2. mpitrain, 1 rank x all threads (`python -m mpitrain bench step`): tokens/s and MFU;
-  3. PyTorch eager, the same gpt2 model (same weights), same batch, AdamW + grad clipping included, all threads
-     (and F.scaled_dot_product_attention as an extra column);
-  4. the ratio mpitrain / torch eager (target >= 0.6);
-  5. DP scaling: mpitrain 1 rank x 1 thread (global batch = micro batch) against 2 ranks x 1 thread under mpiexec
-     (global batch = 2 x micro batch, i.e. the same work per rank), ratio of tokens/s (target >= 1.8).
+  3. PyTorch eager with F.scaled_dot_product_attention, the same gpt2 model (same weights), AdamW + grad clipping
+     included, all threads, at the config's batch and at twice that batch (plain eager attention: --eager);
+  4. mpitrain 1 rank x 1 thread (global batch = micro batch) and 2 ranks x 1 thread under mpiexec (global batch =
+     2 x micro batch, i.e. the same work per rank);
+and prints three ratios of tokens/s with their targets (issue 13):
+  mpitrain 1 rank x all threads / torch SDPA all threads, same batch               >= 1.0
+  mpitrain 2 ranks x 1 thread / torch SDPA all threads, both at twice the batch   >= 1.15
+  DP scaling: mpitrain 2 ranks x 1 thread / 1 rank x 1 thread                     >= 1.9
 
 Every measurement runs in its own subprocess with OMP/OPENBLAS/MKL_NUM_THREADS set, so thread counts are exact. The
 variants are interleaved in rounds (A B C D E, then E D C B A, ...) because the machine is noisy; the headline is each
@@ -34,12 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# glibc malloc kept from returning big blocks to the OS: numpy's multi-MB temporaries are then reused instead of being
-# mmap'ed, page-faulted and unmapped on every op (the extra "mpitrain_malloc_tuned" column; no code change).
-MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30),
-                "MALLOC_TOP_PAD_": str(256 * 2**20)}
-TARGET_TORCH_RATIO = 0.6
-TARGET_DP_SCALING = 1.8
+TARGETS = {"mpitrain_over_torch_sdpa": 1.0, "dp2_over_torch_sdpa_2x_batch": 1.15, "dp_scaling_2_over_1": 1.9}
 
 
 # ============================================================================ workers (run in subprocesses)
@@ -286,9 +284,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=165,
                         help="seconds: no new round starts if it would likely end after this (default 165)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="'all threads' (default: CPU count)")
-    parser.add_argument("--no-sdpa", action="store_true", help="skip the extra torch SDPA column")
-    parser.add_argument("--no-malloc", action="store_true",
-                        help="skip the extra column of mpitrain with glibc malloc tuned by environment variables")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time torch with plain eager attention (matmul + mask + softmax), an extra column")
     parser.add_argument("--_worker", choices=["peak", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--_attention", default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--_check", action="store_true", help=argparse.SUPPRESS)
@@ -342,15 +339,17 @@ def main(argv=None) -> int:
                "--set", f"train.micro_batch={micro}"]
         return ([mpiexec, "-n", str(ranks)] + cmd) if ranks > 1 else cmd
 
-    variants = {  # name -> (command or None, threads, extra environment)
+    def torch_cmd(attention: str, batch: int) -> list[str] | None:
+        if torch_reason:
+            return None
+        return me + common + sets + ["--set", f"train.global_batch={batch}", "--set", f"train.micro_batch={batch}",
+                                     "--_worker", "torch", "--threads", str(all_threads), "--_attention", attention]
+
+    variants = {  # name -> (command or None, threads)
         "mpitrain": (mpitrain_cmd(cfg.train.global_batch, 1), all_threads),
-        "mpitrain_malloc_tuned": (None if args.no_malloc else mpitrain_cmd(cfg.train.global_batch, 1), all_threads,
-                                  MALLOC_TUNED),
-        "torch_eager": (None if torch_reason else
-                        me + common + sets + ["--_worker", "torch", "--threads", str(all_threads)], all_threads),
-        "torch_sdpa": (None if torch_reason or args.no_sdpa else
-                       me + common + sets + ["--_worker", "torch", "--threads", str(all_threads),
-                                             "--_attention", "sdpa"], all_threads),
+        "torch_sdpa": (torch_cmd("sdpa", cfg.train.global_batch), all_threads),
+        "torch_eager": (torch_cmd("eager", cfg.train.global_batch) if args.eager else None, all_threads),
+        "torch_sdpa_2x_batch": (torch_cmd("sdpa", 2 * micro), all_threads),
         "mpitrain_1rank_1thread": (mpitrain_cmd(micro, 1), 1),
         "mpitrain_2ranks_1thread": (None if mpi_reason else mpitrain_cmd(2 * micro, 2), 1),
     }
@@ -370,10 +369,10 @@ def main(argv=None) -> int:
             if round_index and time.perf_counter() - t_start > args.budget:
                 print(f"  skipping the rest of round {round_index + 1}: past the {args.budget:.0f} s budget")
                 break
-            cmd, threads, *extra_env = variants[name]
-            if name == "torch_eager" and round_index == 0:
+            cmd, threads = variants[name]
+            if name == "torch_sdpa" and round_index == 0:
                 cmd = cmd + ["--_check"]
-            result = _run_json(cmd, threads, timeout=300, extra_env=extra_env[0] if extra_env else None)
+            result = _run_json(cmd, threads, timeout=300)
             runs[name].append(result)
             print(f"  round {round_index + 1}/{args.rounds} {name:<24} {result['tokens_per_s']:>9,.0f} tok/s  "
                   f"step {result['step_time_s'] * 1e3:7.1f} ms", flush=True)
@@ -392,10 +391,15 @@ def main(argv=None) -> int:
     def ratio(a, b, key="tokens_per_s"):
         return s[a][key] / s[b][key] if s[a] and s[b] else None
 
-    torch_ratio = ratio("mpitrain", "torch_eager")
-    torch_ratio_median = ratio("mpitrain", "torch_eager", "tokens_per_s_median")
-    dp_scaling = ratio("mpitrain_2ranks_1thread", "mpitrain_1rank_1thread")
-    dp_scaling_median = ratio("mpitrain_2ranks_1thread", "mpitrain_1rank_1thread", "tokens_per_s_median")
+    headline = {  # name -> (numerator, denominator, what)
+        "mpitrain_over_torch_sdpa": ("mpitrain", "torch_sdpa",
+                                     f"mpitrain 1 rank x {all_threads} threads / torch SDPA, batch {micro}"),
+        "dp2_over_torch_sdpa_2x_batch": ("mpitrain_2ranks_1thread", "torch_sdpa_2x_batch",
+                                         f"mpitrain 2 ranks x 1 thread / torch SDPA, batch {2 * micro}"),
+        "dp_scaling_2_over_1": ("mpitrain_2ranks_1thread", "mpitrain_1rank_1thread",
+                                "DP scaling: 2 ranks x 1 thread / 1 rank x 1 thread"),
+    }
+    ratios = {key: (ratio(a, b), ratio(a, b, "tokens_per_s_median")) for key, (a, b, _) in headline.items()}
     numpy_peak_all, torch_peak_all = peaks[all_threads]["numpy"], peaks[all_threads]["torch"]
 
     def mfu(name, peak):
@@ -411,9 +415,9 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     rows = [("mpitrain", f"mpitrain 1 rank x {all_threads} threads", numpy_peak_all),
-            ("mpitrain_malloc_tuned", "  same, MALLOC_* tuned (extra)", numpy_peak_all),
-            ("torch_eager", f"torch eager {all_threads} threads", torch_peak_all),
-            ("torch_sdpa", f"torch SDPA {all_threads} threads (extra)", torch_peak_all),
+            ("torch_sdpa", f"torch SDPA {all_threads} threads", torch_peak_all),
+            ("torch_eager", f"torch eager {all_threads} threads (extra)", torch_peak_all),
+            ("torch_sdpa_2x_batch", f"torch SDPA {all_threads} threads, gb {2 * micro}", torch_peak_all),
             ("mpitrain_1rank_1thread", f"mpitrain 1 rank x 1 thread, gb {micro}", None),
             ("mpitrain_2ranks_1thread", f"mpitrain 2 ranks x 1 thread, gb {2 * micro}", None)]
     for name, label, peak in rows:
@@ -424,28 +428,23 @@ def main(argv=None) -> int:
         print(f"{label:<34}{s[name]['tokens_per_s']:>16,.0f}{s[name]['tokens_per_s_median']:>10,.0f}"
               f"{s[name]['step_time_s'] * 1e3:>9.1f}{100 * m:>6.1f}%")
     print()
-    if torch_ratio is not None:
-        verdict = "OK" if torch_ratio >= TARGET_TORCH_RATIO else "BELOW TARGET"
-        print(f"mpitrain / torch eager   = {torch_ratio:.2f} (median {torch_ratio_median:.2f}; target >= "
-              f"{TARGET_TORCH_RATIO}) {verdict}")
-    if s["torch_sdpa"]:
-        print(f"mpitrain / torch SDPA    = {ratio('mpitrain', 'torch_sdpa'):.2f} (extra)")
-    if s["mpitrain_malloc_tuned"] and s["torch_eager"]:
-        print(f"mpitrain MALLOC_* tuned / torch eager = {ratio('mpitrain_malloc_tuned', 'torch_eager'):.2f} (extra)")
-    if dp_scaling is not None:
-        verdict = "OK" if dp_scaling >= TARGET_DP_SCALING else "BELOW TARGET"
-        print(f"DP scaling 2 ranks / 1   = {dp_scaling:.2f} (median {dp_scaling_median:.2f}; target >= "
-              f"{TARGET_DP_SCALING}) {verdict}")
-    parity = runs.get("torch_eager", [{}])[0].get("parity") if "torch_eager" in runs else None
+    for key, (_, _, what) in headline.items():
+        best, median = ratios[key]
+        if best is not None:
+            verdict = "OK" if best >= TARGETS[key] else "BELOW TARGET"
+            print(f"{what:<62} = {best:.2f} (median {median:.2f}; target >= {TARGETS[key]}) {verdict}")
+    if s["torch_eager"]:
+        print(f"{'mpitrain / torch eager attention (extra)':<62} = {ratio('mpitrain', 'torch_eager'):.2f}")
+    parity = runs.get("torch_sdpa", [{}])[0].get("parity") if "torch_sdpa" in runs else None
     if parity and "error" in parity:
         print(f"same model check could not run: {parity['error']}")
     elif parity:
         print(f"same model check: first micro-batch loss mpitrain {parity['mpitrain_loss']:.6f} vs torch "
               f"{parity['torch_loss']:.6f} (rel diff {parity['rel_diff']:.1e}), "
-              f"{runs['torch_eager'][0]['n_params']:,} parameters each")
-    if "torch_eager" in runs and runs["torch_eager"][0]["n_params"] != s["mpitrain"]["best"]["n_params"]:
+              f"{runs['torch_sdpa'][0]['n_params']:,} parameters each")
+    if "torch_sdpa" in runs and runs["torch_sdpa"][0]["n_params"] != s["mpitrain"]["best"]["n_params"]:
         print(f"WARNING: parameter counts differ: mpitrain {s['mpitrain']['best']['n_params']:,}, torch "
-              f"{runs['torch_eager'][0]['n_params']:,} - not the same model")
+              f"{runs['torch_sdpa'][0]['n_params']:,} - not the same model")
     elapsed = time.perf_counter() - t_start
     print(f"total {elapsed:.0f} s")
 
@@ -468,13 +467,10 @@ def main(argv=None) -> int:
         "peak_flops": {f"numpy_{t}t": p["numpy"] for t, p in peaks.items()}
         | {f"torch_{t}t": p["torch"] for t, p in peaks.items()},
         "results": {name: compact(name) for name in variants},
-        "torch_eager_mfu": mfu("torch_eager", torch_peak_all),
-        "ratio_mpitrain_over_torch_eager": torch_ratio, "ratio_mpitrain_over_torch_eager_median": torch_ratio_median,
-        "ratio_mpitrain_over_torch_sdpa": ratio("mpitrain", "torch_sdpa"),
-        "ratio_mpitrain_malloc_tuned_over_torch_eager": ratio("mpitrain_malloc_tuned", "torch_eager"),
-        "malloc_tuned_env": MALLOC_TUNED, "loadavg_start": load_start, "loadavg_end": _loadavg(),
-        "dp_scaling_2_over_1": dp_scaling, "dp_scaling_2_over_1_median": dp_scaling_median,
-        "targets": {"ratio_mpitrain_over_torch_eager": TARGET_TORCH_RATIO, "dp_scaling_2_over_1": TARGET_DP_SCALING},
+        "torch_sdpa_mfu": mfu("torch_sdpa", torch_peak_all),
+        "ratios": {key: {"best": best, "median": median} for key, (best, median) in ratios.items()},
+        "ratio_mpitrain_over_torch_eager": ratio("mpitrain", "torch_eager"),
+        "loadavg_start": load_start, "loadavg_end": _loadavg(), "targets": TARGETS,
         "parity": parity, "skipped": [r for r in (torch_reason, mpi_reason) if r], "elapsed_s": elapsed,
     }
     print(json.dumps(report))
