@@ -1,7 +1,8 @@
 """The NCCL group's code (pointers, offsets, counts, dtype codes, group calls, lanes, staging) run in CI against the
 host stand-in of `cupy.cuda.nccl` (mpitrain/comm/nccl_standin.py): every operation equals the MPI group's result
-and byte counters; a wrong count or offset fails; and the dp, ZeRO-3, tp and pp float64 parity runs go through the
-NCCL groups (MPITRAIN_NCCL_STANDIN=1, train.collectives = "nccl") at 1e-10 against one process.
+and byte counters; a wrong count or offset fails; sends hold their stream as NCCL's do; and the dp, ZeRO-3, tp, pp
+(1F1B and interleaved) and cp float64 parity runs go through the NCCL groups (MPITRAIN_NCCL_STANDIN=1,
+train.collectives = "nccl") at 1e-10 against one process.
 """
 from __future__ import annotations
 
@@ -184,8 +185,9 @@ def nccl_train_run(n_ranks, run_dir, dataset, standin, *overrides):
     (["parallel.dp=2", "parallel.zero=3"], "1"),
     (["parallel.tp=2"], "1"),
     (["parallel.pp=2", "train.micro_batch=1"], "1"),
+    (["parallel.cp=2"], "1"),
     (["parallel.dp=2", "parallel.zero=1"], "shared-gpu"),
-], ids=["dp2", "zero3-dp2", "tp2", "pp2", "host-staged-zero1-dp2"])
+], ids=["dp2", "zero3-dp2", "tp2", "pp2", "cp2-ring-lanes", "host-staged-zero1-dp2"])
 def test_training_through_nccl_groups_matches_one_process(tmp_path, dataset, single_process, layout, standin):
     assert_same_run(single_process, nccl_train_run(2, tmp_path / "run", dataset, standin, *layout))
 
