@@ -183,7 +183,7 @@ def _check_host(buf, role: str, writable: bool = False) -> np.ndarray:
         if hasattr(buf, "__cuda_array_interface__"):
             raise TypeError(
                 f"{role} is a GPU array ({kind}); MPI groups take numpy arrays only "
-                "(MPI is not CUDA-aware here; GPU arrays go through comm/nccl.py's groups: train.collectives)"
+                "(MPI is not CUDA-aware here; GPU arrays go through the NCCL groups: train.collectives)"
             )
         raise TypeError(f"{role} must be a numpy array, got {kind}")
     if not buf.flags.c_contiguous:
