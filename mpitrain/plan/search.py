@@ -159,6 +159,11 @@ def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: in
     lines = [(f"{model_name} on {gpus} x {cluster.name} ({math.ceil(gpus / cluster.gpus_per_node)} node(s)), "
              f"seq {cfg.model.seq_len}, global batch {cfg.train.global_batch}, {cluster.compute}: {evaluated} layouts "
              f"evaluated, {len(fits)} fit in {cluster.usable_bytes / GB:.0f} GB usable per GPU")]
+    if not evaluated:
+        lines.append(f"no layout to evaluate: train.global_batch = {cfg.train.global_batch} must be a multiple of dp x "
+                     f"micro-batch, and mpitrain's checks refused the rest ({sum(found['refused'].values())}, e.g. "
+                     f"{next(iter(found['refused']), 'none')})")
+        return "\n".join(lines)
     if not fits:
         nearest = found["too_big"][:top]
         lines.append("nothing fits; nearest misses:")
