@@ -345,7 +345,7 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, as_json, emit_con
     if not cluster:
         raise click.UsageError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
     cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch)
-    click.echo(planner.as_json(found, top) if as_json else planner.report(found, spec, name, cfg, gpus, top))
+    click.echo(planner.as_json(found, spec, top) if as_json else planner.report(found, spec, name, cfg, gpus, top))
     if emit_config and found["fits"]:
         planner.emit_config(cfg, found["fits"][0], spec, emit_config)
         click.echo(f"wrote {emit_config}", err=as_json)

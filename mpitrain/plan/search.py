@@ -177,9 +177,9 @@ def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: in
     return "\n".join(lines)
 
 
-def as_json(found: dict, top: int) -> str:
+def as_json(found: dict, cluster: Cluster, top: int) -> str:
     return json.dumps({"fits": found["fits"][:top], "nearest_misses": found["too_big"][:top],
-                       "refused": found["refused"]}, indent=1)
+                       "why_not": alternatives(found, cluster), "refused": found["refused"]}, indent=1)
 
 
 def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -> None:
