@@ -105,6 +105,7 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
     with threadpool_limits(threads):  # a rank's BLAS runs on its share of the cores (the launcher's setting)
         peak = measure_matmul_peak(make_backend("cpu", "float32"), n=512, seconds=1.0)
     bandwidth = memcpy_bandwidth() * 1e9 * 2  # a copy reads and writes each byte
+    efficiency = _model_efficiency(peak, threads)
     with tempfile.TemporaryDirectory() as tmp:
         fit_path = Path(tmp) / "comm.json"
         command = [sys.executable, "-m", "mpitrain", "bench", "comm", "-n", str(ranks), "--sizes", "4K..16M",
@@ -118,10 +119,12 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
             "latency": max(fit["alpha_s"] / max(2 * (ranks - 1), 1), 1e-7)}
     numbers = {"name": f"this machine ({cores} cores, {ranks} ranks)", "gpus_per_node": ranks,
                "memory_gb": _host_memory_bytes() / ranks / 1e9, "reserved_gb": 0.2, "compute": "float32",
-               "peak_flops": peak, "matmul_efficiency": 1.0, "hbm_bandwidth": bandwidth,
+               "peak_flops": peak, "matmul_efficiency": efficiency, "hbm_bandwidth": bandwidth,
                "host_bandwidth": bandwidth}
     lines = ["# Written by `mpitrain plan calibrate`: measured on this host (a rank = a 'GPU'; MPI ranks share one",
-             f"# node). matmul: float32 {512}^3 on {threads} thread(s); bandwidth: numpy copy; links: all_reduce fit.",
+             f"# node). matmul: float32 {512}^3 on {threads} thread(s); bandwidth: numpy copy; links: all_reduce fit;",
+             f"# matmul_efficiency: one process's MFU on {CALIBRATION_MODEL} over the GEMM shape factor (the",
+             "# whole step's work beside the matmuls, Python included, charged to the matmuls).",
              *(f"{key} = {json.dumps(value)}" for key, value in numbers.items())]
     for section in ("intra", "inter"):
         lines += ["", f"[{section}]", *(f"{key} = {json.dumps(value)}" for key, value in link.items())]
@@ -129,6 +132,26 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
     say(f"wrote {out_path}: matmul {peak / 1e9:.1f} GFLOP/s per rank, memory {bandwidth / 1e9:.1f} GB/s, "
         f"all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, busbw {fit['busbw_GBps']:.2f} GB/s")
     return numbers
+
+
+CALIBRATION_MODEL = "configs/bench-small.toml"
+
+
+def _model_efficiency(peak: float, threads: int) -> float:
+    """The fraction of the matmul peak a real training step reaches here (`mpitrain bench step`, one process),
+    divided by the GEMM shape factor the cost model applies to that model's shapes."""
+    from mpitrain.config import load_config
+    from mpitrain.plan.cost import gemm_shape_factor
+    root = CLUSTER_DIR.parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "mpitrain", "bench", "step", CALIBRATION_MODEL, "--steps", "3", "--warmup", "1",
+               "--set", f"logging.peak_flops={peak}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    if done.returncode != 0:
+        raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {done.stderr.strip()[-400:]}")
+    mfu = json.loads(done.stdout.strip().splitlines()[-1])["mfu"]
+    cfg = load_config(root / CALIBRATION_MODEL)
+    return min(1.0, mfu / gemm_shape_factor(cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model))
 
 
 def _host_memory_bytes() -> float:

@@ -94,6 +94,11 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     return cfg
 
 
+def gemm_shape_factor(rows: float, cols: float) -> float:
+    """The fraction of a large GEMM's speed that a (rows x cols) one reaches (module docstring)."""
+    return rows / (rows + 256) * cols / (cols + 128)
+
+
 _NUMBERS: dict = {}
 
 
@@ -142,7 +147,7 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
     rows = t.micro_batch * m_cfg.seq_len // p.cp
-    thin = rows / (rows + 256) * (m_cfg.d_model / p.tp) / (m_cfg.d_model / p.tp + 128)
+    thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp)
     matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency * thin)
     # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
     # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
