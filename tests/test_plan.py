@@ -158,3 +158,17 @@ def test_first_stage_peak_stops_growing_after_warm_up():
         for p in (2, 3, 4):
             m = 12 * p
             assert _first_stage_peak(kind, p, m, v) == peak_activations(make_schedule(kind, p, m, v))[0]
+
+
+def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
+    """plan calibrate measures this host (numbers not asserted: clock readings) into a file load_cluster accepts,
+    with this machine's ranks as one node's GPUs; the planner runs on it."""
+    out = tmp_path / "here.toml"
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "calibrate", "-n", "2", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    cluster = load_cluster(str(out))
+    assert cluster.gpus_per_node == 2 and cluster.compute == "float32"
+    assert 0 < cluster.matmul_efficiency <= 1 and cluster.intra == cluster.inter
+    _, _, _, found, _ = plan("configs/tiny.toml", str(out), 2, None, None)
+    assert found["fits"]
