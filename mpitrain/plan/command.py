@@ -1,0 +1,46 @@
+"""`mpitrain plan MODEL CLUSTER ...` and `mpitrain plan calibrate`: the click command (registered by cli.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from mpitrain.errors import MpitrainError
+
+
+@click.command("plan")
+@click.argument("model")
+@click.argument("cluster", required=False)
+@click.option("--gpus", type=int, default=None, help="GPUs to plan for (default: one node of CLUSTER).")
+@click.option("--seq", type=int, default=None, help="Sequence length (default: the model's).")
+@click.option("--global-batch", type=int, default=None, help="Sequences per step (default: the model's).")
+@click.option("--top", type=int, default=8, show_default=True, help="Layouts to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print the evaluated layouts as JSON.")
+@click.option("--emit-config", type=click.Path(dir_okay=False), default=None, help="Write the best layout's config.")
+@click.option("-n", "ranks", type=int, default=2, show_default=True, help="calibrate: local MPI ranks to measure.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="calibrate: where to write (default: configs/clusters/this-machine.toml).")
+def plan_command(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
+    """Which layout fits MODEL (preset or config) on CLUSTER (configs/clusters/NAME.toml), and how fast it runs.
+    `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
+    try:
+        _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path)
+    except MpitrainError as exc:  # a user error: one line on stderr, exit status 1
+        raise click.ClickException(str(exc)) from None
+
+
+def _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
+    from mpitrain.plan import search as planner
+    from mpitrain.plan.clusters import CLUSTER_DIR, calibrate
+    if model == "calibrate":
+        calibrate(Path(out_path or CLUSTER_DIR / "this-machine.toml"), ranks, say=click.echo)
+        return
+    if not cluster:
+        raise click.UsageError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
+    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch)
+    click.echo(planner.as_json(found, spec, top) if as_json else planner.report(found, spec, name, cfg, gpus, top))
+    if emit_config and found["fits"]:
+        planner.emit_config(cfg, found["fits"][0], spec, emit_config)
+        click.echo(f"wrote {emit_config}", err=as_json)
+    elif emit_config:
+        raise click.ClickException(f"nothing fits on {gpus} x {spec.name}: no config written to {emit_config}")
