@@ -490,3 +490,13 @@ def losses_and_val(run_dir):
     import json
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return records[0]["loss"], [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+
+def test_resuming_with_another_momentum_storage_is_one_clear_line(tmp_path, small_epochs):
+    """A checkpoint saved with optim.adafactor_momentum = full (an Adafactor run from before int4 was the default)
+    resumed under int4: one line that names the missing state and the key to check, not a traceback."""
+    settings = ["optim.name=adafactor", "train.steps=2", "model.seq_len=32"]
+    train(1, tmp_path, small_epochs, *settings, "optim.adafactor_momentum=full")
+    out = train(1, tmp_path, small_epochs, *settings, "train.steps=3", resume="auto", expect=1)
+    text = out.stdout + out.stderr
+    assert "has no adafactor_m4_code" in text and "optim.adafactor_momentum" in text and "Traceback" not in text

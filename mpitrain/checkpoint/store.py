@@ -217,7 +217,9 @@ class Checkpoint:
         Parts outside the tensor (vocabulary padding) are zero."""
         saved = self._by_tensor.get((kind, tensor))
         if not saved:
-            raise CheckpointError(f"{self.path} has no {kind} for tensor {tensor}")
+            hint = "" if kind == "param" else (" (optimizer state: was it saved with another optim.name or "
+                                               "optim.adafactor_momentum? resume with the run's own)")
+            raise CheckpointError(f"{self.path} has no {kind} for tensor {tensor}{hint}")
         out = np.zeros(box_shape, dtype=dtype)
         covered = np.zeros(box_shape, dtype=bool)
         files: dict[str, h5py.File] = {}
