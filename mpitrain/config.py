@@ -14,6 +14,7 @@ from typing import Any
 
 from mpitrain.errors import ConfigError
 from mpitrain.layers.moe_settings import validate_moe
+from mpitrain.layout_checks import validate_context_parallel, validate_pipeline, validate_tensor_parallel
 from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
 
@@ -365,63 +366,6 @@ def _require_finite_floats(cfg: Config) -> None:
             if isinstance(value, float):
                 _require(math.isfinite(value), f"config key {section_name}.{_key(f.name)} = {value} must be a "
                                                "finite number")
-
-
-def validate_tensor_parallel(cfg: Config) -> None:
-    """What tensor parallelism splits must split evenly (the vocabulary need not: it is padded)."""
-    m, t = cfg.model, cfg.parallel.tp
-    _require(t >= 1, f"config key parallel.tp must be >= 1, got {t}")
-    for key, value in (("model.n_head", m.n_head), ("model.d_model", m.d_model), ("model.d_ff (MLP width)", m.ff_dim)):
-        _require(value % t == 0, f"{key} = {value} is not divisible by parallel.tp = {t} (tensor parallelism splits "
-                                 f"it across the tp ranks); choose parallel.tp dividing {value}")
-    _require(m.kv_heads % t == 0 or t % m.kv_heads == 0,
-             f"model.n_kv_head = {m.kv_heads} and parallel.tp = {t}: key/value heads are split across the tp ranks "
-             f"when n_kv_head is a multiple of tp and replicated when tp is a multiple of n_kv_head; choose one")
-    _require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
-             f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
-             f"splits the sequence across the tp ranks)")
-
-
-def validate_context_parallel(cfg: Config) -> None:
-    """parallel.cp = c cuts each sequence into 2c equal chunks (zig-zag: mpitrain/parallel/context.py)."""
-    p, m = cfg.parallel, cfg.model
-    _require(p.cp >= 1, f"config key parallel.cp must be >= 1, got {p.cp}")
-    if p.cp == 1:
-        return
-    _require(m.seq_len % (2 * p.cp) == 0,
-             f"model.seq_len = {m.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (context parallelism "
-             f"cuts each sequence into 2 cp chunks); choose parallel.cp with 2 cp dividing {m.seq_len}")
-    _require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
-             f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
-             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
-    _require(cfg.memory.recompute != "selective",
-             "memory.recompute = 'selective' recomputes the one-process attention core; with parallel.cp > 1 use "
-             "memory.recompute = 'full' or 'none'")
-    _require(cfg.train.device == "cpu",
-             "parallel.cp > 1 runs its K/V ring over MPI on host arrays: use train.device = 'cpu'")
-
-
-def validate_pipeline(cfg: Config) -> None:
-    """What the pipeline split needs, before the world size is known (the micro-batch count is checked in
-    resolve_layout, once dp is)."""
-    p, layers = cfg.parallel, cfg.model.n_layer
-    stages = p.pp * p.virtual_stages
-    _require(p.virtual_stages == 1 or p.schedule == "interleaved",
-             f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' (got "
-             f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
-    _require(layers >= stages,
-             f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "
-             f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}): every stage needs a layer; lower parallel.pp "
-             f"or parallel.virtual_stages")
-    if p.stage_layers:
-        _require(len(p.stage_layers) == stages,
-                 f"parallel.stage_layers has {len(p.stage_layers)} entries but there are {stages} pipeline stages "
-                 f"(parallel.pp * parallel.virtual_stages); give one layer count per stage")
-        _require(min(p.stage_layers) >= 1,
-                 f"parallel.stage_layers = {p.stage_layers} leaves a stage without layers; every stage needs one")
-        _require(sum(p.stage_layers) == layers,
-                 f"parallel.stage_layers = {p.stage_layers} sums to {sum(p.stage_layers)}, not model.n_layer = "
-                 f"{layers}")
 
 
 def resolve_layout(cfg: Config, world_size: int) -> None:
