@@ -8,7 +8,8 @@ dtype is lower, and the moments) and hands them to the optimizer in pieces it ca
     Offloaded  arrays from an off-device allocator, streamed through the device in chunks; the next chunk's read runs
                in a reader thread while the current chunk is updated (numpy releases the GIL while it copies).
                `disk`: memory-mapped .npy files, one set per rank, in `memory.offload_dir` (default RUN_DIR/offload).
-               GPU `host` (a later issue) is the same class with the backend's pinned allocator and a device copy.
+               GPU `host`: page-locked (pinned) host arrays from CuPy, each chunk copied to the GPU, updated there
+               and copied back (pinned memory makes both copies DMA transfers; not yet run on a GPU).
 
 The optimizer's update is elementwise, so a chunk's update is bitwise the whole segment's: offloading changes where
 the bytes live, never the numbers (tests/test_offload.py). Checkpoints read and write the state through the same
@@ -56,10 +57,14 @@ class Offloaded(OnDevice):
     """Arrays from `allocate(name, size, dtype)` that live off the device (memory-mapped files on CPU), streamed
     through resident buffers of at most `chunk_elements` per array, two chunks at a time (one read ahead)."""
 
-    def __init__(self, kind: str, allocate, where: str, chunk_elements: int, to_device=np.array):
+    def __init__(self, kind: str, allocate, where: str, chunk_elements: int, to_device=np.array,
+                 off_device=None, write_back=None):
         self.kind, self.allocate, self.where = kind, allocate, where
         self.chunk_elements = max(1, int(chunk_elements))
-        self.to_device = to_device  # copy of an off-device slice into compute memory (GPU later: cupy.asarray)
+        self.to_device = to_device  # copy of an off-device slice into compute memory (GPU: cupy.asarray)
+        # which arrays live off the device (disk: the memory-mapped files; GPU host: every numpy array)
+        self.off_device = off_device or (lambda array: isinstance(array, np.memmap))
+        self.write_back = write_back or _assign  # chunk -> off-device target (GPU: chunk.get(out=target))
         self.moved_nbytes = 0  # bytes of the arrays allocated off the device
 
     def zeros(self, name: str, size: int, dtype):
@@ -81,7 +86,7 @@ class Offloaded(OnDevice):
             return [segments[i].params[a:b]] + [m[offset + a:offset + b] for m in moments]
 
         def read(task):
-            return [self.to_device(s) if isinstance(s, np.memmap) else s for s in sources(task)]
+            return [self.to_device(s) if self.off_device(s) else s for s in sources(task)]
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-reader") as reader:
             ahead = reader.submit(read, tasks[0]) if tasks else None
@@ -94,10 +99,27 @@ class Offloaded(OnDevice):
                 yield (Segment(chunks[0], segment.grads[a:b], intersect(segment.decay_ranges, a, b)), *chunks[1:])
                 for target, chunk in zip(sources(task), chunks):
                     if target is not chunk:
-                        target[...] = chunk
+                        self.write_back(target, chunk)
 
     def describe(self) -> str:
         return f"master weights and moments ({self.moved_nbytes:,} bytes) in {self.where}"
+
+
+def _assign(target, chunk) -> None:
+    target[...] = chunk
+
+
+def pinned_host_placement(xp, chunk_elements: int) -> Offloaded:
+    """GPU `memory.offload = host`: the state in page-locked host arrays (numpy arrays over CuPy's pinned
+    allocator), streamed through the GPU in chunks; the copy back lands in the pinned array itself."""
+    import cupyx
+
+    def allocate(name: str, size: int, dtype):
+        return cupyx.zeros_pinned((size,), dtype=dtype)
+
+    return Offloaded("host", allocate, "pinned host memory", chunk_elements, to_device=xp.asarray,
+                     off_device=lambda array: isinstance(array, np.ndarray),
+                     write_back=lambda target, chunk: chunk.get(out=target))
 
 
 def memmap_allocator(directory: Path, rank: int):
@@ -118,14 +140,14 @@ def make_placement(memory_cfg, optimizer_name: str, backend, rank: int, run_dir:
         if kind == "host" and say is not None:
             say("memory.offload = host on CPU: host memory is the device memory, nothing moves (use disk)")
         return OnDevice(backend.xp)
-    if kind == "host":
-        raise ConfigError("memory.offload = host on a GPU needs pinned host memory, which is not built yet "
-                          "(use none or disk)")
-    if backend.device != "cpu":
-        raise ConfigError("memory.offload = disk is built for train.device = cpu only")
     if optimizer_name != "adamw":
-        raise ConfigError(f"memory.offload = disk streams elementwise optimizer state; optim.name = "
+        raise ConfigError(f"memory.offload = {kind} streams elementwise optimizer state; optim.name = "
                           f"{optimizer_name} is not supported with it (use adamw)")
+    chunk = int(memory_cfg.offload_chunk_mb * 2**20) // np.dtype(backend.optimizer_dtype).itemsize
+    if kind == "host":
+        return pinned_host_placement(backend.xp, chunk)
+    if backend.device != "cpu":
+        raise ConfigError("memory.offload = disk is built for train.device = cpu only (on a GPU use host)")
     if memory_cfg.offload_dir:
         directory = Path(memory_cfg.offload_dir)
     elif run_dir is not None:
@@ -136,7 +158,6 @@ def make_placement(memory_cfg, optimizer_name: str, backend, rank: int, run_dir:
         allocate = memmap_allocator(directory, rank)
     except OSError as exc:
         raise ConfigError(f"memory.offload_dir = {directory}: cannot create it on rank {rank} ({exc})") from None
-    chunk = int(memory_cfg.offload_chunk_mb * 2**20) // np.dtype(backend.optimizer_dtype).itemsize
     return Offloaded("disk", allocate, str(directory), chunk)
 
 
