@@ -16,6 +16,9 @@ from mpitrain.layers.precision import computes_in_float32, low_precision_dtype
 
 # Linears whose bf16/fp16 CuPy arrays skip the cast rule (native GEMMs); fp32/fp64 ones keep the ops' code.
 NATIVE_LOW_PRECISION_OPS = ("linear_forward", "linear_input_grad", "add_weight_grad", "add_bias_grad")
+# Attention's batched products: cuBLAS strided-batched GEMM for CuPy bf16/fp16/fp32 (float64 keeps CuPy's matmul).
+ATTENTION_OPS = ("attention_forward", "attention_backward")
+GEMM_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 # op -> the arguments it adds into (kept in their dtype by the cast rule, as ops.py declares them)
 FUSED_OPS = {"layernorm_forward": (), "layernorm_backward": ("dw", "db"), "rmsnorm_forward": (),
              "rmsnorm_backward": ("dw",), "gelu_forward": (), "gelu_backward": (), "swiglu_forward": (),
@@ -70,12 +73,24 @@ def _native_when_low_precision(original, native_function):
     return op
 
 
+def _gemm_attention(original, gemm_function):
+    @functools.wraps(original)
+    def op(*args, **kwargs):
+        first = _first_array(args)
+        if first is not None and array_module(first) is not np and np.dtype(first.dtype).name in GEMM_DTYPES:
+            return gemm_function(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    op.fused_twin = gemm_function
+    return op
+
+
 def install() -> bool:
     """Make ops.* and AdamW dispatch CuPy arrays to the fused kernels (idempotent). False if CuPy is unusable."""
     usable, _ = cupy_status()
     if not usable:
         return False
-    from mpitrain.kernels import fused
+    from mpitrain.kernels import attention, fused
     from mpitrain.layers import ops
     from mpitrain.optim.adamw import AdamW
     for name, accumulators in FUSED_OPS.items():
@@ -86,6 +101,10 @@ def install() -> bool:
         current = getattr(ops, name)
         if not hasattr(current, "fused_twin"):
             setattr(ops, name, _native_when_low_precision(current, getattr(fused, name)))
+    for name in ATTENTION_OPS:
+        current = getattr(ops, name)
+        if not hasattr(current, "fused_twin"):
+            setattr(ops, name, _gemm_attention(current, getattr(attention, f"gpu_{name}")))
     if hasattr(AdamW, "_update") and not hasattr(AdamW._update, "fused_twin"):
         AdamW._update = _fused_adamw(AdamW._update)
     return True

@@ -347,30 +347,28 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
 
-def batched_matmul(a, b, transpose_a: bool = False, transpose_b: bool = False, out=None):
-    """out[i] = op(a[i]) @ op(b[i]) for 3-D row-major a, b of bf16/fp16/fp32, accumulated in fp32 on tensor cores.
-
-    cuBLAS is column-major: row-major C = A B is column-major C^T = B^T A^T, so B goes first and m/n swap."""
+def batched_matmul(a, b, transpose_a: bool = False, transpose_b: bool = False, out=None, out_dtype=None):
+    """out[i] = op(a[i]) @ op(b[i]) for 3-D row-major a, b of bf16/fp16/fp32, accumulated in fp32 on tensor cores;
+    out in `out_dtype` (default a's dtype; fp32 for attention's scores). The column-major arguments come from
+    kernels.attention.gemm_strided_batched_args, which the CPU tests check against np.matmul."""
     cp = _cupy()
     from cupy.cuda import cublas
+
+    from mpitrain.kernels.attention import gemm_strided_batched_args
     a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
-    if a.dtype != b.dtype or a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"batched_matmul: 3-D arrays of one dtype and batch, got {a.shape} {a.dtype}, "
-                         f"{b.shape} {b.dtype}")
-    batch = a.shape[0]
-    m, k = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
-    k_b, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
-    if k != k_b:
-        raise ValueError(f"batched_matmul: inner sizes differ ({k} and {k_b})")
-    out = cp.empty((batch, m, n), a.dtype) if out is None else out
-    code = CUDA_DTYPES[np.dtype(a.dtype).name]
+    if a.dtype != b.dtype:
+        raise ValueError(f"batched_matmul: operands of one dtype, got {a.dtype} and {b.dtype}")
+    g = gemm_strided_batched_args(a.shape, b.shape, transpose_a, transpose_b)
+    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+    out = cp.empty(g.out_shape, out_dtype) if out is None else out
     one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    code = CUDA_DTYPES[np.dtype(a.dtype).name]
     cublas.gemmStridedBatchedEx(
-        handle, CUBLAS_OP_T if transpose_b else CUBLAS_OP_N, CUBLAS_OP_T if transpose_a else CUBLAS_OP_N,
-        n, m, k, one.ctypes.data,
-        b.data.ptr, code, b.shape[2], b.shape[1] * b.shape[2],
-        a.data.ptr, code, a.shape[2], a.shape[1] * a.shape[2],
-        zero.ctypes.data, out.data.ptr, code, n, m * n, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        handle, g.transa, g.transb, g.m, g.n, g.k, one.ctypes.data,
+        b.data.ptr, code, g.lda, g.stride_a,
+        a.data.ptr, code, g.ldb, g.stride_b,
+        zero.ctypes.data, out.data.ptr, CUDA_DTYPES[out_dtype.name], g.ldc, g.stride_c, g.batch,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out
