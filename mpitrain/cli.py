@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from mpitrain.errors import MpitrainError
+from mpitrain.lab.command import lab_command
 from mpitrain.launcher import find_mpiexec, rank_environment, run_locations, warn_unset_threads
 from mpitrain.plan.command import plan_command
 
@@ -259,6 +260,7 @@ def memory(config, overrides, world_size):
 
 
 main.add_command(plan_command)  # mpitrain plan MODEL CLUSTER, mpitrain plan calibrate (mpitrain/plan/command.py)
+main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE] (mpitrain/lab/)
 
 
 # ----------------------------------------------------------------------------- schedule (pipeline, no MPI)

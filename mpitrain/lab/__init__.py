@@ -1,0 +1,12 @@
+"""`mpitrain lab`: each claim of the chapter reproduced on this machine, beside the formula it comes from.
+
+A lab is a module with NAME, TITLE, `ranks(quick)` (how many MPI ranks it needs), `job(world, quick)` (run on every
+rank, returns a JSON-able dict on rank 0, None elsewhere), `rows(result)` (the table) and `plot(result, axes)`.
+runner.py launches the job with mpiexec; nothing here runs MPI in the calling process.
+"""
+from __future__ import annotations
+
+from mpitrain.lab import memory, pipeline, recompute, zero
+
+LABS = {lab.NAME: lab for lab in (zero, pipeline, recompute, memory)}
+NOT_BUILT = ("tensor", "mfu", "roofline", "faults")  # issue 17's labs still to write
