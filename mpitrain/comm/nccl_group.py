@@ -6,6 +6,10 @@ on a GPU and the host stand-in (nccl_standin.py) in CI; `runtime` is what differ
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
+
 import numpy as np
 
 from mpitrain.backend import BFLOAT16
@@ -76,6 +80,29 @@ class NcclGroup(Group):
         self._lanes = {(tag, upward, parity): (self._communicator(), runtime.stream())
                        for tag in p2p_tags for upward in (True, False) for parity in (0, 1)}
 
+        _LIVE_GROUPS.add(self)
+        _register_exit_hook()
+
+    def communicators(self) -> list:
+        return [communicator for communicator, _ in (self._main, *self._lanes.values()) if communicator is not None]
+
+    def close(self) -> None:
+        """Destroy this group's communicators (ncclCommDestroy: waits for their queued work); idempotent."""
+        self._end_communicators("destroy")
+
+    def abort(self) -> None:
+        """Abort this group's communicators (ncclCommAbort: stops their kernels even if a peer never arrives), so a
+        rank stuck in a hung collective can be ended; idempotent."""
+        self._end_communicators("abort")
+
+    def _end_communicators(self, how: str) -> None:
+        communicators = self.communicators()
+        self._main = (None, self._main[1])
+        self._lanes = {key: (None, stream) for key, (_, stream) in self._lanes.items()}
+        _LIVE_GROUPS.discard(self)
+        for communicator in communicators:
+            getattr(communicator, how)()
+
     def _communicator(self):
         """NCCL's unique id is made on group rank 0 and broadcast over MPI; every member then joins (blocking)."""
         uid = self._api.get_unique_id() if self.rank == 0 else None
@@ -98,6 +125,8 @@ class NcclGroup(Group):
         source_arrays = [native(a, False) for a in sources]
         target_arrays = [native(a, True) for a in targets]
         communicator, stream = lane or self._main
+        if communicator is None:
+            raise RuntimeError(f"{self.name}.{name}: this group's NCCL communicators were closed or aborted")
         ready = runtime.event()
         ready.record(runtime.current_stream())
         stream.wait_event(ready)  # inputs (and staging copies) were queued on the compute stream
@@ -274,6 +303,39 @@ class NcclGroup(Group):
             return None
         from mpitrain.comm.nccl import _StagedRequest
         return Handle(_StagedRequest(self.runtime, handle, [(buf, host)]), ())
+
+
+# ---- the end of a process: every live group's communicators destroyed (at exit) or aborted (by the watchdog) --------
+# A registry, not a hidden input: nothing reads it to communicate; it only lets the exit hook and the watchdog find
+# the communicators to end, which no caller holds at those moments.
+_LIVE_GROUPS: weakref.WeakSet = weakref.WeakSet()
+_EXIT_HOOK = []
+
+
+def _register_exit_hook() -> None:
+    # registered after mpi4py's own (MPI is imported before any group exists), so it runs before MPI_Finalize
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(destroy_all_communicators))
+
+
+def destroy_all_communicators() -> int:
+    """Destroy the communicators of every live NcclGroup (normal exit); the number of groups closed."""
+    return _end_all("close")
+
+
+def abort_all_communicators() -> int:
+    """Abort the communicators of every live NcclGroup (the watchdog, before MPI Abort); never raises."""
+    return _end_all("abort")
+
+
+def _end_all(how: str) -> int:
+    groups = list(_LIVE_GROUPS)
+    for group in groups:
+        try:
+            getattr(group, how)()
+        except Exception as exc:  # noqa: BLE001 -- ending one group must not keep the others alive
+            sys.stderr.write(f"warning: NCCL group {group.name}: {how} failed: {type(exc).__name__}: {exc}\n")
+    return len(groups)
 
 
 def _offset(counts, peer) -> int:

@@ -241,6 +241,7 @@ class Watchdog:
         self._record_faults(fault_records(operation, self.progress.step, self.rank, message, states))
         self.publish("hang")
         time.sleep(ABORT_GRACE_SECONDS)  # let mpiexec forward the line before every rank is killed
+        abort_device_communicators()
         self.abort(HANG_EXIT_CODE)
 
     def inspect_peers(self, operation: Operation) -> tuple[list[PeerState] | None, dict]:
@@ -275,6 +276,13 @@ class Watchdog:
             self._warned = True
             sys.stderr.write(f"[rank {self.rank}/{self.world_size}] warning: {text}\n")
             sys.stderr.flush()
+
+
+def abort_device_communicators() -> int:
+    """ncclCommAbort on this rank's NCCL groups, so that kernels stuck in a hung collective stop before MPI Abort
+    (a rank blocked on its stream could otherwise outlive the abort). Nothing to do where no NCCL group exists."""
+    nccl_group = sys.modules.get("mpitrain.comm.nccl_group")
+    return nccl_group.abort_all_communicators() if nccl_group is not None else 0
 
 
 def start_watchdog(world_comm, progress: ProgressRecord, timeout_s: float, heartbeats=None, record_fault=None,
