@@ -6,7 +6,7 @@ runner.py launches the job with mpiexec; nothing here runs MPI in the calling pr
 """
 from __future__ import annotations
 
-from mpitrain.lab import memory, pipeline, recompute, zero
+from mpitrain.lab import memory, pipeline, recompute, tensor, zero
 
-LABS = {lab.NAME: lab for lab in (zero, pipeline, recompute, memory)}
-NOT_BUILT = ("tensor", "mfu", "roofline", "faults")  # issue 17's labs still to write
+LABS = {lab.NAME: lab for lab in (zero, pipeline, recompute, memory, tensor)}
+NOT_BUILT = ("mfu", "roofline", "faults")  # issue 17's labs still to write

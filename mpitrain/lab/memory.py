@@ -9,6 +9,9 @@ from mpitrain.lab.runner import Row
 NAME = "memory"
 TITLE = "Training ~16 bytes per parameter, serving ~2"
 PANELS = 1
+NOTICE = ("What to notice: training holds 2 (bf16 weights) + 2 (grads) + 4 (fp32 master) + 8 (Adam m and v) = 16 "
+          "bytes per parameter before any activation; a forward pass for serving reads only the 2-byte weights. "
+          "(mpitrain generate today builds a full ReplicatedState, so it also allocates gradients it never uses.)")
 
 
 def ranks(quick: bool) -> int:

@@ -11,6 +11,10 @@ from mpitrain.lab.runner import Row
 NAME = "pipeline"
 TITLE = "Pipeline bubble vs micro-batches, and activations held by GPipe vs 1F1B"
 PANELS = 2
+NOTICE = ("What to notice: the bubble of the order each executor really ran equals (p-1)/(m+p-1) for GPipe and "
+          "1F1B alike; interleaving divides the fill and drain by v, zero-bubble (ZB-H1) by about 3. The wall-clock "
+          "bubble (crosses) sits above the line on a shared, loaded CPU: ranks wait for cores, not only for each "
+          "other. GPipe holds all m micro-batches' activations on stage 0, 1F1B only p.")
 KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")
 
 

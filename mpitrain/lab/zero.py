@@ -10,6 +10,10 @@ from mpitrain.lab.runner import Row
 NAME = "zero"
 TITLE = "ZeRO-1/2/3: state bytes per rank and bytes moved per step"
 PANELS = 2
+NOTICE = ("What to notice: the bytes per rank follow the formulas to the byte (padding aside) because they are the "
+          "arrays the strategies allocate: ZeRO-1 splits the 12 optimizer bytes, ZeRO-2 also the gradients, ZeRO-3 "
+          "everything. Plain DP, ZeRO-1 and ZeRO-2 move the same 2(N-1)/N Psi per step (a reduce-scatter plus an "
+          "all-gather is an all-reduce); ZeRO-3 gathers the parameters again for backward, hence 1.5x.")
 # bytes per parameter kept between steps at bfloat16: (whole, sharded over N), mpitrain/plan/memory.py's table
 STATE = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
 TRAFFIC_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}  # x (N-1)/N Psi per rank and step, ring algorithms
