@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpitrain import tiles
-from mpitrain.layers import ops
+from mpitrain.layers import attention_core, ops
 from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
 from tests import test_ops
 
@@ -16,7 +16,8 @@ from tests import test_ops
 @pytest.fixture
 def tiny_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "TILE_BYTES", 64)  # 1-8 rows per tile in these cases
-    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 2)
+    monkeypatch.setattr(attention_core, "QUERY_BLOCK", 2)
+    monkeypatch.setattr(attention_core, "CHUNK_BYTES", 64)  # one batch row per chunk of attention heads
     monkeypatch.setenv("MPITRAIN_THREADS", "3")
 
 

@@ -32,7 +32,17 @@ def split_heads(x, n_heads: int):
     return array_module(x).ascontiguousarray(x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3))
 
 
+def head_view(x, n_heads: int):
+    """(B, T, n_heads * D) -> a (B, n_heads, T, D) view, no copy: the numpy attention core takes strided heads (its
+    products read rows with a stride) and writes its results in this layout, so merge_heads copies nothing either."""
+    if array_module(x).__name__ != "numpy":
+        return split_heads(x, n_heads)  # CuPy's batched products want contiguous heads
+    b, t, _ = x.shape
+    return x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3)
+
+
 def merge_heads(x):
+    """(B, H, T, D) -> (B, T, H * D); a view when x is a head_view-like layout (the attention core's outputs)."""
     b, h, t, d = x.shape
     return array_module(x).ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(b, t, h * d)
 
@@ -84,7 +94,8 @@ class Attention:
     def forward(self, p, x, ctx):
         p = self.local(p)
         (q, k, v), h = self.qkv.forward(p, x)
-        q, k, v = split_heads(q, self.heads), split_heads(k, self.kv_heads), split_heads(v, self.kv_heads)
+        heads = split_heads if self.ring is not None else head_view  # the ring sends K/V blocks: contiguous
+        q, k, v = heads(q, self.heads), heads(k, self.kv_heads), heads(v, self.kv_heads)
         if self.rope:
             q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
         if self.ring is not None:
@@ -106,7 +117,7 @@ class Attention:
             dq, dk, dv = (g.astype(dtype, copy=False)
                           for g in ring_attention.backward(self.ring, s["core"], split_heads(d_out, self.heads)))
         else:
-            dq, dk, dv = ops.attention_backward(s["core"], split_heads(d_out, self.heads))
+            dq, dk, dv = ops.attention_backward(s["core"], head_view(d_out, self.heads))
         if self.rope:
             cos, sin = s["rope"]
             dq, dk = ops.rope_backward(dq, cos, sin), ops.rope_backward(dk, cos, sin)

@@ -19,10 +19,10 @@ import numpy as np
 
 from mpitrain import tiles
 from mpitrain.backend import array_module as _xp
+from mpitrain.layers import attention_core
 from mpitrain.layers.precision import computes_in_float32
 
 GELU_K = math.sqrt(2.0 / math.pi)
-ATTENTION_QUERY_BLOCK = 128  # query rows per attention tile (64 measured slower: more, smaller products)
 
 
 def _rows(x):
@@ -282,72 +282,12 @@ def attention_forward(q, k, v, bias):
     parallelism). saved holds the probabilities (B, Hkv, G*Tq, Tk): query heads that share a key/value head are
     stacked along the time axis, so K/V are never copied.
 
-    On numpy the work is cut into (batch, kv head, block of query rows) tiles spread over the threads; a block skips
-    the keys its bias masks for every one of its rows (the causal future: about half of the work), and those
-    probabilities are exact zeros. CuPy takes the whole batch in one product.
+    On numpy the work runs in layers/attention_core.py (blocks of query rows, one product per block over a stack
+    of heads, masked key blocks skipped); CuPy takes the whole batch in one product.
     """
-    xp = _xp(q)
-    if xp is not np:
+    if _xp(q) is not np:
         return _attention_forward_whole(q, k, v, bias)
-    b, h, t, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    group = h // hkv
-    qg = q.reshape(b, hkv, group, t, d)
-    probs = np.empty((b, hkv, group, t, tk), q.dtype)
-    out = np.empty((b, hkv, group, t, d), q.dtype)
-    lse = np.empty((b, hkv, group, t), q.dtype)
-    spans = _key_spans(bias, t, tk)
-    scale = 1.0 / math.sqrt(d)
-    biased = getattr(bias, "ndim", 0) > 0
-    if not biased and bias is not None and float(bias) == 0.0:
-        bias = None  # adding 0.0 changes nothing
-
-    def pairs(first, last):
-        for pair in range(first, last):
-            i, j = divmod(pair, hkv)
-            kt = k[i, j].T
-            for g in range(group):
-                for q0, q1, k0, k1 in spans:
-                    s = probs[i, j, g, q0:q1]
-                    s[:, :k0] = 0.0
-                    s[:, k1:] = 0.0
-                    s = s[:, k0:k1]
-                    np.matmul(qg[i, j, g, q0:q1], kt[:, k0:k1], out=s)
-                    s *= scale
-                    if biased:
-                        s += bias[q0:q1, k0:k1]
-                    elif bias is not None:
-                        s += bias
-                    row_max = s.max(axis=-1, keepdims=True)
-                    s -= row_max
-                    np.exp(s, out=s)
-                    row_sum = s.sum(axis=-1, keepdims=True)
-                    s /= row_sum
-                    np.matmul(s, v[i, j, k0:k1], out=out[i, j, g, q0:q1])
-                    np.log(row_sum, out=row_sum)
-                    np.add(row_max[:, 0], row_sum[:, 0], out=lse[i, j, g, q0:q1])
-
-    tiles.parallel_for(b * hkv, pairs)
-    probs = probs.reshape(b, hkv, group * t, tk)
-    return (out.reshape(b, h, t, d), lse.reshape(b, h, t)), (q, k, v, probs)
-
-
-def _key_spans(bias, t_q, t_k):
-    """[(q0, q1, k0, k1)]: blocks of query rows and the key columns [k0, k1) outside of which the bias masks (-inf)
-    every row of the block. A block whose rows are all fully masked keeps every key (and gives NaN, as softmax
-    over nothing does)."""
-    rows = ATTENTION_QUERY_BLOCK
-    spans = []
-    visible = np.isfinite(bias) if getattr(bias, "ndim", 0) == 2 else None
-    for q0 in range(0, t_q, rows):
-        q1 = min(q0 + rows, t_q)
-        k0, k1 = 0, t_k
-        if visible is not None:
-            columns = np.flatnonzero(visible[q0:q1].any(axis=0))
-            if columns.size:
-                k0, k1 = int(columns[0]), int(columns[-1]) + 1
-        spans.append((q0, q1, k0, k1))
-    return spans
+    return attention_core.attention_forward(q, k, v, bias)
 
 
 def _attention_forward_whole(q, k, v, bias):
@@ -373,50 +313,9 @@ def _attention_forward_whole(q, k, v, bias):
 
 @computes_in_float32()
 def attention_backward(saved, dout):
-    q, k, v, probs = saved
-    xp = _xp(q)
-    if xp is not np:
+    if _xp(saved[0]) is not np:
         return _attention_backward_whole(saved, dout)
-    b, h, t, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    group = h // hkv
-    probs = probs.reshape(b, hkv, group, t, tk)
-    qg, dout_g = q.reshape(b, hkv, group, t, d), dout.reshape(b, hkv, group, t, d)
-    dq = np.empty((b, hkv, group, t, d), dout.dtype)
-    dk, dv = np.zeros(k.shape, dout.dtype), np.zeros(v.shape, dout.dtype)
-    scale = 1.0 / math.sqrt(d)
-
-    def pairs(first, last):
-        for pair in range(first, last):
-            i, j = divmod(pair, hkv)
-            for g in range(group):
-                # keys where every row of a block has probability exactly 0 contribute exactly 0: skipped
-                for q0, q1, k0, k1 in _nonzero_spans(probs[i, j, g]):
-                    p, do = probs[i, j, g, q0:q1, k0:k1], dout_g[i, j, g, q0:q1]
-                    dv[i, j, k0:k1] += p.T @ do  # sums over the query heads of each group
-                    # softmax backward: ds = p * (dp - sum(dp * p))
-                    ds = do @ v[i, j, k0:k1].T
-                    weighted = ds * p
-                    ds -= weighted.sum(axis=-1, keepdims=True)
-                    ds *= p
-                    ds *= scale
-                    np.matmul(ds, k[i, j, k0:k1], out=dq[i, j, g, q0:q1])
-                    dk[i, j, k0:k1] += ds.T @ qg[i, j, g, q0:q1]
-
-    tiles.parallel_for(b * hkv, pairs)
-    return dq.reshape(b, h, t, d), dk, dv
-
-
-def _nonzero_spans(probs):
-    """[(q0, q1, k0, k1)] per block of query rows: the key columns outside of which the block's probabilities are
-    all exactly 0 (NaN counts as non-zero)."""
-    t, t_k = probs.shape
-    starts = list(range(0, t, ATTENTION_QUERY_BLOCK))
-    nonzero = np.logical_or.reduceat(probs != 0, starts, axis=0)  # (blocks, Tk)
-    first, last = nonzero.argmax(axis=1), t_k - nonzero[:, ::-1].argmax(axis=1)
-    last[~nonzero.any(axis=1)] = 0  # an all-zero block: no keys, its dq rows are zeros
-    return [(q0, min(q0 + ATTENTION_QUERY_BLOCK, t), int(k0), max(int(k0), int(k1)))
-            for q0, k0, k1 in zip(starts, first, last)]
+    return attention_core.attention_backward(saved, dout)
 
 
 def _attention_backward_whole(saved, dout):

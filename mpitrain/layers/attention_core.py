@@ -1,0 +1,145 @@
+"""The causal attention core on numpy: softmax(q k^T / sqrt(D) + bias) v and its backward, re-exported by ops.
+
+The work is cut into blocks of QUERY_BLOCK query rows. For each block, one np.matmul runs over a 3-D stack of every
+(batch row, head) pair of a chunk of batch rows, so a step makes a few BLAS calls per block instead of one per pair
+and block, and the softmax's elementwise passes run over the whole stack at once (on the 2-core VM OpenBLAS is slow
+on the small (128 x 64)(64 x keys) products, and Python overhead per product was a large part of the time).
+
+A block skips the keys its bias masks for every row of the block (the causal future: about half of the work); those
+probabilities are exact zeros, and backward skips the same columns by finding them in the saved probabilities.
+
+The outputs (out, dq, dk, dv) are (B, heads, T, D) views of (B, T, heads, D) buffers: attention.merge_heads then
+needs no copy to give the (B, T, heads * D) rows the output projection and the QKV linear take. Chunks of batch rows
+are spread over the tile threads (mpitrain/tiles.py); their boundaries depend on the shapes only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpitrain import tiles
+
+QUERY_BLOCK = 128  # query rows per block (64 measured slower: more, smaller products)
+CHUNK_BYTES = 256 * 1024  # a chunk's block of scores (at least one batch row): measured, larger ones leave the cache
+
+
+def _heads_last(shape, dtype, zeros=False):
+    """A (B, T, H, D) buffer seen as (B, H, T, D)."""
+    b, h, t, d = shape
+    return (np.zeros if zeros else np.empty)((b, t, h, d), dtype).transpose(0, 2, 1, 3)
+
+
+def _batch_chunks(b, bytes_per_row, work):
+    """work(b0, b1) over chunks of batch rows of about CHUNK_BYTES, chunks spread over the tile threads."""
+    rows = max(1, min(b, CHUNK_BYTES // max(1, bytes_per_row)))
+    tiles.for_each_tile(b, rows, lambda _, b0, b1: work(b0, b1))
+
+
+def attention_forward(q, k, v, bias):
+    b, h, t, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = h // hkv
+    out = _heads_last(q.shape, q.dtype)
+    qg, out_g = q.reshape(b, hkv, group, t, d), out.reshape(b, hkv, group, t, d)
+    k_t = k.swapaxes(-1, -2)[:, :, None]  # (B, Hkv, 1, D, Tk): broadcast over the group's query heads
+    v_g = v[:, :, None]
+    probs = np.empty((b, hkv, group, t, tk), q.dtype)
+    lse = np.empty((b, hkv, group, t), q.dtype)
+    spans = _key_spans(bias, t, tk)
+    scale = 1.0 / math.sqrt(d)
+    biased = getattr(bias, "ndim", 0) > 0
+    if not biased and bias is not None and float(bias) == 0.0:
+        bias = None  # adding 0.0 changes nothing
+
+    def chunk(b0, b1):
+        for q0, q1, k0, k1 in spans:
+            s = probs[b0:b1, :, :, q0:q1]
+            s[..., :k0] = 0.0
+            s[..., k1:] = 0.0
+            s = s[..., k0:k1]
+            # scaling the (rows, D) queries instead of the (rows, keys) scores saves a pass over the scores
+            np.matmul(qg[b0:b1, :, :, q0:q1] * scale, k_t[b0:b1, ..., k0:k1], out=s)
+            if biased:
+                s += bias[q0:q1, k0:k1]
+            elif bias is not None:
+                s += bias
+            row_max = s.max(axis=-1, keepdims=True)
+            s -= row_max
+            np.exp(s, out=s)
+            row_sum = s.sum(axis=-1, keepdims=True)
+            s *= 1.0 / row_sum  # one division per row, then products (faster than dividing every score)
+            np.matmul(s, v_g[b0:b1, :, :, k0:k1], out=out_g[b0:b1, :, :, q0:q1])
+            np.log(row_sum, out=row_sum)
+            np.add(row_max[..., 0], row_sum[..., 0], out=lse[b0:b1, :, :, q0:q1])
+
+    _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
+    probs = probs.reshape(b, hkv, group * t, tk)
+    return (out, lse.reshape(b, h, t)), (q, k, v, probs)
+
+
+def _key_spans(bias, t_q, t_k):
+    """[(q0, q1, k0, k1)]: blocks of query rows and the key columns [k0, k1) outside of which the bias masks (-inf)
+    every row of the block. A block whose rows are all fully masked keeps every key (and gives NaN, as softmax
+    over nothing does)."""
+    spans = []
+    visible = np.isfinite(bias) if getattr(bias, "ndim", 0) == 2 else None
+    for q0 in range(0, t_q, QUERY_BLOCK):
+        q1 = min(q0 + QUERY_BLOCK, t_q)
+        k0, k1 = 0, t_k
+        if visible is not None:
+            columns = np.flatnonzero(visible[q0:q1].any(axis=0))
+            if columns.size:
+                k0, k1 = int(columns[0]), int(columns[-1]) + 1
+        spans.append((q0, q1, k0, k1))
+    return spans
+
+
+def attention_backward(saved, dout):
+    q, k, v, probs = saved
+    b, h, t, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = h // hkv
+    probs = probs.reshape(b, hkv, group, t, tk)
+    qg, dout_g = q.reshape(b, hkv, group, t, d), dout.reshape(b, hkv, group, t, d)
+    dq = _heads_last(q.shape, dout.dtype)
+    dk, dv = _heads_last(k.shape, dout.dtype, zeros=True), _heads_last(v.shape, dout.dtype, zeros=True)
+    dq_g = dq.reshape(b, hkv, group, t, d)
+    k_g, v_t = k[:, :, None], v.swapaxes(-1, -2)[:, :, None]
+    scale = 1.0 / math.sqrt(d)
+
+    def chunk(b0, b1):
+        # keys where every row of a block (over the chunk's heads) has probability exactly 0 contribute exactly 0
+        for q0, q1, k0, k1 in _nonzero_spans(probs[b0:b1]):
+            p, do = probs[b0:b1, :, :, q0:q1, k0:k1], dout_g[b0:b1, :, :, q0:q1]
+            dv[b0:b1, :, k0:k1] += _sum_group(p.swapaxes(-1, -2) @ do)  # sums over the query heads of each group
+            # softmax backward: ds = p * (dp - sum(dp * p))
+            ds = do @ v_t[b0:b1, ..., k0:k1]
+            ds -= np.vecdot(ds, p)[..., None]  # vecdot: the row sums of ds * p without a temporary
+            ds *= p
+            # the score scale goes on the (rows, D) products, not on the (rows, keys) ds
+            dq_block = dq_g[b0:b1, :, :, q0:q1]
+            np.matmul(ds, k_g[b0:b1, :, :, k0:k1], out=dq_block)
+            dq_block *= scale
+            dk[b0:b1, :, k0:k1] += _sum_group(ds.swapaxes(-1, -2) @ (qg[b0:b1, :, :, q0:q1] * scale))
+
+    _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
+    return dq, dk, dv
+
+
+def _sum_group(x):
+    """(B, Hkv, G, ...) -> (B, Hkv, ...): the query heads of a group share their K/V head's gradient."""
+    return x[:, :, 0] if x.shape[2] == 1 else x.sum(axis=2)
+
+
+def _nonzero_spans(probs):
+    """[(q0, q1, k0, k1)] per block of query rows: the key columns outside of which the probabilities (B, Hkv, G,
+    T, Tk) of every head are all exactly 0 (NaN counts as non-zero)."""
+    t, t_k = probs.shape[-2:]
+    starts = list(range(0, t, QUERY_BLOCK))
+    # probabilities are >= 0 or NaN, so a block's column is non-zero where its maximum is (a max is a fast pass)
+    nonzero = np.maximum.reduceat(probs.max(axis=(0, 1, 2)), starts, axis=0) != 0  # (blocks, Tk)
+    first, last = nonzero.argmax(axis=1), t_k - nonzero[:, ::-1].argmax(axis=1)
+    last[~nonzero.any(axis=1)] = 0  # an all-zero block: no keys, its dq rows are zeros
+    return [(q0, min(q0 + QUERY_BLOCK, t), int(k0), max(int(k0), int(k1)))
+            for q0, k0, k1 in zip(starts, first, last)]
