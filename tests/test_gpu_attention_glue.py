@@ -130,3 +130,10 @@ def test_numpy_attention_keeps_the_ops_code():
     forward = _gemm_attention(ops.attention_forward, kernel)
     (out, _), saved = forward(q, k, v, ops.causal_bias(4, 4, np, np.float64))
     _gemm_attention(ops.attention_backward, kernel)(saved, np.ones_like(out))
+
+
+def test_context_parallelism_is_accepted_on_cuda():
+    """The ring's buffers follow the arrays' module (ring_attention.py, ContextParallel), so cp > 1 may run on a GPU."""
+    from mpitrain.config import load_config
+    cfg = load_config("configs/tiny.toml", ["parallel.cp=2", "train.device=cuda"])
+    assert (cfg.parallel.cp, cfg.train.device) == (2, "cuda")

@@ -22,26 +22,27 @@ import math
 
 import numpy as np
 
+from mpitrain.backend import array_module
 from mpitrain.layers import ops
 from mpitrain.layers.precision import LOW_PRECISION
 
 
-def pair_mask(query_chunk: int, key_chunk: int, m: int, dtype):
+def pair_mask(query_chunk: int, key_chunk: int, m: int, dtype, xp=np):
     """The additive mask of a (query chunk, key chunk) pair of m positions each: 0.0 (all visible), the causal
-    triangle (the same chunk) or None (all masked: skip)."""
+    triangle (the same chunk, an xp array: on the GPU a device one) or None (all masked: skip)."""
     if key_chunk < query_chunk:
         return 0.0
     if key_chunk == query_chunk:
-        return ops.causal_bias(m, m, np, dtype)
+        return ops.causal_bias(m, m, xp, dtype)
     return None
 
 
-def visible_pairs(query_chunks, key_chunks, m: int, dtype):
+def visible_pairs(query_chunks, key_chunks, m: int, dtype, xp=np):
     """[(query part, key part, mask)] of the pairs that are not fully masked (parts index the two chunks)."""
     pairs = []
     for qi, qc in enumerate(query_chunks):
         for ki, kc in enumerate(key_chunks):
-            mask = pair_mask(qc, kc, m, dtype)
+            mask = pair_mask(qc, kc, m, dtype, xp)
             if mask is not None:
                 pairs.append((qi, ki, mask))
     return pairs
@@ -51,9 +52,10 @@ def merge(out, lse, part_out, part_lse):
     """Two softmax-weighted partial outputs over disjoint key sets -> the output over their union."""
     if out is None:
         return part_out, part_lse
-    total = np.logaddexp(lse, part_lse)
-    merged = out * np.exp(lse - total)[..., None]
-    merged += part_out * np.exp(part_lse - total)[..., None]
+    xp = array_module(out)
+    total = xp.logaddexp(lse, part_lse)
+    merged = out * xp.exp(lse - total)[..., None]
+    merged += part_out * xp.exp(part_lse - total)[..., None]
     return merged, total
 
 
@@ -72,7 +74,7 @@ def block_grads(q, k, v, dout, lse, delta, mask):
     scores = scores.reshape(b, hkv, group, t, -1)
     scores += mask
     scores -= lse.reshape(b, hkv, group, t, 1)
-    probs = np.exp(scores, out=scores).reshape(b, hkv, group * t, -1)
+    probs = array_module(q).exp(scores, out=scores).reshape(b, hkv, group * t, -1)
     dout_g = dout.reshape(b, hkv, group * t, d)
     dv = probs.swapaxes(-1, -2) @ dout_g
     dscores = dout_g @ v.swapaxes(-1, -2)
@@ -92,18 +94,18 @@ def lse_dtype(dtype):
 def forward(ring, q, k, v):
     """(out, saved): causal attention of the local queries over the whole sequence. q: (B, H, 2m, D) holding this
     rank's two chunks; k, v: (B, Hkv, 2m, D) likewise."""
-    inputs, dtype = (q, k, v), lse_dtype(q.dtype)
+    inputs, dtype, xp = (q, k, v), lse_dtype(q.dtype), array_module(q)
     q, k, v = q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
     m = q.shape[2] // 2
     queries = (q[:, :, :m], q[:, :, m:])
     mine = ring.chunks_of(ring.rank)
     out, lse = [None, None], [None, None]
-    kv = np.ascontiguousarray(np.stack([k, v]))  # one message per hop
+    kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop
     for step in range(ring.size):
         last = step == ring.size - 1
         if not last:  # the next block travels while this one is computed
             incoming, handles = ring.pass_kv(kv)
-        for qi, ki, mask in visible_pairs(mine, ring.chunks_of(ring.source(step)), m, dtype):
+        for qi, ki, mask in visible_pairs(mine, ring.chunks_of(ring.source(step)), m, dtype, xp):
             keys = slice(ki * m, (ki + 1) * m)
             (part, part_lse), _ = ops.attention_forward(queries[qi], kv[0][:, :, keys], kv[1][:, :, keys], mask)
             out[qi], lse[qi] = merge(out[qi], lse[qi], part, part_lse)
@@ -111,30 +113,30 @@ def forward(ring, q, k, v):
             for handle in handles:
                 handle.wait()
             kv = incoming
-    out, lse = np.concatenate(out, axis=2), np.concatenate(lse, axis=2)
+    out, lse = xp.concatenate(out, axis=2), xp.concatenate(lse, axis=2)
     return out, (*inputs, out.astype(inputs[0].dtype, copy=False), lse)
 
 
 def backward(ring, saved, dout):
     """(dq, dk, dv) of this rank's chunks; dK/dV of the other ranks' blocks travel back to them on the ring."""
-    dtype = lse_dtype(saved[0].dtype)
+    dtype, xp = lse_dtype(saved[0].dtype), array_module(saved[0])
     q, k, v, out, lse = (x.astype(dtype, copy=False) for x in saved)
     dout = dout.astype(dtype, copy=False)
     m = q.shape[2] // 2
     delta = (dout * out).sum(axis=-1)  # rowsum(dO * O): the softmax Jacobian's row term
     parts = [(x[:, :, :m], x[:, :, m:]) for x in (q, dout, lse, delta)]
     mine = ring.chunks_of(ring.rank)
-    dq = np.zeros_like(q)
-    own = np.zeros((2,) + k.shape, dtype=q.dtype)  # dK, dV of this rank's own block (step 0, then the ring's)
-    kv, sending = np.ascontiguousarray(np.stack([k, v])), []
+    dq = xp.zeros_like(q)
+    own = xp.zeros((2,) + k.shape, dtype=q.dtype)  # dK, dV of this rank's own block (step 0, then the ring's)
+    kv, sending = xp.ascontiguousarray(xp.stack([k, v])), []
     for step in range(ring.size):
         last = step == ring.size - 1
         if not last:
             incoming, handles = ring.pass_kv(kv)
         if step >= 2:  # the accumulator for this block, from the rank that held it one step ago
             travelling, arrival = ring.receive_grads(own)
-        grads = own if step == 0 else np.zeros_like(own)
-        for qi, ki, mask in visible_pairs(mine, ring.chunks_of(ring.source(step)), m, q.dtype):
+        grads = own if step == 0 else xp.zeros_like(own)
+        for qi, ki, mask in visible_pairs(mine, ring.chunks_of(ring.source(step)), m, q.dtype, xp):
             keys = slice(ki * m, (ki + 1) * m)
             (q_i, dout_i, lse_i, delta_i) = (p[qi] for p in parts)
             dq_part, dk_part, dv_part = block_grads(q_i, kv[0][:, :, keys], kv[1][:, :, keys], dout_i, lse_i,

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from mpitrain.backend import array_module
 from mpitrain.layers.ring_attention import visible_pairs
 from mpitrain.state.params import UnitLayout
 
@@ -113,7 +114,7 @@ class ContextParallel:
     def pass_kv(self, send):
         """Send this K/V buffer (contiguous) to the next rank and receive the previous rank's into a new buffer,
         both non-blocking: (received buffer, [handles]); wait on the handles before reading it."""
-        received = np.empty_like(send)
+        received = array_module(send).empty_like(send)  # a device buffer for device arrays
         return received, [self.group.irecv(received, self.prev, KV_TAG),
                           self.group.isend(send, self.next, KV_TAG, kind=RING_KIND)]
 
@@ -123,7 +124,7 @@ class ContextParallel:
 
     def receive_grads(self, like):
         """Post the receive of the previous rank's dK/dV accumulator: (buffer, [handle])."""
-        received = np.empty_like(like)
+        received = array_module(like).empty_like(like)
         return received, [self.group.irecv(received, self.prev, GRAD_TAG)]
 
 
