@@ -33,7 +33,8 @@ def main(quick: bool) -> None:
         report, _ = run_lab(lab, quick, pictures / f"{name}.png")
         seconds = time.perf_counter() - started
         command = f"mpitrain lab {name}{' --quick' if quick else ''}"
-        parts.append(f"## {name}\n\n`{command}` ({lab.ranks(quick)} ranks, {seconds:.0f} s here)\n\n"
+        ranks = f"{lab.ranks(quick)} rank" + ("s" if lab.ranks(quick) > 1 else "")
+        parts.append(f"## {name}\n\n`{command}` ({ranks}, {seconds:.0f} s here)\n\n"
                      f"```\n{report}\n```\n\n![{name}](labs/{name}.png)\n\n{lab.NOTICE}\n")
         print(f"{name}: {seconds:.0f} s", flush=True)
     (REPO_ROOT / "docs" / "labs.md").write_text("\n".join(parts))

@@ -71,7 +71,7 @@ def save_plot(lab, result: dict, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, axes = plt.subplots(1, lab.PANELS, figsize=(4.2 * lab.PANELS, 3.2))
+    figure, axes = plt.subplots(1, lab.PANELS, figsize=(max(4.2 * lab.PANELS, 6.4), 3.2))  # room for the title
     lab.plot(result, axes if lab.PANELS > 1 else [axes])
     figure.suptitle(lab.TITLE, fontsize=10)
     figure.tight_layout()
