@@ -2,11 +2,12 @@
 
 A lab is a module with NAME, TITLE, `ranks(quick)` (how many MPI ranks it needs), `job(world, quick)` (run on every
 rank, returns a JSON-able dict on rank 0, None elsewhere), `rows(result)` (the table) and `plot(result, axes)`.
-runner.py launches the job with mpiexec; nothing here runs MPI in the calling process.
+runner.py launches the job with mpiexec; nothing here runs MPI in the calling process. A lab that drives
+`mpitrain launch` itself (faults) defines `run_host(quick)` instead of `job`.
 """
 from __future__ import annotations
 
-from mpitrain.lab import memory, pipeline, recompute, tensor, zero
+from mpitrain.lab import faults, memory, pipeline, recompute, tensor, zero
 
-LABS = {lab.NAME: lab for lab in (zero, pipeline, recompute, memory, tensor)}
-NOT_BUILT = ("mfu", "roofline", "faults")  # issue 17's labs still to write
+LABS = {lab.NAME: lab for lab in (zero, pipeline, recompute, memory, tensor, faults)}
+NOT_BUILT = ("mfu", "roofline")  # issue 17's labs still to write

@@ -42,6 +42,8 @@ class Row:
 
 def run_job(lab, quick: bool, timeout: float = 600) -> dict:
     """Run lab.job on lab.ranks(quick) MPI ranks; returns what rank 0 printed after RESULT_PREFIX."""
+    if hasattr(lab, "run_host"):  # the lab launches its own jobs (faults: mpitrain launch)
+        return lab.run_host(quick)
     mpiexec = find_mpiexec()
     env = dict(os.environ, **OVERSUBSCRIBED)
     command = [mpiexec, "-n", str(lab.ranks(quick)), sys.executable, "-m", "mpitrain.lab.worker", lab.NAME,
