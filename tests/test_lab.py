@@ -59,3 +59,9 @@ def test_lab_command_prints_the_table_and_writes_the_plot(tmp_path):
     assert done.exit_code == 0, done.output
     assert "claim" in done.output and "measured here" in done.output and "FAILS" not in done.output
     assert png.stat().st_size > 1000
+
+
+def test_a_plot_into_a_missing_folder_is_one_line_before_any_run(tmp_path):
+    done = CliRunner().invoke(main, ["lab", "zero", "--png", str(tmp_path / "missing" / "zero.png")])
+    assert done.exit_code != 0 and "--png" in done.output and "does not exist" in done.output, done.output
+    assert "Traceback" not in done.output

@@ -23,6 +23,8 @@ def lab_command(name, quick, png_path):
         return
     if name not in LABS:
         raise click.ClickException(f"no lab '{name}'; labs: {', '.join(LABS)} (mpitrain lab list)")
+    if png_path and not Path(png_path).resolve().parent.is_dir():
+        raise click.ClickException(f"--png {png_path}: folder {Path(png_path).resolve().parent} does not exist")
     try:
         report, rows = run_lab(LABS[name], quick, Path(png_path) if png_path else None)
     except MpitrainError as exc:
