@@ -9,6 +9,7 @@ import pytest
 
 from mpitrain import tiles
 from mpitrain.layers import attention_core, ops
+from mpitrain.layers.attention import head_view, merge_heads
 from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
 from tests import test_ops
 
@@ -63,6 +64,26 @@ def test_tiled_attention_equals_the_whole_array_formula(tiny_tiles, bias):
     np.testing.assert_allclose(saved[3], ref_saved[3], rtol=1e-12, atol=1e-15)
     for grad, ref in zip(ops.attention_backward(saved, dout), ops._attention_backward_whole(ref_saved, dout)):
         np.testing.assert_allclose(grad, ref, rtol=1e-11, atol=1e-13)
+
+
+def test_attention_takes_head_views_and_its_outputs_merge_without_a_copy(tiny_tiles):
+    """attention.head_view hands the core strided (B, T, H, D) heads; the results equal those of contiguous heads,
+    and out / dq / dk / dv come back in the (B, T, H, D) layout, so merge_heads is a view, not a copy."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = _attention_inputs(rng)
+    mask = ops.causal_bias(q.shape[2], k.shape[2], np, np.float64, offset=k.shape[2] - q.shape[2])
+    rows = [np.ascontiguousarray(merge_heads(x)) for x in (q, k, v, dout)]  # what the linears produce
+    views = [head_view(x, n) for x, n in zip(rows, (q.shape[1], k.shape[1], v.shape[1], q.shape[1]))]
+    assert not views[0].flags.c_contiguous and np.shares_memory(views[0], rows[0])
+    (out, lse), saved = ops.attention_forward(*views[:3], mask)
+    (ref_out, ref_lse), ref_saved = ops.attention_forward(q, k, v, mask)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-14)
+    grads = ops.attention_backward(saved, views[3])
+    for grad, ref in zip(grads, ops.attention_backward(ref_saved, dout)):
+        np.testing.assert_allclose(grad, ref, rtol=1e-11, atol=1e-13)
+    for result in (out, *grads):
+        assert np.shares_memory(merge_heads(result), result)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
