@@ -15,9 +15,10 @@ TITLE = "Measure first: the step breakdown, overlap off -> on, and the next susp
 PANELS = 1
 SETTINGS = (("overlap off", "parallel.overlap=false"), ("overlap on", "parallel.overlap=true"))
 NOTICE = ("What to notice: the parts add up to the step by construction, so the largest non-compute part is the "
-          "first place to look. Overlapping the gradient all-reduce with backward leaves the bytes unchanged and "
-          "hides part of their time; on a CPU whose cores the ranks share the exposed waits are mostly the peer's "
-          "compute, so the gain here is small and noisy; the next suspect is whatever is now largest.")
+          "first place to look, and the bytes do not change with overlap: only when they move. On a CPU whose "
+          "cores the ranks share, an exposed wait is mostly the peer's compute, so these times are noisy (read them "
+          "on a real cluster): a faster step can still show a larger wait share, because the compute around it "
+          "shrank. The next suspect is whatever part is now largest.")
 
 
 def ranks(quick: bool) -> int:
