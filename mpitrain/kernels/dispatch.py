@@ -47,42 +47,33 @@ def _first_array(args):
     return None
 
 
-def _dispatching(name: str, original, fused_function, accumulators=()):
-    fused = computes_in_float32(*accumulators)(fused_function)
+def _route(original, twin, use_twin, call=None):
+    """`original` for numpy arrays; `call` (default: `twin`) for CuPy arrays that `use_twin(first, args)` accepts.
+    The wrapper keeps `twin` as `fused_twin`, which also marks an op as already installed."""
+    call = call or twin
 
     @functools.wraps(original)
     def op(*args, **kwargs):
         first = _first_array(args)
-        if first is not None and array_module(first) is not np:
-            return fused(*args, **kwargs)
+        if first is not None and array_module(first) is not np and use_twin(first, args):
+            return call(*args, **kwargs)
         return original(*args, **kwargs)
 
-    op.fused_twin = fused_function
+    op.fused_twin = twin
     return op
+
+
+def _dispatching(name: str, original, fused_function, accumulators=()):
+    return _route(original, fused_function, lambda first, args: True,
+                  call=computes_in_float32(*accumulators)(fused_function))
 
 
 def _native_when_low_precision(original, native_function):
-    @functools.wraps(original)
-    def op(*args, **kwargs):
-        first = _first_array(args)
-        if first is not None and array_module(first) is not np and low_precision_dtype(args) is not None:
-            return native_function(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    op.fused_twin = native_function
-    return op
+    return _route(original, native_function, lambda first, args: low_precision_dtype(args) is not None)
 
 
 def _gemm_attention(original, gemm_function):
-    @functools.wraps(original)
-    def op(*args, **kwargs):
-        first = _first_array(args)
-        if first is not None and array_module(first) is not np and np.dtype(first.dtype).name in GEMM_DTYPES:
-            return gemm_function(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    op.fused_twin = gemm_function
-    return op
+    return _route(original, gemm_function, lambda first, args: np.dtype(first.dtype).name in GEMM_DTYPES)
 
 
 def install() -> bool:
