@@ -32,13 +32,13 @@ def mpiexec() -> str:
     return str(beside) if beside.exists() else "mpiexec"
 
 
-def run(config: str, overrides: list[str], steps: int) -> dict:
+def run(config: str, overrides: list[str], steps: int, timeout: float = 600) -> dict:
+    """`mpitrain bench step` on 2 ranks of 1 BLAS thread each; its last line (one JSON object), parsed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", str(steps),
-               "--set", "train.global_batch=16"]
+    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", str(steps)]
     for setting in overrides:
         command += ["--set", setting]
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -54,7 +54,7 @@ def main() -> None:
     names = list(LAYOUTS)
     for round_index in range(args.rounds):  # interleave, alternating the order: drift hits every layout alike
         for name in names if round_index % 2 == 0 else reversed(names):
-            results[name].append(run(args.config, LAYOUTS[name], args.steps))
+            results[name].append(run(args.config, ["train.global_batch=16", *LAYOUTS[name]], args.steps))
             print(f"round {round_index + 1}: {name:<10} {results[name][-1]['tokens_per_s']:8.0f} tok/s", flush=True)
     print(f"\n{'layout':<10} {'best tok/s':>11} {'median':>9} {'step ms':>8} {'MFU':>6} {'tp comm':>8}")
     summary = {}

@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
+
+from bench_parallel import run  # the same 2-rank `bench step` runner (run as a script: benchmarks/ is on sys.path)
 
 from mpitrain.config import load_config
 from mpitrain.plan.clusters import CLUSTER_DIR, calibrate, load_cluster
 from mpitrain.plan.cost import Layout, estimate
 
-REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {
     "dp2": Layout(dp=2, tp=1, pp=1, zero=0, micro_batch=4),
     "dp2-zero1": Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4),
@@ -40,15 +38,7 @@ def overrides(layout: Layout) -> list[str]:
 
 
 def measure(config: str, layout: Layout, steps: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    command = [mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", str(steps)]
-    for setting in overrides(layout):
-        command += ["--set", setting]
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run(config, overrides(layout), steps, timeout=900)
 
 
 def main() -> None:
