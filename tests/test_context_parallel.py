@@ -5,8 +5,6 @@ step's loss at 1e-10 and the final parameters of the checkpoint at 1e-10 relativ
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -20,8 +18,8 @@ from mpitrain.parallel.context import (
     split_sequence,
     zigzag_positions,
 )
-from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
-from tests.test_train_parity import final_params
+from tests.mpi_helpers import run_python_mpi_results
+from tests.test_train_parity import run_training
 
 RTOL = 1e-10
 
@@ -156,13 +154,7 @@ def test_ring_attention_equals_one_process_and_sends_the_ring_bytes(cp):
 def train_run(n_ranks, run_dir, *overrides, resume=None, expect=0):
     settings = ["data.synthetic=true", "precision.compute=float64", "train.steps=10", "train.eval_batches=1",
                 *overrides]
-    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
-    for setting in settings:
-        args += ["--set", setting]
-    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=300)
-    assert result.returncode == expect, describe(result)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return metrics, final_params(run_dir)
+    return run_training(n_ranks, run_dir, settings, resume=resume, expect=expect, timeout=300)
 
 
 def assert_same_run(reference, other, what):

@@ -2,16 +2,12 @@
 float64 parity of the layouts against one process."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from mpitrain.backend import make_backend
-from mpitrain.checkpoint.store import Checkpoint
 from mpitrain.config import LoraConfig, ModelConfig
 from mpitrain.data.prepare import prepare_dataset
-from mpitrain.generate import resolve_checkpoint
 from mpitrain.layers.lora import merge
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper
@@ -19,6 +15,7 @@ from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.params import init_tensor
 from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import describe, run_mpi
+from tests.test_train_parity import run_training
 
 TARGETS = {"gpt2": ["wq", "wk", "wv", "wo", "w_fc", "w_proj"], "llama": ["wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                                        "w_down"]}
@@ -204,16 +201,7 @@ LORA = ["lora.rank=4", "lora.alpha=8.0", 'lora.targets=["wq", "wk", "wv", "wo", 
 
 def train_run(n_ranks, run_dir, dataset, *overrides, resume=None, expect=0):
     settings = [f"data.path={dataset}", "precision.compute=float64", "train.steps=6", *LORA, *overrides]
-    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
-    for setting in settings:
-        args += ["--set", setting]
-    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=300)
-    assert result.returncode == expect, describe(result)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    checkpoint = Checkpoint.open(resolve_checkpoint(run_dir))
-    params = {name: checkpoint.read_box("param", name, (0,) * len(info["global_shape"]), info["global_shape"],
-                                        np.float64) for name, info in checkpoint.tensors().items()}
-    return metrics, params
+    return run_training(n_ranks, run_dir, settings, resume=resume, expect=expect, timeout=300)
 
 
 @pytest.fixture(scope="module")

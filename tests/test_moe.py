@@ -3,8 +3,6 @@ differences (router and auxiliary losses included), capacity dropping, the dispa
 parity of ep layouts (with dp, tp, pp) against one process, step by step."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,6 @@ from mpitrain.layers.moe import MoE, inactive_params
 from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.parallel.expert import ExpertParallel
-from tests.mpi_helpers import describe, run_mpi
 
 
 def make_layer(arch="gpt2", experts=4, top_k=2, capacity_factor=0.0, seed=0):
@@ -213,18 +210,10 @@ RTOL = 1e-10
 
 
 def train_run(n_ranks, run_dir, *overrides, steps=10, resume=None, expect=0):
-    from tests.test_train_parity import final_params
+    from tests.test_train_parity import run_training
     settings = ["data.synthetic=true", "precision.compute=float64", f"train.steps={steps}", "train.micro_batch=2",
                 "train.eval_batches=1", *overrides]
-    args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir)]
-    for setting in settings:
-        args += ["--set", setting]
-    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=300)
-    assert result.returncode == expect, describe(result)
-    if expect:
-        return None
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return metrics, final_params(run_dir)
+    return run_training(n_ranks, run_dir, settings, resume=resume, expect=expect, timeout=300)
 
 
 def assert_same_run(reference, other):

@@ -27,11 +27,16 @@ def dataset(tmp_path_factory):
 
 def train_run(n_ranks, run_dir, dataset, *overrides, config="configs/tiny.toml"):
     settings = [f"data.path={dataset}", "precision.compute=float64", "train.steps=10", *overrides]
+    return run_training(n_ranks, run_dir, settings, config=config)
+
+
+def run_training(n_ranks, run_dir, settings, config="configs/tiny.toml", resume=None, expect=0, timeout=180):
+    """`mpitrain train CONFIG --set ...` on n_ranks, its exit status checked: (metrics rows, final full tensors)."""
     args = ["-m", "mpitrain", "train", config, "--out", str(run_dir)]
     for setting in settings:
         args += ["--set", setting]
-    result = run_mpi(n_ranks, args, timeout=180)
-    assert result.returncode == 0, describe(result)
+    result = run_mpi(n_ranks, args + (["--resume", resume] if resume else []), timeout=timeout)
+    assert result.returncode == expect, describe(result)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return metrics, final_params(run_dir)
 
