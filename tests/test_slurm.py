@@ -141,13 +141,16 @@ class Job:
                 next_poll = now + 1.0
             time.sleep(interval)
 
-    def wait_until_completed(self, timeout: float):
+    def wait_until_finished(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while self.poll() not in FINISHED and self.state != "UNKNOWN":
             if time.monotonic() > deadline:
                 self.fail(f"not finished within {timeout:.0f} s")
             time.sleep(0.5)
-        if self.state != "COMPLETED":
+        return self.state
+
+    def wait_until_completed(self, timeout: float):
+        if self.wait_until_finished(timeout) != "COMPLETED":
             self.fail("did not complete")
 
     def cancel(self):
@@ -350,11 +353,7 @@ def test_no_restart_without_time_for_the_next_checkpoint(slurm_env, jobs, tmp_pa
               {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAULT": "kill:rank=1:step=7",
                "MPITRAIN_MIN_ATTEMPT_S": "100000"})
     jobs.append(job)
-    deadline = time.monotonic() + 240
-    while job.poll() not in FINISHED and job.state != "UNKNOWN":
-        if time.monotonic() > deadline:
-            job.fail("not finished within 240 s")
-        time.sleep(0.5)
+    job.wait_until_finished(240)
     log = job.log()
     assert job.state == "FAILED", f"{job.state}\n{log}"
     left = re.search(r"attempt 0 failed; (\d+)s left in the allocation, an attempt needs ~100000s to reach its next "
@@ -435,11 +434,7 @@ def test_tensor_parallel_across_nodes_is_refused(slurm_env, jobs, tmp_path, data
               {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable, "MPITRAIN_FAILURE_RESTARTS": "0"},
               shape=("--nodes=2", "--ntasks-per-node=1"))
     jobs.append(job)
-    deadline = time.monotonic() + 180
-    while job.poll() not in FINISHED and job.state != "UNKNOWN":
-        if time.monotonic() > deadline:
-            job.fail("not finished within 180 s")
-        time.sleep(0.5)
+    job.wait_until_finished(180)
     log = job.log()
     assert job.state == "FAILED", f"{job.state}\n{log}"
     assert (f"parallel.tp = 2 puts tp group [0, 1] on several nodes ({first}, {second}): tp exchanges activations "
