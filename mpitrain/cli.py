@@ -131,8 +131,10 @@ def launch(n_ranks, max_restarts, config, train_args):
 @click.option("--temperature", type=float, default=0.8, show_default=True)
 @click.option("--top-k", type=int, default=0, help="Sample among the k likeliest tokens (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kv-cache/--no-kv-cache", default=True, show_default=True,
+              help="Keep keys and values of past positions (one position per new token) or rerun the window.")
 @_user_errors
-def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed):
+def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed, kv_cache):
     """Sample text from a trained model: a run directory (its newest checkpoint whose checksums verify, falling back
     past broken ones) or a step_* checkpoint directory (which must verify)."""
     from mpitrain.generate import load_checkpoint_model, sample
@@ -140,7 +142,7 @@ def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed):
     if tokenizer is None:
         raise MpitrainError(f"{checkpoint} has no tokenizer to sample text with (trained on synthetic data, or "
                             f"imported from a Hugging Face folder without tokenizer.json)")
-    click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed))
+    click.echo(sample(model, state, tokenizer, prompt, n_tokens, temperature, top_k, seed, kv_cache))
 
 
 # ----------------------------------------------------------------------------- ckpt

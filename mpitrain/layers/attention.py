@@ -109,6 +109,21 @@ class Attention:
             saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
         return y, saved
 
+    def decode(self, p, x, ctx, cache):
+        """Generation (forward only, nothing saved): x holds the new positions ctx["positions"] (the ones after
+        `cache`, this block's layers/kv_cache.LayerCache); their keys and values are appended to it and their
+        queries attend to every cached position, causally among themselves."""
+        p = self.local(p)
+        (q, k, v), _ = self.qkv.forward(p, x)
+        q, k, v = head_view(q, self.heads), head_view(k, self.kv_heads), head_view(v, self.kv_heads)
+        if self.rope:  # keys are cached rotated: a position's angle depends on that position only
+            q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
+        past = cache.length
+        keys, values = cache.append(k, v)
+        bias = ops.causal_bias(q.shape[2], past + q.shape[2], ctx["xp"], q.dtype, offset=past)
+        (out, _), _ = ops.attention_forward(q, keys, values, bias)
+        return self.out.forward(p, merge_heads(out))[0]
+
     def backward(self, p, g, s, dy, deferred=None):
         p, g = self.local(p), self.local(g)
         d_out = self.out.backward(p, g, s["out"], dy, deferred)

@@ -251,3 +251,26 @@ class GPT:
                 x, _ = unit.forward(p, x, ctx)
             self._release(state, i, "forward")
         return x
+
+    def decode(self, state, tokens, cache):
+        """Logits (B, V) of the last of `tokens` (B, t): the t positions after the `cache.length` that `cache`
+        (layers/kv_cache.KVCache) holds, whose keys and values are appended to it. t > 1 is a prefill. A whole
+        tp = 1 model, as last_logits; the rotary tables are rows of the full window's, so positions match it."""
+        past, t = cache.length, tokens.shape[1]
+        if past + t > self.cfg.seq_len:
+            raise ValueError(f"decode: {past} cached + {t} new positions exceed model.seq_len {self.cfg.seq_len}")
+        window, rows = self.context(self.cfg.seq_len), slice(past, past + t)
+        ctx = {"xp": window["xp"], "positions": window["positions"][rows]}
+        if "cos" in window:
+            ctx["cos"], ctx["sin"] = window["cos"][rows], window["sin"][rows]
+        x, head = tokens, len(self.units) - 1
+        for i, unit in enumerate(self.units):
+            p = self._params(state, i, "forward")
+            if i == 0:
+                x, _ = unit.forward(p, x, ctx)
+            elif i == head:
+                x = unit.logits(p, x[:, -1:])[:, 0]
+            else:
+                x = unit.decode(p, x, ctx, cache.layers[i - 1])
+            self._release(state, i, "forward")
+        return x

@@ -110,6 +110,11 @@ class Block(Unit):
         mlp, mlp_saved = self.mlp.forward(p, h2, ctx)
         return x1 + mlp, {"norm1": norm1, "attention": attention_saved, "norm2": norm2, "mlp": mlp_saved}
 
+    def decode(self, p, x, ctx, cache):
+        """Generation: the new positions against `cache` (this block's keys and values), nothing saved."""
+        x1 = x + self.attention.decode(p, self.norm1.forward(p, x)[0], ctx, cache)
+        return x1 + self.mlp.forward(p, self.norm2.forward(p, x1)[0], ctx)[0]
+
     def backward(self, p, g, s, dy, deferred=None):
         if self.recompute != "none":
             s = recompute.restore(self, p, s)
