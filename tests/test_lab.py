@@ -45,6 +45,20 @@ def test_a_lab_check_can_fail(results):
     assert not Row("t", "f", "1", 1.0, 2.0).holds and Row("t", "f", "1 ms").holds  # times are never checked
 
 
+def test_the_roofline_checks_can_fail(results):
+    """A cache that forgot to count the new keys it writes, or a training micro-batch whose saved state is not what
+    the layers declare, or one too small to reuse its weights, is caught."""
+    from mpitrain.lab import roofline
+    result = copy.deepcopy(lab_result(results, "roofline"))
+    result["decode"]["cache_bytes"] -= result["decode"]["steps"] * 2 * result["n_layer"] * result["kv"] * 4
+    result["training"]["saved"] += 4
+    result["training"]["flops_per_token"] /= 100
+    failing = [row.claim for row in roofline.rows(result) if not row.holds]
+    assert any("decode bytes" in claim for claim in failing), failing
+    assert any("training bytes" in claim for claim in failing), failing
+    assert any("compute-bound" in claim for claim in failing), failing
+
+
 def test_lab_command_lists_and_names_an_unknown_lab():
     runner = CliRunner()
     listed = runner.invoke(main, ["lab", "list"])

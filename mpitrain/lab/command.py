@@ -19,7 +19,8 @@ def lab_command(name, quick, png_path):
     if name == "list":
         for lab in LABS.values():
             click.echo(f"{lab.NAME:10s} {lab.TITLE}")
-        click.echo(f"(not built yet: {', '.join(NOT_BUILT)})")
+        if NOT_BUILT:
+            click.echo(f"(not built yet: {', '.join(NOT_BUILT)})")
         return
     if name not in LABS:
         raise click.ClickException(f"no lab '{name}'; labs: {', '.join(LABS)} (mpitrain lab list)")

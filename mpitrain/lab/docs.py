@@ -26,7 +26,7 @@ def main(quick: bool) -> None:
     pictures.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()} Linux, Python {platform.python_version()}"
     parts = [HEADER.format(mode="--quick mode" if quick else "full mode", built=", ".join(LABS),
-                           not_built=", ".join(NOT_BUILT), machine=machine,
+                           not_built=", ".join(NOT_BUILT) or "none", machine=machine,
                            when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))]
     for name, lab in LABS.items():
         started = time.perf_counter()
