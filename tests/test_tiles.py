@@ -46,15 +46,20 @@ def _attention_inputs(rng, n_head=4, n_kv_head=2, t_q=7, t_k=11, b=2, d=4):
             rng.normal(size=(b, n_kv_head, t_k, d)), rng.normal(size=(b, n_head, t_q, d)))
 
 
-@pytest.mark.parametrize("bias", ["causal-offset", "causal-square", "zeros", "scalar"])
+@pytest.mark.parametrize("bias", ["causal-offset", "causal-square", "band", "zeros", "scalar"])
 def test_tiled_attention_equals_the_whole_array_formula(tiny_tiles, bias):
     """Skipped key blocks are exactly the masked ones: out, lse, the saved probabilities (exact zeros where masked)
-    and the three gradients agree with the one-product formula to rounding."""
+    and the three gradients agree with the one-product formula to rounding. The band (each query sees its 3 latest
+    keys, two rows more) gives blocks whose key spans start past 0 and overlap only in part: backward's widest span
+    writes dk/dv, the others add to it."""
     rng = np.random.default_rng(1)
-    q, k, v, dout = _attention_inputs(rng, t_q=7 if bias != "causal-square" else 11)
+    q, k, v, dout = _attention_inputs(rng, t_q=7 if bias not in ("causal-square", "band") else 11)
     t_q, t_k = q.shape[2], k.shape[2]
+    band = ops.causal_bias(t_q, t_k, np, np.float64)
+    band[np.arange(t_k)[None, :] < np.arange(t_q)[:, None] - 2] = -np.inf
+    band[4:6, 1:9] = 0.0  # the widest key span lies inside: its writes leave keys on both sides to zero
     mask = {"causal-offset": ops.causal_bias(t_q, t_k, np, np.float64, offset=t_k - t_q),
-            "causal-square": ops.causal_bias(t_q, t_k, np, np.float64),
+            "causal-square": ops.causal_bias(t_q, t_k, np, np.float64), "band": band,
             "zeros": np.zeros((t_q, t_k)), "scalar": 0.0}[bias]
     (out, lse), saved = ops.attention_forward(q, k, v, mask)
     (ref_out, ref_lse), ref_saved = ops._attention_forward_whole(q, k, v, mask)

@@ -6,7 +6,12 @@ and block, and the softmax's elementwise passes run over the whole stack at once
 on the small (128 x 64)(64 x keys) products, and Python overhead per product was a large part of the time).
 
 A block skips the keys its bias masks for every row of the block (the causal future: about half of the work); those
-probabilities are exact zeros, and backward skips the same columns by finding them in the saved probabilities.
+probabilities are exact zeros, and backward skips the same columns (the spans travel in the saved state). The bias
+is added only from the first column where it is non-zero for some row of the block (the causal diagonal).
+
+Backward uses FlashAttention's identity sum_j P_ij dP_ij = dO_i . O_i (a (rows, D) product instead of a pass over
+the (rows, keys) block), with O the forward's output, saved as a view of the buffer the output projection keeps
+anyway (no extra memory). Each chunk's widest key span writes dk/dv (matmul out=), the other blocks add to it.
 
 The outputs (out, dq, dk, dv) are (B, heads, T, D) views of (B, T, heads, D) buffers: attention.merge_heads then
 needs no copy to give the (B, T, heads * D) rows the output projection and the QKV linear take. Chunks of batch rows
@@ -49,21 +54,22 @@ def attention_forward(q, k, v, bias):
     spans = _key_spans(bias, t, tk)
     scale = 1.0 / math.sqrt(d)
     biased = getattr(bias, "ndim", 0) > 0
+    bias_starts = [_first_nonzero_column(bias[q0:q1], k0, k1) if biased else k0 for q0, q1, k0, k1 in spans]
     if not biased and bias is not None and float(bias) == 0.0:
         bias = None  # adding 0.0 changes nothing
 
     def chunk(b0, b1):
-        for q0, q1, k0, k1 in spans:
+        for (q0, q1, k0, k1), bias_from in zip(spans, bias_starts):
             s = probs[b0:b1, :, :, q0:q1]
             s[..., :k0] = 0.0
             s[..., k1:] = 0.0
-            s = s[..., k0:k1]
             # scaling the (rows, D) queries instead of the (rows, keys) scores saves a pass over the scores
-            np.matmul(qg[b0:b1, :, :, q0:q1] * scale, k_t[b0:b1, ..., k0:k1], out=s)
+            np.matmul(qg[b0:b1, :, :, q0:q1] * scale, k_t[b0:b1, ..., k0:k1], out=s[..., k0:k1])
             if biased:
-                s += bias[q0:q1, k0:k1]
+                s[..., bias_from:k1] += bias[q0:q1, bias_from:k1]  # adding exact zeros changes nothing
             elif bias is not None:
-                s += bias
+                s[..., k0:k1] += bias
+            s = s[..., k0:k1]
             row_max = s.max(axis=-1, keepdims=True)
             s -= row_max
             np.exp(s, out=s)
@@ -75,7 +81,13 @@ def attention_forward(q, k, v, bias):
 
     _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
     probs = probs.reshape(b, hkv, group * t, tk)
-    return (out, lse.reshape(b, h, t)), (q, k, v, probs)
+    return (out, lse.reshape(b, h, t)), (q, k, v, probs, out, tuple(spans))
+
+
+def _first_nonzero_column(bias_rows, k0, k1):
+    """The first column of [k0, k1) where some row of the block's bias is not 0 (k1 if none)."""
+    nonzero = np.flatnonzero((bias_rows[:, k0:k1] != 0).any(axis=0))
+    return k0 + int(nonzero[0]) if nonzero.size else k1
 
 
 def _key_spans(bias, t_q, t_k):
@@ -96,50 +108,55 @@ def _key_spans(bias, t_q, t_k):
 
 
 def attention_backward(saved, dout):
-    q, k, v, probs = saved
+    q, k, v, probs, out, spans = saved
     b, h, t, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     group = h // hkv
     probs = probs.reshape(b, hkv, group, t, tk)
     qg, dout_g = q.reshape(b, hkv, group, t, d), dout.reshape(b, hkv, group, t, d)
+    out_g = out.reshape(b, hkv, group, t, d)
     dq = _heads_last(q.shape, dout.dtype)
-    dk, dv = _heads_last(k.shape, dout.dtype, zeros=True), _heads_last(v.shape, dout.dtype, zeros=True)
+    dk, dv = _heads_last(k.shape, dout.dtype), _heads_last(v.shape, dout.dtype)
     dq_g = dq.reshape(b, hkv, group, t, d)
     k_g, v_t = k[:, :, None], v.swapaxes(-1, -2)[:, :, None]
     scale = 1.0 / math.sqrt(d)
+    # the widest key span first: it writes its dk/dv rows (and zeros the keys it leaves out), later blocks add
+    order = sorted(spans, key=lambda span: span[2] - span[3])
 
     def chunk(b0, b1):
-        # keys where every row of a block (over the chunk's heads) has probability exactly 0 contribute exactly 0
-        for q0, q1, k0, k1 in _nonzero_spans(probs[b0:b1]):
+        # softmax backward: ds = p * (dp - D), D_i = sum_j p_ij dp_ij = dO_i . O_i
+        row_dots = np.vecdot(dout_g[b0:b1], out_g[b0:b1])[..., None]
+        for index, (q0, q1, k0, k1) in enumerate(order):
             p, do = probs[b0:b1, :, :, q0:q1, k0:k1], dout_g[b0:b1, :, :, q0:q1]
-            dv[b0:b1, :, k0:k1] += _sum_group(p.swapaxes(-1, -2) @ do)  # sums over the query heads of each group
-            # softmax backward: ds = p * (dp - sum(dp * p))
+            dk_keys, dv_keys = dk[b0:b1, :, k0:k1], dv[b0:b1, :, k0:k1]
+            if index == 0:
+                for grad in (dk, dv):
+                    grad[b0:b1, :, :k0] = 0.0
+                    grad[b0:b1, :, k1:] = 0.0
+            _add_product(dv_keys, p.swapaxes(-1, -2), do, write=index == 0)  # sums over the group's query heads
             ds = do @ v_t[b0:b1, ..., k0:k1]
-            ds -= np.vecdot(ds, p)[..., None]  # vecdot: the row sums of ds * p without a temporary
+            ds -= row_dots[:, :, :, q0:q1]
             ds *= p
             # the score scale goes on the (rows, D) products, not on the (rows, keys) ds
             dq_block = dq_g[b0:b1, :, :, q0:q1]
             np.matmul(ds, k_g[b0:b1, :, :, k0:k1], out=dq_block)
             dq_block *= scale
-            dk[b0:b1, :, k0:k1] += _sum_group(ds.swapaxes(-1, -2) @ (qg[b0:b1, :, :, q0:q1] * scale))
+            _add_product(dk_keys, ds.swapaxes(-1, -2), qg[b0:b1, :, :, q0:q1] * scale, write=index == 0)
 
     _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
     return dq, dk, dv
 
 
+def _add_product(target, a, b, write: bool):
+    """target (B, Hkv, keys, D) = (write) or += (not write) the sum over the group axis of a @ b (B, Hkv, G, ...)."""
+    if write and a.shape[2] == 1:
+        np.matmul(a, b, out=target[:, :, None])
+    elif write:
+        np.sum(a @ b, axis=2, out=target)
+    else:
+        target += _sum_group(a @ b)
+
+
 def _sum_group(x):
     """(B, Hkv, G, ...) -> (B, Hkv, ...): the query heads of a group share their K/V head's gradient."""
     return x[:, :, 0] if x.shape[2] == 1 else x.sum(axis=2)
-
-
-def _nonzero_spans(probs):
-    """[(q0, q1, k0, k1)] per block of query rows: the key columns outside of which the probabilities (B, Hkv, G,
-    T, Tk) of every head are all exactly 0 (NaN counts as non-zero)."""
-    t, t_k = probs.shape[-2:]
-    starts = list(range(0, t, QUERY_BLOCK))
-    # probabilities are >= 0 or NaN, so a block's column is non-zero where its maximum is (a max is a fast pass)
-    nonzero = np.maximum.reduceat(probs.max(axis=(0, 1, 2)), starts, axis=0) != 0  # (blocks, Tk)
-    first, last = nonzero.argmax(axis=1), t_k - nonzero[:, ::-1].argmax(axis=1)
-    last[~nonzero.any(axis=1)] = 0  # an all-zero block: no keys, its dq rows are zeros
-    return [(q0, min(q0 + QUERY_BLOCK, t), int(k0), max(int(k0), int(k1)))
-            for q0, k0, k1 in zip(starts, first, last)]

@@ -279,8 +279,9 @@ def attention_forward(q, k, v, bias):
 
     q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv; bias (Tq, Tk) or a scalar, e.g. causal_bias
     with the block's position offset, so that a block of queries can be run against a block of keys (context
-    parallelism). saved holds the probabilities (B, Hkv, G*Tq, Tk): query heads that share a key/value head are
-    stacked along the time axis, so K/V are never copied.
+    parallelism). saved holds q, k, v and the probabilities (B, Hkv, G*Tq, Tk): query heads that share a key/value
+    head are stacked along the time axis, so K/V are never copied (on numpy also the output, for backward's
+    rowsum(dO * O), and the key spans the blocks used).
 
     On numpy the work runs in layers/attention_core.py (blocks of query rows, one product per block over a stack
     of heads, masked key blocks skipped); CuPy takes the whole batch in one product.

@@ -56,7 +56,8 @@ def _down(tree, dtype, originals: dict):
     if id(tree) in originals:
         return originals[id(tree)]
     if getattr(tree, "dtype", None) == np.float32 and tree.ndim > 0:
-        return tree.astype(dtype)
+        originals[id(tree)] = rounded = tree.astype(dtype)  # an output returned twice stays one array
+        return rounded
     return tree
 
 
