@@ -1,4 +1,5 @@
-"""Regenerate docs/labs.md and docs/labs/NAME.png from real runs: `python -m mpitrain.lab.docs [--quick]`."""
+"""Regenerate docs/labs.md and docs/labs/NAME.png from real runs: `python -m mpitrain.lab.docs [--quick] [NAME...]`
+(with names, only those labs run again: their sections are replaced and the others kept as they were)."""
 from __future__ import annotations
 
 import platform
@@ -21,24 +22,48 @@ Machine of this run: {machine}, {when}.
 """
 
 
-def main(quick: bool) -> None:
-    pictures = REPO_ROOT / "docs" / "labs"
+def main(quick: bool, names: list[str] | None = None) -> None:
+    pictures, page = REPO_ROOT / "docs" / "labs", REPO_ROOT / "docs" / "labs.md"
     pictures.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()} Linux, Python {platform.python_version()}"
-    parts = [HEADER.format(mode="--quick mode" if quick else "full mode", built=", ".join(LABS),
+    header = HEADER.format(mode="--quick mode" if quick else "full mode", built=", ".join(LABS),
                            not_built=", ".join(NOT_BUILT) or "none", machine=machine,
-                           when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))]
+                           when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    old = page.read_text() if names and page.is_file() else ""
+    sections = _sections(old)
     for name, lab in LABS.items():
+        if names and name not in names:
+            continue
         started = time.perf_counter()
         report, _ = run_lab(lab, quick, pictures / f"{name}.png")
         seconds = time.perf_counter() - started
         command = f"mpitrain lab {name}{' --quick' if quick else ''}"
         ranks = f"{lab.ranks(quick)} rank" + ("s" if lab.ranks(quick) > 1 else "")
-        parts.append(f"## {name}\n\n`{command}` ({ranks}, {seconds:.0f} s here)\n\n"
-                     f"```\n{report}\n```\n\n![{name}](labs/{name}.png)\n\n{lab.NOTICE}\n")
+        sections[name] = (f"## {name}\n\n`{command}` ({ranks}, {seconds:.0f} s here)\n\n"
+                          f"```\n{report}\n```\n\n![{name}](labs/{name}.png)\n\n{lab.NOTICE}\n")
         print(f"{name}: {seconds:.0f} s", flush=True)
-    (REPO_ROOT / "docs" / "labs.md").write_text("\n".join(parts))
+    earlier = [line for line in old.split("\n## ")[0].splitlines() if _still_named(line, names)]
+    if earlier:  # the earlier runs stay named, and the header says when these sections were made
+        header = header.replace("Machine of this run", "\n".join(earlier + [f"Sections {', '.join(names)} rerun on"]))
+    page.write_text("\n".join([header] + [sections[name] for name in LABS if name in sections]))
+
+
+def _still_named(line: str, names: list[str]) -> bool:
+    """A header line that dates sections still on the page: the first run's, or a rerun of some not rerun now."""
+    if line.startswith("Machine of this run"):
+        return True
+    return line.startswith("Sections ") and not set(line[9:line.find(" rerun")].split(", ")) <= set(names)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """The lab sections of an existing page, by name."""
+    chunks = text.split("\n## ")[1:]
+    return {chunk.split("\n", 1)[0].strip(): "## " + chunk for chunk in chunks}
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv[1:])
+    arguments = sys.argv[1:]
+    unknown = [name for name in arguments if name != "--quick" and name not in LABS]
+    if unknown:
+        sys.exit(f"no lab {', '.join(unknown)}; labs: {', '.join(LABS)}")
+    main("--quick" in arguments, [name for name in arguments if name != "--quick"])
