@@ -16,9 +16,9 @@ from mpitrain.state.replicated import ReplicatedState
 
 SEQ = 16
 VARIANTS = {
-    "gpt2": dict(arch="gpt2"),  # learned positions, tied head, biases
-    "llama-gqa": dict(arch="llama", n_kv_head=2),  # RoPE, 4 query heads sharing 2 cached K/V heads
-    "llama-moe": dict(arch="llama", moe={"experts": 4, "top_k": 2}),  # dropless routing is per token
+    "gpt2": {"arch": "gpt2"},  # learned positions, tied head, biases
+    "llama-gqa": {"arch": "llama", "n_kv_head": 2},  # RoPE, 4 query heads sharing 2 cached K/V heads
+    "llama-moe": {"arch": "llama", "moe": {"experts": 4, "top_k": 2}},  # dropless routing is per token
 }
 
 
