@@ -7,7 +7,8 @@ position's rotation depends only on its own absolute position, so a cached key n
 
 The arrays are allocated once, (B, kv heads, capacity, head dim) per block, with capacity = model.seq_len (the
 longest window the model was trained on; gpt2 has no learned position past it). Grouped-query attention caches only
-the n_kv_head heads: the saving GQA exists for.
+the n_kv_head heads: the saving GQA exists for. MoE blocks route each new token alone: equal to the window's forward
+when dropless (capacity_factor 0); with a capacity, the window's forward may drop picks that a lone token never loses.
 
 The cache also counts what it moves (bytes read and written, keys attended), for the roofline lab's bytes-per-step
 model (mpitrain/lab/roofline.py); counting is a few integer additions per block.
