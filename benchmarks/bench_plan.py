@@ -1,66 +1,89 @@
 #!/usr/bin/env python
-"""`mpitrain plan` against the clock: predicted vs measured step time for a few layouts on 2 local ranks.
+"""`mpitrain plan` against the clock: predicted vs measured step time of 13 layouts on 2 local ranks.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_plan.py [--config configs/bench-small.toml] [--steps 5]
+    OMP_NUM_THREADS=1 python benchmarks/bench_plan.py [--config configs/bench-small.toml] [--steps 4] [--only a,b]
 
-The cluster is configs/clusters/this-machine.toml (written first by `mpitrain plan calibrate -n 2` when missing).
-Each layout runs `mpitrain bench step` under mpiexec -n 2 (median of --steps timed steps); the plan's prediction for
-the same layout is printed beside it with the ratio, and the predicted per-rank bytes. Nothing is asserted (clock
-readings belong here, not in tests); the last line is one JSON object with every number.
+The cluster is configs/clusters/this-machine.toml, written first by `mpitrain plan calibrate -n 2` (--no-calibrate:
+reuse the file there), so that calibration and measurement see the same load on the machine. Each layout runs
+`mpitrain bench step` under mpiexec -n 2 (median of --steps timed steps, after 2 warm-up steps); the plan's
+prediction for the same layout is printed beside it with the ratio predicted / measured and the predicted per-rank
+bytes. The layouts cover data parallelism at ZeRO 0-3, tensor parallelism, each pipeline schedule, context and
+expert parallelism, full recomputation and optimizer offload.
+Nothing is asserted (clock readings belong here, not in tests); the last line counts the layouts within 15%.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import tempfile
 
 from bench_parallel import run  # the same 2-rank `bench step` runner (run as a script: benchmarks/ is on sys.path)
 
 from mpitrain.config import load_config
-from mpitrain.plan.clusters import CLUSTER_DIR, calibrate, load_cluster
+from mpitrain.plan.calibrate import calibrate
+from mpitrain.plan.clusters import CLUSTER_DIR, load_cluster
 from mpitrain.plan.cost import Layout, estimate
 
+MOE = ["model.moe={experts = 4, top_k = 2}"]
+# name -> (Layout on 2 ranks, the base config's keys it needs). global batch 8: micro-batch 4 on dp 2 is one
+# micro-batch per rank; micro-batch 2 on pp 2 is four, the fewest that every schedule (interleaved too) accepts.
 LAYOUTS = {
-    "dp2": Layout(dp=2, tp=1, pp=1, zero=0, micro_batch=4),
-    "dp2-zero1": Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4),
-    "dp2-zero3": Layout(dp=2, tp=1, pp=1, zero=3, micro_batch=4),
-    "tp2": Layout(dp=1, tp=2, pp=1, zero=0, micro_batch=4),
-    "pp2-1f1b": Layout(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b"),
-    "dp2-full-recompute": Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4, recompute="full"),
+    "dp2-zero0": (Layout(dp=2, tp=1, pp=1, zero=0, micro_batch=4), []),
+    "dp2-zero1": (Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4), []),
+    "dp2-zero2": (Layout(dp=2, tp=1, pp=1, zero=2, micro_batch=4), []),
+    "dp2-zero3": (Layout(dp=2, tp=1, pp=1, zero=3, micro_batch=4), []),
+    "tp2": (Layout(dp=1, tp=2, pp=1, zero=0, micro_batch=4), []),
+    "pp2-gpipe": (Layout(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="gpipe"), []),
+    "pp2-1f1b": (Layout(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b"), []),
+    "pp2-zb1p": (Layout(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="zb1p"), []),
+    "pp2-interleaved": (Layout(dp=1, tp=1, pp=2, zero=0, micro_batch=2, schedule="interleaved",
+                               virtual_stages=2), []),
+    "cp2": (Layout(dp=1, tp=1, pp=1, cp=2, zero=1, micro_batch=4), []),
+    "ep2-moe": (Layout(dp=2, tp=1, pp=1, ep=2, zero=0, micro_batch=4), MOE),
+    "dp2-full-recompute": (Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4, recompute="full"), []),
+    "dp2-offload-disk": (Layout(dp=2, tp=1, pp=1, zero=1, micro_batch=4, offload="disk"), []),
 }
 
 
 def overrides(layout: Layout) -> list[str]:
-    return [f"parallel.dp={layout.dp}", f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}",
-            f"parallel.zero={layout.zero}", f"train.micro_batch={layout.micro_batch}",
-            f"parallel.sequence_parallel={'true' if layout.tp > 1 else 'false'}",
-            f"parallel.schedule=\"{layout.schedule}\"", f"memory.recompute=\"{layout.recompute}\""]
-
-
-def measure(config: str, layout: Layout, steps: int) -> dict:
-    return run(config, overrides(layout), steps, timeout=900)
+    return [f"parallel.{key}={getattr(layout, key)}" for key in ("dp", "tp", "pp", "cp", "ep", "zero",
+                                                                  "virtual_stages")] + [
+        f"train.micro_batch={layout.micro_batch}", f"parallel.sequence_parallel={'true' if layout.tp > 1 else 'false'}",
+        f"parallel.schedule=\"{layout.schedule}\"", f"memory.recompute=\"{layout.recompute}\"",
+        f"memory.offload=\"{layout.offload}\""]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/bench-small.toml")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument("--no-calibrate", action="store_true", help="reuse configs/clusters/this-machine.toml")
     args = parser.parse_args()
-    if not (CLUSTER_DIR / "this-machine.toml").is_file():
+    if not args.no_calibrate or not (CLUSTER_DIR / "this-machine.toml").is_file():
         calibrate(CLUSTER_DIR / "this-machine.toml", 2)
     cluster = load_cluster("this-machine")
-    base = load_config(args.config)
+    names = args.only.split(",") if args.only else list(LAYOUTS)
     print(f"{'layout':<20} {'predicted ms':>12} {'measured ms':>12} {'ratio':>6} {'bytes/rank':>11}  bottleneck")
     rows = {}
-    for name, layout in LAYOUTS.items():
-        predicted = estimate(base, layout, cluster)
-        measured = measure(args.config, layout, args.steps)
-        ratio = predicted["step_s"] / measured["step_time_s"]
-        rows[name] = {"predicted_s": predicted["step_s"], "measured_s": measured["step_time_s"], "ratio": ratio,
-                      "predicted_bytes": predicted["memory"]["held"], "parts": predicted["parts"]}
-        print(f"{name:<20} {1000 * predicted['step_s']:12.1f} {1000 * measured['step_time_s']:12.1f} {ratio:6.2f} "
-              f"{predicted['memory']['held'] / 2**20:9.1f}Mi  {predicted['bottleneck']}", flush=True)
+    with tempfile.TemporaryDirectory() as offload_dir:
+        for name in names:
+            layout, extra = LAYOUTS[name]
+            predicted = estimate(load_config(args.config, extra), layout, cluster)
+            settings = overrides(layout) + extra + [f"memory.offload_dir=\"{offload_dir}\""]
+            measured = run(args.config, settings, args.steps, timeout=900)
+            ratio = predicted["step_s"] / measured["step_time_s"]
+            rows[name] = {"predicted_s": predicted["step_s"], "measured_s": measured["step_time_s"], "ratio": ratio,
+                          "predicted_bytes": predicted["memory"]["held"], "parts": predicted["parts"],
+                          "measured_parts": measured.get("breakdown")}
+            print(f"{name:<20} {1000 * predicted['step_s']:12.1f} {1000 * measured['step_time_s']:12.1f} "
+                  f"{ratio:6.2f} {predicted['memory']['held'] / 2**20:9.1f}Mi  {predicted['bottleneck']}", flush=True)
+    within = sum(abs(row["ratio"] - 1) <= 0.15 for row in rows.values())
     print(json.dumps({"cluster": cluster.name, "layouts": rows, "load": os.getloadavg()}))
+    ratios = sorted(row["ratio"] for row in rows.values())
+    print(f"within 15%: {within} of {len(rows)} layouts (ratios {ratios[0]:.2f}-{ratios[-1]:.2f}, "
+          f"load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
-"""Clusters for `mpitrain plan`: what a node offers (configs/clusters/*.toml), and `plan calibrate`, which writes
-configs/clusters/this-machine.toml from measurements on this host.
+"""Clusters for `mpitrain plan`: what a node offers (configs/clusters/*.toml; `mpitrain plan calibrate` writes
+configs/clusters/this-machine.toml from measurements on this host, mpitrain/plan/calibrate.py).
 
 A cluster file holds one node's numbers; the planner multiplies nodes as --gpus asks. Links are alpha-beta: one
 ring step of a collective costs `latency`, and each byte crosses a link at `bandwidth * efficiency` (the fraction
 of the datasheet number that collectives reach). A group whose ranks all sit in one node uses [intra]; one that
 spans nodes is limited by [inter], the per-GPU network bandwidth.
+
+Optional keys (OPTIONAL below; a file without them gets the defaults, which are the model for large GPUs):
+gemm_rows_half / gemm_cols_half, the GEMM shape curve's half-points; unit_overhead_s and step_overhead_s, fixed
+seconds per unit and micro-batch and per step (kernel launches, Python); optimizer_bandwidth, the bytes/s of the
+optimizer's passes over its state (default hbm_bandwidth); comm_overlap, the fraction of the compute that
+communication can hide behind (1: NCCL on its own engines; 0: collectives that need the computing cores).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +47,26 @@ class Cluster:
     host_bandwidth: float
     intra: Link
     inter: Link
+    gemm_rows_half: float = 256.0
+    gemm_cols_half: float = 128.0
+    unit_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    optimizer_bandwidth: float = 0.0  # 0: hbm_bandwidth
+    comm_overlap: float = 1.0
 
     @property
     def usable_bytes(self) -> float:
         return self.memory_bytes - self.reserved_bytes
 
+    @property
+    def optimizer_bytes_per_s(self) -> float:
+        return self.optimizer_bandwidth or self.hbm_bandwidth
+
 
 KEYS = ("name", "gpus_per_node", "memory_gb", "reserved_gb", "compute", "peak_flops", "matmul_efficiency",
         "hbm_bandwidth", "host_bandwidth")
+OPTIONAL = {"gemm_rows_half": 256.0, "gemm_cols_half": 128.0, "unit_overhead_s": 0.0, "step_overhead_s": 0.0,
+            "optimizer_bandwidth": 0.0, "comm_overlap": 1.0}
 
 
 def load_cluster(name_or_path: str) -> Cluster:
@@ -84,78 +97,20 @@ def load_cluster(name_or_path: str) -> Cluster:
           [f"{s}.{k}" for s, link in links.items() for k, v in vars(link).items() if not v > 0]
     if bad or int(raw["gpus_per_node"]) < 1:
         raise ConfigError(f"cluster file {path}: {', '.join(bad) or 'gpus_per_node'} must be > 0")
-    return Cluster(name=str(raw["name"]), source=str(path), gpus_per_node=int(raw["gpus_per_node"]),
+    optional = {key: float(raw.get(key, default)) for key, default in OPTIONAL.items()}
+    negative = [key for key, value in optional.items() if not value >= 0] + \
+        ["comm_overlap"] * (optional["comm_overlap"] > 1)
+    if negative:
+        raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1)")
+    return cluster_from_numbers({**raw, **numbers, **optional}, links["intra"], links["inter"], str(path))
+
+
+def cluster_from_numbers(numbers: dict, intra, inter, source: str) -> Cluster:
+    """A Cluster from a cluster file's keys (numbers already checked), its two links given as Link or dicts."""
+    intra, inter = (link if isinstance(link, Link) else Link(**link) for link in (intra, inter))
+    return Cluster(name=str(numbers["name"]), source=source, gpus_per_node=int(numbers["gpus_per_node"]),
                    memory_bytes=numbers["memory_gb"] * 1e9, reserved_bytes=numbers["reserved_gb"] * 1e9,
-                   compute=str(raw["compute"]), peak_flops=numbers["peak_flops"],
+                   compute=str(numbers["compute"]), peak_flops=numbers["peak_flops"],
                    matmul_efficiency=numbers["matmul_efficiency"], hbm_bandwidth=numbers["hbm_bandwidth"],
-                   host_bandwidth=numbers["host_bandwidth"], intra=links["intra"], inter=links["inter"])
-
-
-def calibrate(out_path: Path, ranks: int, say=print) -> dict:
-    """Measure this host (matmul FLOP/s at one rank's share of the cores, memory copy bandwidth, MPI alpha-beta
-    of all-reduce between `ranks` local ranks through `mpitrain bench comm`) and write a cluster file."""
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.backend import make_backend
-    from mpitrain.profile.comm_bench import memcpy_bandwidth
-    from mpitrain.profile.flops import measure_matmul_peak
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // ranks)
-    with threadpool_limits(threads):  # a rank's BLAS runs on its share of the cores (the launcher's setting)
-        peak = measure_matmul_peak(make_backend("cpu", "float32"), n=512, seconds=1.0)
-    bandwidth = memcpy_bandwidth() * 1e9 * 2  # a copy reads and writes each byte
-    efficiency = _model_efficiency(peak, threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        fit_path = Path(tmp) / "comm.json"
-        command = [sys.executable, "-m", "mpitrain", "bench", "comm", "-n", str(ranks), "--sizes", "4K..16M",
-                   "--ops", "all_reduce", "--json", str(fit_path)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 or not fit_path.is_file():
-            raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {done.stderr.strip()[-400:]}")
-        fit = json.loads(fit_path.read_text())["fit"]["all_reduce"]["world"]
-    # busbw is what each rank's link carries under the ring: the Link's bandwidth * efficiency
-    link = {"bandwidth": fit["busbw_GBps"] * 1e9, "efficiency": 1.0,
-            "latency": max(fit["alpha_s"] / max(2 * (ranks - 1), 1), 1e-7)}
-    numbers = {"name": f"this machine ({cores} cores, {ranks} ranks)", "gpus_per_node": ranks,
-               "memory_gb": _host_memory_bytes() / ranks / 1e9, "reserved_gb": 0.2, "compute": "float32",
-               "peak_flops": peak, "matmul_efficiency": efficiency, "hbm_bandwidth": bandwidth,
-               "host_bandwidth": bandwidth}
-    lines = ["# Written by `mpitrain plan calibrate`: measured on this host (a rank = a 'GPU'; MPI ranks share one",
-             f"# node). matmul: float32 {512}^3 on {threads} thread(s); bandwidth: numpy copy; links: all_reduce fit;",
-             f"# matmul_efficiency: one process's MFU on {CALIBRATION_MODEL} over the GEMM shape factor (the",
-             "# whole step's work beside the matmuls, Python included, charged to the matmuls).",
-             *(f"{key} = {json.dumps(value)}" for key, value in numbers.items())]
-    for section in ("intra", "inter"):
-        lines += ["", f"[{section}]", *(f"{key} = {json.dumps(value)}" for key, value in link.items())]
-    out_path.write_text("\n".join(lines) + "\n")
-    say(f"wrote {out_path}: matmul {peak / 1e9:.1f} GFLOP/s per rank, memory {bandwidth / 1e9:.1f} GB/s, "
-        f"all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, busbw {fit['busbw_GBps']:.2f} GB/s")
-    return numbers
-
-
-CALIBRATION_MODEL = "configs/bench-small.toml"
-
-
-def _model_efficiency(peak: float, threads: int) -> float:
-    """The fraction of the matmul peak a real training step reaches here (`mpitrain bench step`, one process),
-    divided by the GEMM shape factor the cost model applies to that model's shapes."""
-    from mpitrain.config import load_config
-    from mpitrain.plan.cost import gemm_shape_factor
-    root = CLUSTER_DIR.parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "mpitrain", "bench", "step", CALIBRATION_MODEL, "--steps", "3", "--warmup", "1",
-               "--set", f"logging.peak_flops={peak}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root, env=env)
-    if done.returncode != 0:
-        raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {done.stderr.strip()[-400:]}")
-    mfu = json.loads(done.stdout.strip().splitlines()[-1])["mfu"]
-    cfg = load_config(root / CALIBRATION_MODEL)
-    return min(1.0, mfu / gemm_shape_factor(cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model))
-
-
-def _host_memory_bytes() -> float:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError):
-        return 16e9
+                   host_bandwidth=numbers["host_bandwidth"], intra=intra, inter=inter,
+                   **{key: float(numbers.get(key, default)) for key, default in OPTIONAL.items()})

@@ -31,7 +31,8 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, as_json, emit_con
 
 def _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
     from mpitrain.plan import search as planner
-    from mpitrain.plan.clusters import CLUSTER_DIR, calibrate
+    from mpitrain.plan.calibrate import calibrate
+    from mpitrain.plan.clusters import CLUSTER_DIR
     if model == "calibrate":
         calibrate(Path(out_path or CLUSTER_DIR / "this-machine.toml"), ranks, say=click.echo)
         return

@@ -7,17 +7,21 @@ prefetched next).
 Time of one step on the slowest rank (the first pipeline stage):
 
     t_micro = matmul FLOPs / (peak * efficiency(shape)) + elementwise bytes / HBM bandwidth
+              + unit_overhead_s * units on the rank (fixed cost per unit: launches, Python)
               + tp collectives + cp ring (beyond the attention it hides behind) + MoE all-to-all
               + ZeRO-3 gathers beyond the compute they hide behind + pipeline sends
     t_step  = m * t_micro / (1 - bubble(schedule, p, m, v)) + exposed gradient reduction + ZeRO-1/2 parameter
-              all-gather + optimizer (over PCIe when offloaded)
+              all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
+              + step_overhead_s
 
 Collectives are rings (design.md): all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
 all-gather and reduce-scatter (n-1)/n in n-1. A group runs on the intra-node link when all its ranks share a node
 (mesh order pp, dp, cp, tp with tp fastest: a group of size n and stride s spans n*s consecutive ranks), else on
-the inter-node link. Gradient reduction overlaps the backward of the micro-batch that produces it; tp collectives
-sit on the critical path. GEMM efficiency falls for thin shapes: efficiency * r/(r + 256) * c/(c + 128), with r the
-rows (tokens of a micro-batch) and c the columns (d_model / tp) of a rank's GEMMs.
+the inter-node link. Gradient reduction overlaps the backward of the micro-batch that produces it (as far as the
+cluster's comm_overlap lets it: 0 where collectives need the computing cores); tp collectives sit on the critical
+path. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0), with r the rows (tokens of a
+micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the cluster file
+measured its own (`plan calibrate`).
 """
 from __future__ import annotations
 
@@ -94,9 +98,9 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     return cfg
 
 
-def gemm_shape_factor(rows: float, cols: float) -> float:
+def gemm_shape_factor(rows: float, cols: float, rows_half: float = 256.0, cols_half: float = 128.0) -> float:
     """The fraction of a large GEMM's speed that a (rows x cols) one reaches (module docstring)."""
-    return rows / (rows + 256) * cols / (cols + 128)
+    return rows / (rows + rows_half) * cols / (cols + cols_half)
 
 
 _NUMBERS: dict = {}
@@ -132,13 +136,14 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     e = np.dtype(COMPUTE_DTYPES[cluster.compute]).itemsize
     world = p.dp * p.tp * p.pp * p.cp
     psi = rank_param_count(cfg)
-    memory = memory_report(cfg, psi)
     transient = p.bucket_mb * 2**20 * 2  # a bucket being reduced and the next one filling
     model = rank_model(cfg)
     shape = _model_numbers(cfg, model)
     if p.zero == 3:  # the unit being computed and the prefetched next one, gathered whole
         transient += 2 * shape["largest_unit"] * e
-    held = memory["total"]
+    stages = stage_memory(cfg)
+    memory = stages["first"]
+    held = max(stage["total"] for stage in stages.values())  # the fullest stage decides what fits
     total = held + transient
 
     micro_batches = t.global_batch // (p.dp * t.micro_batch)
@@ -147,16 +152,20 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
     rows = t.micro_batch * m_cfg.seq_len // p.cp
-    thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp)
+    thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
     matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency * thin)
     # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
     # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
     per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
     layers_here = sum(layer_counts) // p.pp
     elementwise = ELEMENTWISE_PASSES * per_token * layers_here * tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
-    compute_micro = (matmul + elementwise) / micro_batches
-
     layers = sum(layer_counts) // p.pp  # blocks on one pipeline rank
+    # the embedding and head are units too (one each on the first and last stage); a recomputed forward costs
+    # a third of a unit's forward and backward again
+    units = layers + (2 if p.pp == 1 else 1)
+    overhead = cluster.unit_overhead_s * units * micro_batches * (4 / 3 if cfg.memory.recompute == "full" else 1)
+    compute_micro = (matmul + elementwise + overhead) / micro_batches
+
     activation = t.micro_batch * (m_cfg.seq_len // p.cp) * m_cfg.d_model * e  # one micro-batch's (b, T/c, d)
     tp_link, tp_crosses = group_link(cluster, p.tp, 1)
     per_layer = 12 if cfg.memory.recompute == "full" else 8  # 2 gathers + 2 scatters, forward and backward
@@ -188,40 +197,51 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     dp_link, dp_crosses = group_link(cluster, n_reduce, p.tp)
     grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
     grad_bytes = max(grad_bytes, e)
-    backward_micro = compute_micro * 2 / 3
+    hidden_micro = cluster.comm_overlap * compute_micro * 2 / 3  # what a micro-batch's backward can hide
     zero3_micro = 0.0
     if p.zero == 3:  # gathered in forward and again in backward, hidden behind the compute they precede
         gathers = ring(dp_link, "all_gather", psi * e, n_reduce, 2)
-        zero3_micro = max(0.0, gathers - compute_micro)
+        zero3_micro = max(0.0, gathers - cluster.comm_overlap * compute_micro)
     if p.zero in (2, 3):  # reduce-scatter every micro-batch, behind that micro-batch's backward
         reduce_micro = ring(dp_link, "reduce_scatter", psi * grad_bytes, n_reduce)
-        zero3_micro += max(0.0, reduce_micro - backward_micro)
-        reduce_exposed = min(reduce_micro, backward_micro) * 0.05  # the last bucket
+        zero3_micro += max(0.0, reduce_micro - hidden_micro)
+        reduce_exposed = min(reduce_micro, hidden_micro) * 0.05  # the last bucket
     else:
         reduce_s = ring(dp_link, "all_reduce" if p.zero == 0 else "reduce_scatter", psi * grad_bytes, n_reduce)
-        reduce_exposed = max(0.0, reduce_s - backward_micro) + reduce_s * min(1.0, transient / max(psi * e, 1))
+        reduce_exposed = max(0.0, reduce_s - hidden_micro) + \
+            cluster.comm_overlap * reduce_s * min(1.0, transient / max(psi * e, 1))  # the last bucket
     gather_params = ring(dp_link, "all_gather", psi * e, n_reduce) if p.zero in (1, 2) else 0.0
 
     shard = psi / (n_reduce if p.zero >= 1 else 1)
-    optimizer = shard * ADAM_BYTES_PER_PARAM / cluster.hbm_bandwidth
+    optimizer = shard * ADAM_BYTES_PER_PARAM / cluster.optimizer_bytes_per_s
     if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
         optimizer = shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
 
     micro = compute_micro + tp_micro + cp_micro + ep_micro + pp_micro + zero3_micro
     bubble = theoretical_bubble(p.schedule, p.pp, micro_batches, p.virtual_stages) if p.pp > 1 else 0.0
     pipeline = micro_batches * micro / (1 - bubble)
-    step = pipeline + reduce_exposed + gather_params + optimizer
-    parts = {"matmul": matmul, "elementwise": elementwise, "tp": micro_batches * tp_micro,
+    step = pipeline + reduce_exposed + gather_params + optimizer + cluster.step_overhead_s
+    parts = {"matmul": matmul, "elementwise": elementwise, "overhead": overhead + cluster.step_overhead_s,
+             "tp": micro_batches * tp_micro,
              "cp_ring": micro_batches * cp_micro, "ep_all_to_all": micro_batches * ep_micro,
              "pp_send": micro_batches * pp_micro, "zero_exposed": micro_batches * zero3_micro + gather_params,
              "dp_reduce": reduce_exposed, "bubble": pipeline - micro_batches * micro, "optimizer": optimizer}
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
     return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": world, "micro_batches": micro_batches,
             "memory": {"held": held, "transient": transient, "total": total, "rows": memory["bytes"],
-                       "headroom": cluster.usable_bytes - total},
+                       "headroom": cluster.usable_bytes - total,
+                       "stages": {name: stage["total"] for name, stage in stages.items()}},
             "fits": total <= cluster.usable_bytes, "step_s": step, "parts": parts,
             "tokens_per_s": tokens / step, "mfu": model_flops * tokens / step / (world * cluster.peak_flops),
             "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+
+
+def stage_memory(cfg: Config) -> dict:
+    """memory_report of the first pipeline stage (the embedding, the most micro-batches in flight) and, under
+    pipelining, of the last (the head and its logits): {"first": ..., "last": ...}."""
+    pp = cfg.parallel.pp
+    ranks = {"first": 0, "last": pp - 1} if pp > 1 else {"first": 0}
+    return {name: memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank) for name, pp_rank in ranks.items()}
 
 
 def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
@@ -232,6 +252,7 @@ def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
     if kind == "matmul":
         return f"compute-bound: matmuls {share}"
     words = {"elementwise": "memory-bound elementwise ops (norms, softmax, activations)",
+             "overhead": "fixed per-unit overhead (launches, Python)",
              "tp": f"tp {p.tp} collectives" + (f" cross the node ({cluster.inter.bandwidth / 1e9:.0f} GB/s link)"
                                                 if crosses["tp"] else ""),
              "cp_ring": f"cp {p.cp} K/V ring", "ep_all_to_all": f"ep {p.ep} all-to-all",

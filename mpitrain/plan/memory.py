@@ -15,16 +15,23 @@ These are the bytes of the arrays mpitrain/state/ allocates, padding aside (test
 
 Activations are the bytes the saved state of one micro-batch holds (what `nbytes_of(saved)` counts), as each sublayer
 declares it (`saved_arrays`), times the micro-batches in flight (1 without pipelining).
+
+Under pipelining the stages differ: the first holds the embedding and the most micro-batches in flight (1F1B: p), the
+last holds the final norm, the head (and, with tied embeddings, a copy of the embedding matrix) and saves the
+head's (b, T, V/t) probabilities, but for fewer micro-batches (1F1B: 1). `pp_rank` picks the stage; the default 0
+is the first, the rank `mpitrain memory` describes.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
 from mpitrain.layers.moe import rank_experts
+from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.optim.footprint import optimizer_row
 from mpitrain.parallel.expert import moe_note
 from mpitrain.state.frozen import split_frozen
@@ -60,65 +67,125 @@ def state_formulas(compute: str, zero: int) -> dict:
     return formulas
 
 
-def activation_bytes(cfg: Config, micro_batch: int | None = None) -> int:
-    """Saved-state bytes of one micro-batch's forward on one rank (tp rank 0 of the first pipeline stage): the arrays
+def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int = 0) -> int:
+    """Saved-state bytes of one micro-batch's forward on one rank (tp rank 0 of pipeline stage `pp_rank`): the arrays
     each sublayer declares that it saves (`saved_arrays` in mpitrain/layers, the declaration the layers are tested
-    against), plus the rotary tables shared by all micro-batches; with a pipeline, times the micro-batches the first
-    stage holds at once (1F1B: p; GPipe: m), which is the most of any stage."""
+    against), plus the rotary tables shared by all micro-batches; with a pipeline, times the micro-batches the stage
+    holds at once (1F1B: p - pp_rank; GPipe: m). zb1p's backward_input hands a micro-batch's saved state over to its
+    deferred weight-gradient work (each matmul's input and output gradient) until backward_weight: the peak is the
+    schedule's worst mix of the two."""
     p = cfg.parallel
     b = micro_batch or cfg.train.micro_batch
-    per_micro_batch, shared = saved_bytes_per_micro_batch(cfg, b)
+    per_micro_batch, shared = saved_bytes_per_micro_batch(cfg, b, pp_rank)
     if p.pp == 1:
         return per_micro_batch + shared
     micro_batches = cfg.train.global_batch // (p.dp * b)
-    in_flight = _first_stage_peak(p.schedule, p.pp, micro_batches, p.virtual_stages)
-    return int(per_micro_batch * in_flight / p.virtual_stages + shared)
+    deferred = deferred_bytes_per_micro_batch(cfg, b, pp_rank) if p.schedule == "zb1p" else 0
+    holdings = _stage_holdings(p.schedule, p.pp, micro_batches, p.virtual_stages)[pp_rank]
+    peak = max(per_micro_batch * saved + deferred * waiting for saved, waiting in holdings)
+    return int(peak / p.virtual_stages + shared)
 
 
-def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int) -> tuple[int, int]:
-    """rank_model(cfg).saved_bytes(micro_batch, compute dtype), cached by shape."""
-    key = (shape_key(cfg), micro_batch)
+SHARED_INPUTS = ({"wq", "wk", "wv"}, {"w_fc", "w_gate", "w_up"}, {"expert_w_gate", "expert_w_up"})
+
+
+def deferred_bytes_per_micro_batch(cfg: Config, micro_batch: int, pp_rank: int = 0) -> int:
+    """The weight-gradient work zb1p defers per micro-batch on pipeline rank pp_rank: each matmul weight's output
+    gradient and its input (one input for weights that read the same one: q/k/v, gate/up) over b * T/cp rows; an
+    expert's rows are top_k/experts of them; the head reads the tied embedding transposed. The embedding's lookup
+    table defers nothing."""
+    rows = micro_batch * cfg.model.seq_len // cfg.parallel.cp
+    return int(rows * _deferred_per_row(cfg, pp_rank) * np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize)
+
+
+def _deferred_per_row(cfg: Config, pp_rank: int) -> float:
+    """Elements of deferred work per row of a micro-batch (deferred_bytes_per_micro_batch), cached by shape."""
+    key = shape_key(cfg, pp_rank)
+    if key in _DEFERRED:
+        return _DEFERRED[key]
+    model = rank_model(cfg, pp_rank)
+    moe = MoeSettings.of(cfg.model)
+    elements = 0.0
+    for unit in model.units:
+        name = unit.layout.name
+        if name == "embed":
+            continue
+        weights = [spec for spec in unit.layout.specs if len(spec.shape) >= 2 and spec.trainable]
+        if name == "head":  # (d, V/t) of its own, or the embedding's (V/t, d) borrowed
+            tables = [spec.shape for layout in model.layouts for spec in layout.specs if spec.name == "wte"]
+            vocab = next((math.prod(spec.shape) for spec in weights), None) or math.prod(tables[0])
+            elements += cfg.model.d_model + vocab // cfg.model.d_model
+            continue
+        read = set()
+        for spec in weights:
+            n_in, n_out = spec.shape[-2:]
+            share = moe.top_k / moe.experts * spec.shape[0] if len(spec.shape) == 3 else 1  # of a row
+            group = next((frozenset(g) for g in SHARED_INPUTS if spec.name in g), spec.name)
+            elements += share * n_out + (share * n_in if group not in read else 0)
+            read.add(group)
+    _DEFERRED[key] = elements
+    return elements
+
+
+def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int, pp_rank: int = 0) -> tuple[int, int]:
+    """rank_model(cfg, pp_rank).saved_bytes(micro_batch, compute dtype), cached by shape."""
+    key = (shape_key(cfg, pp_rank), micro_batch)
     if key not in _SAVED:
-        _SAVED[key] = rank_model(cfg).saved_bytes(micro_batch, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]))
+        dtype = np.dtype(COMPUTE_DTYPES[cfg.precision.compute])
+        _SAVED[key] = rank_model(cfg, pp_rank).saved_bytes(micro_batch, dtype)
     return _SAVED[key]
 
 
 @functools.lru_cache(maxsize=512)  # mpitrain plan asks for the same schedules thousands of times
-def _first_stage_peak(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> int:
-    """The first stage's most micro-batches in flight. Beyond 2p micro-batches only GPipe's still grows (the others
-    stop at their warm-up depth), so the schedule is built with at most 2p (a multiple of p, as interleaved needs)."""
+def _stage_holdings(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> tuple:
+    """Per pipeline rank, the (saved, deferred) counts of (micro-batch, chunk) pairs it holds after each of its
+    instructions: forwards whose backward has not run, and (zb1p) backward_inputs whose backward_weight has not.
+    Beyond 2p micro-batches only GPipe's counts still grow (the others stop at their warm-up depth), so the schedule
+    is built with at most 2p (a multiple of p, as interleaved needs)."""
     from mpitrain.parallel.schedule import make_schedule
-    from mpitrain.parallel.schedule_analysis import peak_activations
     if kind != "gpipe":
         micro_batches = min(micro_batches, 2 * pp)
-    return peak_activations(make_schedule(kind, pp, micro_batches, virtual_stages))[0]
+    return tuple(holdings(program) for program in make_schedule(kind, pp, micro_batches, virtual_stages))
+
+
+def holdings(program) -> tuple:
+    """The distinct (saved, deferred) counts one rank's program passes through (_stage_holdings)."""
+    change = {"forward": (1, 0), "backward": (-1, 0), "backward_input": (-1, 1), "backward_weight": (0, -1)}
+    saved = deferred = 0
+    points = set()
+    for ins in program:
+        more_saved, more_deferred = change.get(ins.op, (0, 0))
+        saved, deferred = saved + more_saved, deferred + more_deferred
+        points.add((saved, deferred))
+    return tuple(sorted(points))
 
 
 _RANK_MODELS: dict = {}  # shape key -> model: mpitrain plan evaluates thousands of layouts of a few shapes
 _SAVED: dict = {}  # (shape key, micro-batch) -> saved_bytes
 _PARAMS: dict = {}  # shape key -> rank_param_count
 _SPLIT: dict = {}  # shape key -> split_frozen of the layouts
+_DEFERRED: dict = {}  # shape key -> zb1p's deferred elements per row
 
 
-def shape_key(cfg: Config) -> str:
+def shape_key(cfg: Config, pp_rank: int = 0) -> str:
     p, m = cfg.parallel, cfg.memory
     return repr((cfg.model, cfg.lora, cfg.precision.compute, p.tp, p.sequence_parallel, p.pp, p.virtual_stages,
-                 p.stage_layers, p.cp, p.ep, m.recompute, m.recompute_layers))
+                 p.stage_layers, p.cp, p.ep, m.recompute, m.recompute_layers, pp_rank))
 
 
-def rank_model(cfg: Config):
-    """The model of tp rank 0 and pipeline rank 0, built without a group: only its shapes are used (and cached by
-    them: callers only read it)."""
-    key = shape_key(cfg)
+def rank_model(cfg: Config, pp_rank: int = 0):
+    """The model of tp rank 0 and pipeline rank `pp_rank`, built without a group: only its shapes are used (and
+    cached by them: callers only read it)."""
+    key = shape_key(cfg, pp_rank)
     if key not in _RANK_MODELS:
         if len(_RANK_MODELS) > 256:
-            for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT):
+            for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT, _DEFERRED):
                 cache.clear()
-        _RANK_MODELS[key] = _build_rank_model(cfg)
+        _RANK_MODELS[key] = _build_rank_model(cfg, pp_rank)
     return _RANK_MODELS[key]
 
 
-def _build_rank_model(cfg: Config):
+def _build_rank_model(cfg: Config, pp_rank: int):
     from mpitrain.layers.recompute import apply_recompute
     from mpitrain.layers.tensor_parallel import TensorParallel
     from mpitrain.model.gpt import GPT
@@ -126,7 +193,7 @@ def _build_rank_model(cfg: Config):
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
-    stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, 0, p.stage_layers)
+    stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, pp_rank, p.stage_layers)
     model = GPT(cfg.model, _shape_backend(cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
                 ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
@@ -141,40 +208,43 @@ def _shape_backend(compute: str):
     return make_backend("cpu", compute)
 
 
-def split_rank_layouts(cfg: Config):
+def split_rank_layouts(cfg: Config, pp_rank: int = 0):
     """split_frozen of the rank model's layouts (trainable, frozen), cached by shape like the model."""
-    key = shape_key(cfg)
+    key = shape_key(cfg, pp_rank)
     if key not in _SPLIT:
-        _SPLIT[key] = split_frozen(rank_model(cfg).layouts)
+        _SPLIT[key] = split_frozen(rank_model(cfg, pp_rank).layouts)
     return _SPLIT[key]
 
 
-def rank_param_count(cfg: Config) -> int:
-    """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank 0's units."""
-    key = shape_key(cfg)
+def rank_param_count(cfg: Config, pp_rank: int = 0) -> int:
+    """Parameters one rank holds: tp rank 0's pieces (vocabulary padding included) of pipeline rank pp_rank's units
+    (tied copies included)."""
+    key = shape_key(cfg, pp_rank)
     if key not in _PARAMS:
-        _PARAMS[key] = sum(layout.size for layout in rank_model(cfg).layouts)
+        _PARAMS[key] = sum(layout.size for layout in rank_model(cfg, pp_rank).layouts)
     return _PARAMS[key]
 
 
-def memory_report(cfg: Config, n_params: int) -> dict:
-    """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size)."""
+def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
+    """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size), on pipeline rank
+    pp_rank (n_params: rank_param_count(cfg, pp_rank))."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
-    frozen = sum(layout.size for layout in split_rank_layouts(cfg)[1] or [])  # lora: the base
+    frozen = sum(layout.size for layout in split_rank_layouts(cfg, pp_rank)[1] or [])  # lora: the base
     # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters)
     state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp * p.cp)
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
-    activations = activation_bytes(cfg)
+    activations = activation_bytes(cfg, pp_rank=pp_rank)
     formulas = state_formulas(cfg.precision.compute, p.zero)
     if frozen:
         formulas["params"] += f" + e*{frozen:,} frozen (LoRA: Psi counts only the {n_params - frozen:,} adapters)"
         formulas["state"] = formulas["state"].replace("per parameter", f"per adapter parameter, {itemsize} per frozen")
-    lean = optimizer_row(cfg, split_rank_layouts(cfg)[0])  # optim.name = adafactor | adam8bit | sgd
+    lean = optimizer_row(cfg, split_rank_layouts(cfg, pp_rank)[0])  # optim.name = adafactor | adam8bit | sgd
     if lean:
         state["optimizer"], formulas["optimizer"] = lean
         formulas["state"] = "params + grads + optimizer rows"
-    in_flight = "one micro-batch" if p.pp == 1 else f"the first stage's micro-batches in flight under {p.schedule}"
+    stage = "the first" if pp_rank == 0 else "the last" if pp_rank == p.pp - 1 else f"pipeline rank {pp_rank}'s"
+    in_flight = "one micro-batch" if p.pp == 1 else f"{stage} stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
     formulas["params"] += moe_note(cfg)  # model.moe: experts held here, active parameters per token
     if p.cp > 1:

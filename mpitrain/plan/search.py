@@ -122,6 +122,7 @@ def _why_slower(rival: dict, best: dict, cluster: Cluster) -> str:
     grown = max(rival["parts"], key=lambda k: rival["parts"][k] - best["parts"][k])
     delta = rival["parts"][grown] - best["parts"][grown]
     words = {"matmul": "thinner GEMMs / more recomputed FLOPs", "elementwise": "more elementwise traffic",
+             "overhead": "more units or micro-batches, each with its fixed overhead",
              "tp": "more tensor-parallel traffic", "cp_ring": "the cp ring is exposed",
              "ep_all_to_all": "all-to-all of routed tokens", "pp_send": "more pipeline sends",
              "zero_exposed": "ZeRO parameter gathers", "dp_reduce": "gradient reduction is exposed",

@@ -1,0 +1,191 @@
+"""`mpitrain plan calibrate`: measure this host into a cluster file (configs/clusters/this-machine.toml), a rank
+standing for a GPU and the host for one node. About half a minute:
+
+    peak_flops            float32 512^3 matmul on one rank's share of the cores (its BLAS threads)
+    gemm_rows_half, ...   the GEMM shape curve: (rows x cols) @ (cols x cols) products timed over a grid, fitted to
+                          rows/(rows + r0) * cols/(cols + c0) (mpitrain/plan/cost.gemm_shape_factor)
+    hbm_bandwidth         a numpy copy (read + write)
+    [intra], [inter]      all_reduce alpha-beta between the ranks (`mpitrain bench comm`)
+    unit_overhead_s       seconds of Python and dispatch per unit and micro-batch (forward + backward), from
+                          one-process steps of a model too small to compute anything (tiny, 1 vs 9 blocks)
+    step_overhead_s       what such a step costs beyond its units (data, loss bookkeeping, control messages)
+    optimizer_bandwidth   the optimizer step's bytes (ADAM_BYTES_PER_PARAM per parameter) over its measured time
+    matmul_efficiency     the fraction of the peak the matmuls of a real step reach: the step's forward and
+                          backward time, less the modelled elementwise and overhead parts, against its matmul FLOPs
+    comm_overlap = 0      MPI over shared memory copies bytes with the same cores that compute (no DMA engine, no
+                          progress thread): communication does not hide behind compute here
+
+The one-process steps run `ranks` copies at once, as the ranks of a layout do: the cores, caches and memory
+bandwidth are shared then as they are in a training run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.errors import ConfigError
+from mpitrain.plan.clusters import CLUSTER_DIR
+
+CALIBRATION_MODEL = "configs/bench-small.toml"
+OVERHEAD_MODEL = "configs/tiny.toml"
+OVERHEAD_BLOCKS = (1, 9)
+OVERHEAD_MICRO_BATCHES = 8  # micro-batch 1 of the tiny model's global batch 8
+GEMM_ROWS = (128, 512, 2048)
+GEMM_COLS = (32, 64, 128, 256, 512)
+
+
+def calibrate(out_path: Path, ranks: int, say=print) -> dict:
+    """Measure this host (module docstring) and write a cluster file; returns its numbers."""
+    from threadpoolctl import threadpool_limits
+
+    from mpitrain.backend import make_backend
+    from mpitrain.profile.comm_bench import memcpy_bandwidth
+    from mpitrain.profile.flops import measure_matmul_peak
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // ranks)
+    with threadpool_limits(threads):  # a rank's BLAS runs on its share of the cores (the launcher's setting)
+        peak = measure_matmul_peak(make_backend("cpu", "float32"), n=512, seconds=1.0)
+        rows_half, cols_half = fit_gemm_curve(measure_gemm_grid())
+    bandwidth = memcpy_bandwidth() * 1e9 * 2  # a copy reads and writes each byte
+    fit = _all_reduce_fit(ranks)
+    # busbw is what each rank's link carries under the ring: the Link's bandwidth * efficiency
+    link = {"bandwidth": fit["busbw_GBps"] * 1e9, "efficiency": 1.0,
+            "latency": max(fit["alpha_s"] / max(2 * (ranks - 1), 1), 1e-7)}
+    numbers = {"name": f"this machine ({cores} cores, {ranks} ranks)", "gpus_per_node": ranks,
+               "memory_gb": _host_memory_bytes() / ranks / 1e9, "reserved_gb": 0.2, "compute": "float32",
+               "peak_flops": peak, "matmul_efficiency": 1.0, "hbm_bandwidth": bandwidth,
+               "host_bandwidth": bandwidth, "gemm_rows_half": rows_half, "gemm_cols_half": cols_half,
+               "comm_overlap": 0.0}
+    numbers.update(_step_numbers(numbers, link, ranks, threads))
+    _write(out_path, numbers, link, threads)
+    say(f"wrote {out_path}: matmul {peak / 1e9:.1f} GFLOP/s per rank at {100 * numbers['matmul_efficiency']:.0f}% "
+        f"in a step (GEMM curve r0 {rows_half:.0f}, c0 {cols_half:.0f}), memory {bandwidth / 1e9:.1f} GB/s, "
+        f"optimizer {numbers['optimizer_bandwidth'] / 1e9:.2f} GB/s, overhead "
+        f"{1e3 * numbers['unit_overhead_s']:.2f} ms per unit and micro-batch + {1e3 * numbers['step_overhead_s']:.1f} "
+        f"ms per step, all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, busbw {fit['busbw_GBps']:.2f} GB/s")
+    return numbers
+
+
+def measure_gemm_grid(seconds_each: float = 0.05) -> list[tuple[int, int, float]]:
+    """(rows, cols, FLOP/s) of (rows x cols) @ (cols x cols) float32 products, the best of ~seconds_each."""
+    rng = np.random.default_rng(0)
+    grid = []
+    for rows in GEMM_ROWS:
+        for cols in GEMM_COLS:
+            a = rng.standard_normal((rows, cols), dtype=np.float32)
+            b = rng.standard_normal((cols, cols), dtype=np.float32)
+            out = a @ b
+            best, deadline = float("inf"), time.perf_counter() + seconds_each
+            while time.perf_counter() < deadline or best == float("inf"):
+                start = time.perf_counter()
+                np.matmul(a, b, out=out)
+                best = min(best, time.perf_counter() - start)
+            grid.append((rows, cols, 2.0 * rows * cols * cols / best))
+    return grid
+
+
+def fit_gemm_curve(grid: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(r0, c0) of FLOP/s ~ A * rows/(rows + r0) * cols/(cols + c0), least squares in logs over a grid of
+    half-points (A free: the peak and matmul_efficiency carry the scale)."""
+    rows, cols, speed = (np.array(column, dtype=float) for column in zip(*grid))
+    candidates = np.geomspace(1, 4096, 97)
+    best = (float("inf"), 256.0, 128.0)
+    for r0 in candidates:
+        for c0 in candidates:
+            residual = np.log(speed) - np.log(rows / (rows + r0) * cols / (cols + c0))
+            error = float(np.var(residual))
+            best = min(best, (error, float(r0), float(c0)))
+    return best[1], best[2]
+
+
+def _all_reduce_fit(ranks: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        fit_path = Path(tmp) / "comm.json"
+        command = [sys.executable, "-m", "mpitrain", "bench", "comm", "-n", str(ranks), "--sizes", "4K..16M",
+                   "--ops", "all_reduce", "--json", str(fit_path)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 or not fit_path.is_file():
+            raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {done.stderr.strip()[-400:]}")
+        return json.loads(fit_path.read_text())["fit"]["all_reduce"]["world"]
+
+
+def _step_numbers(numbers: dict, link: dict, ranks: int, threads: int) -> dict:
+    """unit_overhead_s, step_overhead_s, optimizer_bandwidth and matmul_efficiency from one-process steps
+    (module docstring), each run as `ranks` copies at once."""
+    from mpitrain.config import load_config
+    from mpitrain.plan.clusters import cluster_from_numbers
+    from mpitrain.plan.cost import ADAM_BYTES_PER_PARAM, Layout, estimate
+    root = CLUSTER_DIR.parents[1]
+    small, large = (_concurrent_steps(OVERHEAD_MODEL, ranks, threads, [f"model.n_layer={blocks}",
+                                                                       "train.micro_batch=1"])
+                    for blocks in OVERHEAD_BLOCKS)
+    units = OVERHEAD_MICRO_BATCHES * (OVERHEAD_BLOCKS[1] - OVERHEAD_BLOCKS[0])
+    unit_overhead = max(0.0, (_compute_s(large) - _compute_s(small)) / units)
+    step_overhead = max(0.0, _median(small, "step_time_s") - unit_overhead * OVERHEAD_MICRO_BATCHES *
+                        (OVERHEAD_BLOCKS[0] + 2) - _median(small, "optimizer"))
+    real = _concurrent_steps(CALIBRATION_MODEL, ranks, threads, [])
+    cfg = load_config(root / CALIBRATION_MODEL)
+    optimizer_bandwidth = real[0]["n_params"] * ADAM_BYTES_PER_PARAM / _median(real, "optimizer")
+    found = {"unit_overhead_s": unit_overhead, "step_overhead_s": step_overhead,
+             "optimizer_bandwidth": optimizer_bandwidth}
+    at_peak = estimate(cfg, Layout(dp=1, tp=1, pp=1, zero=0, micro_batch=cfg.train.micro_batch),
+                       cluster_from_numbers({**numbers, **found}, link, link, "calibration"))["parts"]
+    matmul_s = _compute_s(real) - at_peak["elementwise"] - at_peak["overhead"]
+    found["matmul_efficiency"] = min(1.0, at_peak["matmul"] / max(matmul_s, 0.2 * _compute_s(real)))
+    return found
+
+
+def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str]) -> list[dict]:
+    """`mpitrain bench step` of one process, `copies` of them at once; their JSON reports."""
+    root = CLUSTER_DIR.parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", "3", "--warmup", "1"]
+    for setting in ["logging.peak_flops=1e9", *overrides]:
+        command += ["--set", setting]
+    running = [subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(copies)]
+    reports = []
+    for process in running:
+        out, err = process.communicate(timeout=600)
+        if process.returncode != 0:
+            raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {err.strip()[-400:]}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def _compute_s(reports: list[dict]) -> float:
+    """Median over the copies of a step's forward and backward time."""
+    return statistics.median(sum(r["breakdown"].get(part, 0.0) for part in ("forward", "backward_input",
+                                                                           "backward_weight")) for r in reports)
+
+
+def _median(reports: list[dict], key: str) -> float:
+    return statistics.median(r[key] if key in r else r["breakdown"][key] for r in reports)
+
+
+def _write(out_path: Path, numbers: dict, link: dict, threads: int) -> None:
+    lines = ["# Written by `mpitrain plan calibrate`: measured on this host (a rank = a 'GPU'; MPI ranks share one",
+             f"# node). matmul: float32 512^3 on {threads} thread(s) and a GEMM shape grid; bandwidth: numpy copy;",
+             "# links: all_reduce fit; overheads, optimizer and matmul_efficiency: one-process steps of",
+             f"# {OVERHEAD_MODEL} and {CALIBRATION_MODEL}, as many at once as there are ranks",
+             "# (mpitrain/plan/calibrate.py).",
+             *(f"{key} = {json.dumps(value)}" for key, value in numbers.items())]
+    for section in ("intra", "inter"):
+        lines += ["", f"[{section}]", *(f"{key} = {json.dumps(value)}" for key, value in link.items())]
+    out_path.write_text("\n".join(lines) + "\n")
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16e9
