@@ -95,6 +95,16 @@ def gelu_case(rng):
         lambda s, i, p, dys, g: (ops.gelu_backward(s, dys[0]),))
 
 
+def gelu_from_output_case(rng):
+    """The MLP's GELU backward: s from the saved output y = x s; x holds exact zeros (s = 1/2 there, not 0 / 0)."""
+    x = 2.0 * rng.normal(size=(3, 7))
+    x[0, :2] = 0.0
+    return OpCase(
+        {"x": x}, {},
+        lambda i, p: _one(ops.gelu_forward(i["x"])),
+        lambda s, i, p, dys, g: (ops.gelu_backward_from_output(s, ops.gelu_forward(s)[0], dys[0]),))
+
+
 def swiglu_case(rng):
     return OpCase(
         {"gate": 2.0 * rng.normal(size=(2, 3, 5)), "up": rng.normal(size=(2, 3, 5))}, {},
@@ -220,6 +230,7 @@ CASES = {
     "layernorm": layernorm_case,
     "rmsnorm": rmsnorm_case,
     "gelu": gelu_case,
+    "gelu-from-output": gelu_from_output_case,
     "swiglu": swiglu_case,
     "embedding": embedding_case,
     "rope": lambda rng: rope_case(rng, [0, 1, 2, 3]),
@@ -449,6 +460,9 @@ def test_norms_and_activations_forward_values():
     np.testing.assert_allclose(rms, x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w, rtol=1e-12)
     g, _ = ops.gelu_forward(x)
     np.testing.assert_allclose(g, 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))), rtol=1e-12)
+    x[0, 0] = x[1, 1] = 0.0
+    np.testing.assert_allclose(ops.gelu_backward_from_output(x, ops.gelu_forward(x)[0], w * x),
+                               ops.gelu_backward(x, w * x), rtol=1e-12, atol=1e-15)
     s, _ = ops.swiglu_forward(x, w * x)
     np.testing.assert_allclose(s, x / (1 + np.exp(-x)) * w * x, rtol=1e-12)
 

@@ -37,8 +37,10 @@ class MLP:
 
     def backward(self, p, g, s, dy, deferred=None):
         d_act = self.down.backward(p, g, s["down"], dy, deferred)
-        d_ups = ops.swiglu_backward(s["activation"], d_act) if self.gated else [ops.gelu_backward(s["activation"],
-                                                                                                  d_act)]
+        if self.gated:
+            d_ups = ops.swiglu_backward(s["activation"], d_act)
+        else:  # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp
+            d_ups = [ops.gelu_backward_from_output(s["activation"], s["down"], d_act)]
         return self.up.backward(p, g, s["up"], list(d_ups), deferred)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
