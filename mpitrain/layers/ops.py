@@ -70,6 +70,13 @@ def _row_tiles(xp, n_rows, row_bytes, work):
         work(0, 0, n_rows)
 
 
+def _row_dots(xp, a, b):
+    """(rows, 1): the dot product of each row of a with the same row of b (one pass, no temporary)."""
+    if xp is np:
+        return np.vecdot(a, b)[:, None]
+    return (a * b).sum(axis=-1, keepdims=True)
+
+
 def _norm_forward(x, w, b, eps, centre: bool):
     """layernorm (centre, bias b) or rmsnorm: (y, (xhat, rstd))."""
     xp = _xp(x)
@@ -77,15 +84,19 @@ def _norm_forward(x, w, b, eps, centre: bool):
     xhat, y = xp.empty(xr.shape, x.dtype), xp.empty(xr.shape, x.dtype)
     rstd = xp.empty((xr.shape[0], 1), x.dtype)
 
+    inv_width = 1.0 / xr.shape[1]
+
     def tile(_, start, stop):
         xs, xh, ys, rs = xr[start:stop], xhat[start:stop], y[start:stop], rstd[start:stop]
         if centre:
-            xp.subtract(xs, xs.mean(axis=-1, keepdims=True), out=xh)
-        xp.multiply(xh if centre else xs, xh if centre else xs, out=ys)
-        xp.add(ys.mean(axis=-1, keepdims=True), eps, out=rs)
+            xp.subtract(xs, xs.sum(axis=-1, keepdims=True) * inv_width, out=xh)
+        centred = xh if centre else xs
+        # the mean square by a dot product per row: no (rows, width) temporary for the squares
+        xp.multiply(_row_dots(xp, centred, centred), inv_width, out=rs)
+        rs += eps
         xp.sqrt(rs, out=rs)
         xp.divide(1.0, rs, out=rs)
-        xp.multiply(xh if centre else xs, rs, out=xh)
+        xp.multiply(centred, rs, out=xh)
         xp.multiply(xh, w, out=ys)
         if b is not None:
             ys += b
@@ -112,6 +123,8 @@ def _norm_backward(xp, xhat, rstd, w, dy, dw, db, centre: bool):
     dw_parts = xp.empty((n_tiles, xr.shape[1]), dy.dtype)
     db_parts = xp.empty_like(dw_parts) if db is not None else None
 
+    inv_width = 1.0 / xr.shape[1]
+
     def tile(index, start, stop):
         xh, dys, dxs, rs = xr[start:stop], dyr[start:stop], dx[start:stop], rs_all[start:stop]
         scratch = xp.multiply(dys, xh)
@@ -119,11 +132,11 @@ def _norm_backward(xp, xhat, rstd, w, dy, dw, db, centre: bool):
         if db is not None:
             dys.sum(axis=0, out=db_parts[index])
         xp.multiply(dys, w, out=dxs)  # dxhat
-        xp.multiply(dxs, xh, out=scratch)
-        mean_dxhat_xhat = scratch.mean(axis=-1, keepdims=True)
-        if centre:
-            dxs -= dxs.mean(axis=-1, keepdims=True)
+        # dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)); the row means by sums and dot products
+        mean_dxhat_xhat = _row_dots(xp, dxs, xh) * inv_width
         xp.multiply(xh, mean_dxhat_xhat, out=scratch)
+        if centre:
+            scratch += dxs.sum(axis=-1, keepdims=True) * inv_width
         dxs -= scratch
         dxs *= rs
 
