@@ -467,6 +467,18 @@ def test_norms_and_activations_forward_values():
     np.testing.assert_allclose(s, x / (1 + np.exp(-x)) * w * x, rtol=1e-12)
 
 
+def test_scatter_add_rows_sums_repeated_rows_as_add_at_does():
+    rng = np.random.default_rng(8)
+    rows, values = rng.integers(0, 6, size=40), rng.normal(size=(40, 3))
+    table = rng.normal(size=(9, 3))
+    want = table.copy()
+    np.add.at(want, rows, values)
+    ops.scatter_add_rows(table, rows, values)
+    np.testing.assert_allclose(table, want, rtol=1e-13, atol=1e-13)
+    ops.scatter_add_rows(table, rows[:0], values[:0])  # no rows: nothing changes
+    np.testing.assert_allclose(table, want, rtol=1e-13, atol=1e-13)
+
+
 # ----------------------------------------------------------------------------- activation memory accounting
 def test_nbytes_of_counts_a_shared_array_once():
     a = np.zeros((4, 8))

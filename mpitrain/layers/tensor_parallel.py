@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.layers import ops
 from mpitrain.layers.precision import LOW_PRECISION, computes_in_float32
 from mpitrain.state.params import ParamSpec
 
@@ -307,7 +308,7 @@ def vocab_parallel_embedding_backward(tp: TensorParallel, local, dx, dtable):
     """Adds into this rank's table shard; returns the full-sequence gradient (for learned positions)."""
     dx = tp.exit_backward(dx)
     mine = local >= 0
-    array_module(dtable).add.at(dtable, local[mine], dx[mine])
+    ops.scatter_add_rows(dtable, local[mine], dx[mine])
     return dx
 
 
