@@ -124,8 +124,10 @@ def attention_backward(saved, dout):
     order = sorted(spans, key=lambda span: span[2] - span[3])
 
     def chunk(b0, b1):
-        # softmax backward: ds = p * (dp - D), D_i = sum_j p_ij dp_ij = dO_i . O_i
+        # softmax backward: ds = p * (dp - D), D_i = sum_j p_ij dp_ij = dO_i . O_i; with the score scale folded in
+        # (ds scale = p (dp scale - D scale)), dq = ds k and dk = ds^T q need no pass of their own for it
         row_dots = np.vecdot(dout_g[b0:b1], out_g[b0:b1])[..., None]
+        row_dots *= scale
         for index, (q0, q1, k0, k1) in enumerate(order):
             p, do = probs[b0:b1, :, :, q0:q1, k0:k1], dout_g[b0:b1, :, :, q0:q1]
             dk_keys, dv_keys = dk[b0:b1, :, k0:k1], dv[b0:b1, :, k0:k1]
@@ -134,14 +136,11 @@ def attention_backward(saved, dout):
                     grad[b0:b1, :, :k0] = 0.0
                     grad[b0:b1, :, k1:] = 0.0
             _add_product(dv_keys, p.swapaxes(-1, -2), do, write=index == 0)  # sums over the group's query heads
-            ds = do @ v_t[b0:b1, ..., k0:k1]
+            ds = (do * scale) @ v_t[b0:b1, ..., k0:k1]  # the scale on the (rows, D) dO, not the (rows, keys) ds
             ds -= row_dots[:, :, :, q0:q1]
             ds *= p
-            # the score scale goes on the (rows, D) products, not on the (rows, keys) ds
-            dq_block = dq_g[b0:b1, :, :, q0:q1]
-            np.matmul(ds, k_g[b0:b1, :, :, k0:k1], out=dq_block)
-            dq_block *= scale
-            _add_product(dk_keys, ds.swapaxes(-1, -2), qg[b0:b1, :, :, q0:q1] * scale, write=index == 0)
+            np.matmul(ds, k_g[b0:b1, :, :, k0:k1], out=dq_g[b0:b1, :, :, q0:q1])
+            _add_product(dk_keys, ds.swapaxes(-1, -2), qg[b0:b1, :, :, q0:q1], write=index == 0)
 
     _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
     return dq, dk, dv
