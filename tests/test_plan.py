@@ -192,5 +192,49 @@ def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     cluster = load_cluster(str(out))
     assert cluster.gpus_per_node == 2 and cluster.compute == "float32"
     assert 0 < cluster.matmul_efficiency <= 1 and cluster.intra == cluster.inter
+    # the machine's own physics: shared cores (no overlap), a measured GEMM curve, overheads, contention
+    assert cluster.comm_overlap == 0 and cluster.contention >= 1 and cluster.optimizer_bandwidth > 0
+    assert cluster.unit_overhead_s >= 0 and cluster.gemm_rows_half > 0 and cluster.gemm_cols_half > 0
     _, _, _, found, _ = plan("configs/tiny.toml", str(out), 2, None, None)
     assert found["fits"]
+
+
+def test_cluster_keys_for_shared_hosts_default_to_the_gpu_model():
+    """A cluster file without the optional keys (h100.toml) gets the GPU defaults; each key moves exactly the part of
+    the step it describes: per-unit overhead adds units x micro-batches x seconds, comm_overlap = 0 exposes the
+    whole gradient all-reduce, contention shortens only the pipeline's fill and drain."""
+    from mpitrain.plan.clusters import OPTIONAL
+    from mpitrain.plan.cost import ring
+    h100 = dataclasses.replace(load_cluster("h100"), compute="float64")
+    assert {key: getattr(h100, key) for key in OPTIONAL} == OPTIONAL
+    base = load_config("configs/tiny.toml", BASE)
+    dp = Layout(dp=2, tp=1, pp=1, zero=0)
+    plain = estimate(base, dp, h100)
+    assert plain["parts"]["overhead"] == 0
+    slow = estimate(base, dp, dataclasses.replace(h100, unit_overhead_s=1e-3, step_overhead_s=5e-3))
+    micro_batches = 8 // (2 * dp.micro_batch)  # global batch 8 over dp 2
+    units = 4 + 2  # blocks, embedding and head
+    assert slow["parts"]["overhead"] == pytest.approx(units * micro_batches * 1e-3 + 5e-3)
+    exposed = estimate(base, dp, dataclasses.replace(h100, comm_overlap=0.0))
+    exposed_slow = estimate(base, dp, dataclasses.replace(h100, comm_overlap=0.0, unit_overhead_s=1e-3,
+                                                          step_overhead_s=5e-3))
+    # with nothing for the reduction to hide behind, the overhead adds to the step exactly
+    assert exposed_slow["step_s"] - exposed["step_s"] == pytest.approx(slow["parts"]["overhead"])
+    psi = exposed["memory"]["rows"]["params"] / 8  # float64 parameters
+    assert exposed["parts"]["dp_reduce"] == pytest.approx(ring(h100.intra, "all_reduce", psi * 8, 2))
+    pp = Layout(dp=1, tp=1, pp=2, zero=0)
+    alone = estimate(base, pp, h100)
+    shared = estimate(base, pp, dataclasses.replace(h100, contention=2.0))
+    assert shared["parts"]["bubble"] == pytest.approx(alone["parts"]["bubble"] / 2) and shared["parts"]["bubble"] > 0
+    assert {k: v for k, v in shared["parts"].items() if k != "bubble"} == \
+        {k: v for k, v in alone["parts"].items() if k != "bubble"}
+
+
+def test_bad_optional_cluster_key_is_one_line(tmp_path):
+    from mpitrain.errors import ConfigError
+    from mpitrain.plan.clusters import CLUSTER_DIR
+    text = (CLUSTER_DIR / "h100.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("comm_overlap = 2\n" + text)
+    with pytest.raises(ConfigError, match="comm_overlap"):
+        load_cluster(str(bad))

@@ -8,15 +8,18 @@ standing for a GPU and the host for one node. About half a minute:
     [intra], [inter]      all_reduce alpha-beta between the ranks (`mpitrain bench comm`)
     unit_overhead_s       seconds of Python and dispatch per unit and micro-batch (forward + backward), from
                           one-process steps of a model too small to compute anything (tiny, 1 vs 9 blocks)
-    step_overhead_s       what such a step costs beyond its units (data, loss bookkeeping, control messages)
+    step_overhead_s       what such a step costs beyond its forward, backward and optimizer (data, bookkeeping)
     optimizer_bandwidth   the optimizer step's bytes (ADAM_BYTES_PER_PARAM per parameter) over its measured time
     matmul_efficiency     the fraction of the peak the matmuls of a real step reach: the step's forward and
                           backward time, less the modelled elementwise and overhead parts, against its matmul FLOPs
+    contention            how much slower a rank computes while every rank computes than alone (the ranks share
+                          the memory bandwidth and caches): a pipeline's fill and drain run alone
     comm_overlap = 0      MPI over shared memory copies bytes with the same cores that compute (no DMA engine, no
                           progress thread): communication does not hide behind compute here
 
 The one-process steps run `ranks` copies at once, as the ranks of a layout do: the cores, caches and memory
-bandwidth are shared then as they are in a training run.
+bandwidth are shared then as they are in a training run. Each is the fastest of a few steps: other processes on the
+host only ever slow a step down.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
     _write(out_path, numbers, link, threads)
     say(f"wrote {out_path}: matmul {peak / 1e9:.1f} GFLOP/s per rank at {100 * numbers['matmul_efficiency']:.0f}% "
         f"in a step (GEMM curve r0 {rows_half:.0f}, c0 {cols_half:.0f}), memory {bandwidth / 1e9:.1f} GB/s, "
-        f"optimizer {numbers['optimizer_bandwidth'] / 1e9:.2f} GB/s, overhead "
+        f"optimizer {numbers['optimizer_bandwidth'] / 1e9:.2f} GB/s, contention {numbers['contention']:.2f}, overhead "
         f"{1e3 * numbers['unit_overhead_s']:.2f} ms per unit and micro-batch + {1e3 * numbers['step_overhead_s']:.1f} "
         f"ms per step, all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, busbw {fit['busbw_GBps']:.2f} GB/s")
     return numbers
@@ -119,57 +122,65 @@ def _all_reduce_fit(ranks: int) -> dict:
 
 
 def _step_numbers(numbers: dict, link: dict, ranks: int, threads: int) -> dict:
-    """unit_overhead_s, step_overhead_s, optimizer_bandwidth and matmul_efficiency from one-process steps
-    (module docstring), each run as `ranks` copies at once."""
+    """unit_overhead_s, step_overhead_s, optimizer_bandwidth, matmul_efficiency and contention from one-process
+    steps (module docstring), each run as `ranks` copies at once (and the real model once alone too)."""
     from mpitrain.config import load_config
     from mpitrain.plan.clusters import cluster_from_numbers
     from mpitrain.plan.cost import ADAM_BYTES_PER_PARAM, Layout, estimate
-    root = CLUSTER_DIR.parents[1]
     small, large = (_concurrent_steps(OVERHEAD_MODEL, ranks, threads, [f"model.n_layer={blocks}",
                                                                        "train.micro_batch=1"])
                     for blocks in OVERHEAD_BLOCKS)
     units = OVERHEAD_MICRO_BATCHES * (OVERHEAD_BLOCKS[1] - OVERHEAD_BLOCKS[0])
-    unit_overhead = max(0.0, (_compute_s(large) - _compute_s(small)) / units)
-    step_overhead = max(0.0, _median(small, "step_time_s") - unit_overhead * OVERHEAD_MICRO_BATCHES *
-                        (OVERHEAD_BLOCKS[0] + 2) - _median(small, "optimizer"))
+    unit_overhead = max(0.0, (_median(large, "compute") - _median(small, "compute")) / units)
+    step_overhead = max(0.0, _median(small, "step") - _median(small, "compute") - _median(small, "optimizer"))
+    alone = _concurrent_steps(CALIBRATION_MODEL, 1, threads, [])
     real = _concurrent_steps(CALIBRATION_MODEL, ranks, threads, [])
-    cfg = load_config(root / CALIBRATION_MODEL)
-    optimizer_bandwidth = real[0]["n_params"] * ADAM_BYTES_PER_PARAM / _median(real, "optimizer")
     found = {"unit_overhead_s": unit_overhead, "step_overhead_s": step_overhead,
-             "optimizer_bandwidth": optimizer_bandwidth}
+             "optimizer_bandwidth": real[0]["n_params"] * ADAM_BYTES_PER_PARAM / _median(real, "optimizer"),
+             "contention": max(1.0, _median(real, "compute") / _median(alone, "compute"))}
+    cfg = load_config(CLUSTER_DIR.parents[1] / CALIBRATION_MODEL)
     at_peak = estimate(cfg, Layout(dp=1, tp=1, pp=1, zero=0, micro_batch=cfg.train.micro_batch),
                        cluster_from_numbers({**numbers, **found}, link, link, "calibration"))["parts"]
-    matmul_s = _compute_s(real) - at_peak["elementwise"] - at_peak["overhead"]
-    found["matmul_efficiency"] = min(1.0, at_peak["matmul"] / max(matmul_s, 0.2 * _compute_s(real)))
+    compute = _median(real, "compute")
+    matmul_s = compute - at_peak["elementwise"] - (at_peak["overhead"] - step_overhead)
+    found["matmul_efficiency"] = min(1.0, at_peak["matmul"] / max(matmul_s, 0.2 * compute))
     return found
 
 
-def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str]) -> list[dict]:
-    """`mpitrain bench step` of one process, `copies` of them at once; their JSON reports."""
+STEP_JOB = """
+import json, sys
+from mpi4py import MPI
+from mpitrain.config import load_config
+from mpitrain.train import Trainer
+trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]), MPI.COMM_WORLD)
+results = [trainer.train_step(step) for step in range(int(sys.argv[2]))][1:]  # the first warms up
+fastest = min(results, key=lambda result: result.seconds)  # noise (other processes) only slows a step down
+parts = fastest.breakdown
+print(json.dumps({"step": fastest.seconds, "optimizer": parts.get("optimizer", 0.0), "n_params": trainer.model.n_params,
+                  "compute": sum(parts.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight"))}))
+"""
+
+
+def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str], steps: int = 5) -> list[dict]:
+    """The fastest of `steps` - 1 training steps of one process (its step, forward + backward and optimizer
+    seconds), `copies` processes at once."""
     root = CLUSTER_DIR.parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", "3", "--warmup", "1"]
-    for setting in ["logging.peak_flops=1e9", *overrides]:
-        command += ["--set", setting]
+    command = [sys.executable, "-c", STEP_JOB, config, str(steps), "data.synthetic=true", "logging.peak_flops=1e9",
+               f"train.steps={steps}", "train.log_every=1000000", *overrides]
     running = [subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for _ in range(copies)]
     reports = []
     for process in running:
         out, err = process.communicate(timeout=600)
         if process.returncode != 0:
-            raise ConfigError(f"plan calibrate: `{' '.join(command[2:])}` failed: {err.strip()[-400:]}")
+            raise ConfigError(f"plan calibrate: a training step of {config} failed: {err.strip()[-400:]}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     return reports
 
 
-def _compute_s(reports: list[dict]) -> float:
-    """Median over the copies of a step's forward and backward time."""
-    return statistics.median(sum(r["breakdown"].get(part, 0.0) for part in ("forward", "backward_input",
-                                                                           "backward_weight")) for r in reports)
-
-
 def _median(reports: list[dict], key: str) -> float:
-    return statistics.median(r[key] if key in r else r["breakdown"][key] for r in reports)
+    return statistics.median(report[key] for report in reports)
 
 
 def _write(out_path: Path, numbers: dict, link: dict, threads: int) -> None:

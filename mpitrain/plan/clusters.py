@@ -10,7 +10,9 @@ Optional keys (OPTIONAL below; a file without them gets the defaults, which are 
 gemm_rows_half / gemm_cols_half, the GEMM shape curve's half-points; unit_overhead_s and step_overhead_s, fixed
 seconds per unit and micro-batch and per step (kernel launches, Python); optimizer_bandwidth, the bytes/s of the
 optimizer's passes over its state (default hbm_bandwidth); comm_overlap, the fraction of the compute that
-communication can hide behind (1: NCCL on its own engines; 0: collectives that need the computing cores).
+communication can hide behind (1: NCCL on its own engines; 0: collectives that need the computing cores);
+contention, how much slower a rank computes while all the node's ranks compute than alone (1: GPUs, each with its
+own memory; above 1: ranks sharing a host's memory bandwidth).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class Cluster:
     step_overhead_s: float = 0.0
     optimizer_bandwidth: float = 0.0  # 0: hbm_bandwidth
     comm_overlap: float = 1.0
+    contention: float = 1.0
 
     @property
     def usable_bytes(self) -> float:
@@ -66,7 +69,7 @@ class Cluster:
 KEYS = ("name", "gpus_per_node", "memory_gb", "reserved_gb", "compute", "peak_flops", "matmul_efficiency",
         "hbm_bandwidth", "host_bandwidth")
 OPTIONAL = {"gemm_rows_half": 256.0, "gemm_cols_half": 128.0, "unit_overhead_s": 0.0, "step_overhead_s": 0.0,
-            "optimizer_bandwidth": 0.0, "comm_overlap": 1.0}
+            "optimizer_bandwidth": 0.0, "comm_overlap": 1.0, "contention": 1.0}
 
 
 def load_cluster(name_or_path: str) -> Cluster:
@@ -99,9 +102,10 @@ def load_cluster(name_or_path: str) -> Cluster:
         raise ConfigError(f"cluster file {path}: {', '.join(bad) or 'gpus_per_node'} must be > 0")
     optional = {key: float(raw.get(key, default)) for key, default in OPTIONAL.items()}
     negative = [key for key, value in optional.items() if not value >= 0] + \
-        ["comm_overlap"] * (optional["comm_overlap"] > 1)
+        ["comm_overlap"] * (optional["comm_overlap"] > 1) + ["contention"] * (optional["contention"] < 1)
     if negative:
-        raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1)")
+        raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1, "
+                          "contention at least 1)")
     return cluster_from_numbers({**raw, **numbers, **optional}, links["intra"], links["inter"], str(path))
 
 

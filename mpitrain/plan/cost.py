@@ -10,7 +10,7 @@ Time of one step on the slowest rank (the first pipeline stage):
               + unit_overhead_s * units on the rank (fixed cost per unit: launches, Python)
               + tp collectives + cp ring (beyond the attention it hides behind) + MoE all-to-all
               + ZeRO-3 gathers beyond the compute they hide behind + pipeline sends
-    t_step  = m * t_micro / (1 - bubble(schedule, p, m, v)) + exposed gradient reduction + ZeRO-1/2 parameter
+    t_step  = m * t_micro * (1 + bubble / (1 - bubble) / contention) + exposed gradient reduction + ZeRO-1/2 parameter
               all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
               + step_overhead_s
 
@@ -21,7 +21,8 @@ the inter-node link. Gradient reduction overlaps the backward of the micro-batch
 cluster's comm_overlap lets it: 0 where collectives need the computing cores); tp collectives sit on the critical
 path. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0), with r the rows (tokens of a
 micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the cluster file
-measured its own (`plan calibrate`).
+measured its own (`plan calibrate`). bubble is the schedule's textbook fraction (parallel/schedule.py); the fill and
+drain run faster by the cluster's contention where ranks share a host's memory (1 on GPUs).
 """
 from __future__ import annotations
 
@@ -179,7 +180,7 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
         ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
         attention_s = layers * 12 * rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
                                                                                   cluster.matmul_efficiency)
-        cp_micro = max(0.0, ring_s - attention_s)  # the ring hides behind the attention blocks it feeds
+        cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
 
     moe = MoeSettings.of(m_cfg)
     ep_link, ep_crosses = group_link(cluster, p.ep, p.tp * p.cp)
@@ -219,7 +220,8 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
 
     micro = compute_micro + tp_micro + cp_micro + ep_micro + pp_micro + zero3_micro
     bubble = theoretical_bubble(p.schedule, p.pp, micro_batches, p.virtual_stages) if p.pp > 1 else 0.0
-    pipeline = micro_batches * micro / (1 - bubble)
+    # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
+    pipeline = micro_batches * micro * (1 + bubble / (1 - bubble) / cluster.contention)
     step = pipeline + reduce_exposed + gather_params + optimizer + cluster.step_overhead_s
     parts = {"matmul": matmul, "elementwise": elementwise, "overhead": overhead + cluster.step_overhead_s,
              "tp": micro_batches * tp_micro,
