@@ -12,13 +12,17 @@ seconds per unit and micro-batch and per step (kernel launches, Python); optimiz
 optimizer's passes over its state (default hbm_bandwidth); comm_overlap, the fraction of the compute that
 communication can hide behind (1: NCCL on its own engines; 0: collectives that need the computing cores);
 contention, how much slower a rank computes while all the node's ranks compute than alone (1: GPUs, each with its
-own memory; above 1: ranks sharing a host's memory bandwidth).
+own memory; above 1: ranks sharing a host's memory bandwidth); efficiency_rows and efficiency_at_rows, the
+fraction of the peak a step's matmuls reached at these micro-batch rows (caches spill as a micro-batch grows), which
+replace matmul_efficiency where given.
 """
 from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from mpitrain.errors import ConfigError
 
@@ -56,6 +60,15 @@ class Cluster:
     optimizer_bandwidth: float = 0.0  # 0: hbm_bandwidth
     comm_overlap: float = 1.0
     contention: float = 1.0
+    efficiency_rows: tuple = ()  # measured matmul_efficiency at these rows per micro-batch (empty: one number)
+    efficiency_at_rows: tuple = ()
+
+    def matmul_efficiency_at(self, rows: float) -> float:
+        """matmul_efficiency, or where the file measured it per micro-batch size, interpolated in log(rows) between
+        the measured points (the nearest one outside them)."""
+        if not self.efficiency_rows:
+            return self.matmul_efficiency
+        return float(np.interp(np.log(rows), np.log(self.efficiency_rows), self.efficiency_at_rows))
 
     @property
     def usable_bytes(self) -> float:
@@ -106,6 +119,10 @@ def load_cluster(name_or_path: str) -> Cluster:
     if negative:
         raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1, "
                           "contention at least 1)")
+    rows, at_rows = raw.get("efficiency_rows", []), raw.get("efficiency_at_rows", [])
+    if len(rows) != len(at_rows) or any(not value > 0 for value in [*rows, *at_rows]) or rows != sorted(rows):
+        raise ConfigError(f"cluster file {path}: efficiency_rows (ascending) and efficiency_at_rows must be lists of "
+                          "positive numbers of the same length")
     return cluster_from_numbers({**raw, **numbers, **optional}, links["intra"], links["inter"], str(path))
 
 
@@ -117,4 +134,6 @@ def cluster_from_numbers(numbers: dict, intra, inter, source: str) -> Cluster:
                    compute=str(numbers["compute"]), peak_flops=numbers["peak_flops"],
                    matmul_efficiency=numbers["matmul_efficiency"], hbm_bandwidth=numbers["hbm_bandwidth"],
                    host_bandwidth=numbers["host_bandwidth"], intra=intra, inter=inter,
+                   efficiency_rows=tuple(numbers.get("efficiency_rows", ())),
+                   efficiency_at_rows=tuple(numbers.get("efficiency_at_rows", ())),
                    **{key: float(numbers.get(key, default)) for key, default in OPTIONAL.items()})

@@ -154,7 +154,7 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
     rows = t.micro_batch * m_cfg.seq_len // p.cp
     thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
-    matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency * thin)
+    matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency_at(rows) * thin)
     # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
     # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
     per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
