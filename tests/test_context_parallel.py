@@ -19,7 +19,7 @@ from mpitrain.parallel.context import (
     zigzag_positions,
 )
 from tests.mpi_helpers import run_python_mpi_results
-from tests.test_train_parity import run_training
+from tests.test_train_parity import PARITY_STEPS, run_training
 
 RTOL = 1e-10
 
@@ -152,14 +152,14 @@ def test_ring_attention_equals_one_process_and_sends_the_ring_bytes(cp):
 
 # ----------------------------------------------------------------------------- whole runs at parity (MPI)
 def train_run(n_ranks, run_dir, *overrides, resume=None, expect=0):
-    settings = ["data.synthetic=true", "precision.compute=float64", "train.steps=10", "train.eval_batches=1",
-                *overrides]
+    settings = ["data.synthetic=true", "precision.compute=float64", f"train.steps={PARITY_STEPS}",
+                "train.eval_batches=1", *overrides]
     return run_training(n_ranks, run_dir, settings, resume=resume, expect=expect, timeout=300)
 
 
 def assert_same_run(reference, other, what):
     (ref_metrics, ref_params), (metrics, params) = reference, other
-    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(range(1, 11)), what
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(range(1, PARITY_STEPS + 1)), what
     for ref, got in zip(ref_metrics, metrics):
         assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), f"{what}, step {got['step']}"
         assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=RTOL, abs=0) if "val_loss" in ref else True

@@ -209,8 +209,9 @@ def test_dispatch_and_combine_match_one_process_and_count_exactly_the_routed_byt
 RTOL = 1e-10
 
 
-def train_run(n_ranks, run_dir, *overrides, steps=10, resume=None, expect=0):
-    from tests.test_train_parity import run_training
+def train_run(n_ranks, run_dir, *overrides, steps=None, resume=None, expect=0):
+    from tests.test_train_parity import PARITY_STEPS, run_training
+    steps = steps or PARITY_STEPS
     settings = ["data.synthetic=true", "precision.compute=float64", f"train.steps={steps}", "train.micro_batch=2",
                 "train.eval_batches=1", *overrides]
     return run_training(n_ranks, run_dir, settings, resume=resume, expect=expect, timeout=300)

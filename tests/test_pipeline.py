@@ -1,6 +1,6 @@
 """Pipeline parallelism is exact, holds the activations its schedule says, and runs its schedule's order.
 
-Parity runs the real `mpitrain train` under mpiexec (float64, 10 steps) at pp = 2 and 4 with every schedule, and at
+Parity runs the real `mpitrain train` under mpiexec (float64, 6 steps) at pp = 2 and 4 with every schedule, and at
 pp = 2 x tp = 2 x dp = 2 with ZeRO-1, for gpt2 (tied head: the last stage holds a copy of the embedding) and llama,
 and compares every step's loss and gradient norm, the validation loss and the final weights (read from the final
 checkpoint) with the single process. Activation memory is measured in-process under MPI from the executor's own

@@ -1,6 +1,6 @@
 """Tensor parallelism is exact, moves the bytes theory says, and sequence parallelism keeps 1/t of the activations.
 
-Parity runs the real `mpitrain train` under mpiexec (float64, 10 steps) at tp = 2, 4 and tp = 2 x dp = 2 with every
+Parity runs the real `mpitrain train` under mpiexec (float64, 6 steps) at tp = 2, 4 and tp = 2 x dp = 2 with every
 ZeRO stage, sequence parallelism on and off, and compares every step's loss and gradient norm and the final weights
 (read from the final checkpoint, assembled from the pieces) with the single process. The vocabularies are not
 multiples of every t (258, 257, 259: padded), llama's K/V heads are split (n_kv_head = 2, tp = 2) or replicated
@@ -15,7 +15,7 @@ import pytest
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
-from tests.test_train_parity import dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
+from tests.test_train_parity import PARITY_STEPS, dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
 
 RTOL = 1e-10
 FLAVOURS = {
@@ -39,7 +39,7 @@ def rel(a, b) -> float:
 
 def assert_exact(reference, other, what):
     (ref_metrics, ref_params), (metrics, params) = reference, other
-    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(range(1, 11)), what
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(range(1, PARITY_STEPS + 1)), what
     for ref, got in zip(ref_metrics, metrics):
         assert rel(ref["loss"], got["loss"]) < RTOL, f"{what}, step {got['step']}: loss {got['loss']} vs {ref['loss']}"
         assert rel(ref["grad_norm"], got["grad_norm"]) < RTOL, f"{what}, step {got['step']}: grad norm"
