@@ -84,3 +84,29 @@ def test_communicators_are_destroyed_at_exit_and_aborted_by_the_watchdog(tmp_pat
     assert results["nothing_left"] == 0
     for rank in (0, 1):  # the group left open was destroyed by the exit hook, before MPI finalised
         assert json.loads((tmp_path / f"exit-{rank}.json").read_text()) == ["destroy"], describe(result)
+
+
+def test_a_failing_rank_aborts_its_nccl_communicators_before_mpi_abort(monkeypatch):
+    """report_and_abort (any exception on a rank) aborts the NCCL groups first, as the watchdog does: a rank blocked
+    on its stream in a collective could otherwise outlive MPI Abort."""
+    from mpitrain.comm import failure, nccl_group
+
+    events = []
+
+    class World:  # the two calls report_and_abort makes on a 2-rank world, recorded
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 2
+
+        def Abort(self, code):
+            events.append(("mpi_abort", code))
+
+    monkeypatch.setattr(failure, "ABORT_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(nccl_group, "abort_all_communicators", lambda: events.append(("nccl_abort",)) or 1)
+    try:
+        failure.report_and_abort(RuntimeError("boom"), World(), code=3)
+    except SystemExit as exc:
+        assert exc.code == 3
+    assert events == [("nccl_abort",), ("mpi_abort", 3)]

@@ -40,8 +40,17 @@ def report_and_abort(exc: BaseException, comm, code: int = 1):
         # Let the other ranks print too (a bad config or checkpoint fails on every rank at once; the first Abort
         # would otherwise kill them mid-message) and let mpiexec forward the output, then end the job.
         time.sleep(ABORT_GRACE_SECONDS)
+        abort_device_communicators()
         comm.Abort(code)
     raise SystemExit(code)
+
+
+def abort_device_communicators() -> int:
+    """ncclCommAbort on this rank's NCCL groups, so that kernels stuck in a collective stop before MPI Abort (a rank
+    blocked on its stream could otherwise outlive the abort). Nothing to do where no NCCL group exists (the module is
+    looked up, not imported: CPU runs never load it)."""
+    nccl_group = sys.modules.get("mpitrain.comm.nccl_group")
+    return nccl_group.abort_all_communicators() if nccl_group is not None else 0
 
 
 @contextmanager

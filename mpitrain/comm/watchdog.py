@@ -35,7 +35,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from mpitrain.comm.failure import ABORT_GRACE_SECONDS
+from mpitrain.comm.failure import ABORT_GRACE_SECONDS, abort_device_communicators
 from mpitrain.comm.operations import Operation, ProgressRecord, format_ranks
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended because something did not finish in time
@@ -276,13 +276,6 @@ class Watchdog:
             self._warned = True
             sys.stderr.write(f"[rank {self.rank}/{self.world_size}] warning: {text}\n")
             sys.stderr.flush()
-
-
-def abort_device_communicators() -> int:
-    """ncclCommAbort on this rank's NCCL groups, so that kernels stuck in a hung collective stop before MPI Abort
-    (a rank blocked on its stream could otherwise outlive the abort). Nothing to do where no NCCL group exists."""
-    nccl_group = sys.modules.get("mpitrain.comm.nccl_group")
-    return nccl_group.abort_all_communicators() if nccl_group is not None else 0
 
 
 def start_watchdog(world_comm, progress: ProgressRecord, timeout_s: float, heartbeats=None, record_fault=None,
