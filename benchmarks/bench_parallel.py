@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpitrain.launcher import find_mpiexec
+
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {
     "dp2": [],
@@ -27,15 +29,11 @@ LAYOUTS = {
 }
 
 
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
-
-
 def run(config: str, overrides: list[str], steps: int, timeout: float = 600) -> dict:
     """`mpitrain bench step` on 2 ranks of 1 BLAS thread each; its last line (one JSON object), parsed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain", "bench", "step", config, "--steps", str(steps)]
+    command = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain", "bench", "step", config,
+               "--steps", str(steps)]
     for setting in overrides:
         command += ["--set", setting]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

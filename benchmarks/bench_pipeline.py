@@ -20,13 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpitrain.launcher import find_mpiexec
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER_FLAG = "--worker"
-
-
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
 
 
 def worker(kinds: list[tuple[str, int]], steps: int) -> None:
@@ -69,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [mpiexec(), "-n", str(args.pp), sys.executable, __file__, WORKER_FLAG, args.kinds, str(args.steps)]
+    command = [find_mpiexec(), "-n", str(args.pp), sys.executable, __file__, WORKER_FLAG, args.kinds, str(args.steps)]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr}")
