@@ -30,6 +30,7 @@ from mpitrain.plan.calibrate import calibrate
 from mpitrain.plan.clusters import CLUSTER_DIR, load_cluster
 from mpitrain.plan.cost import Layout, estimate
 
+COMMUNICATION = ("tp", "cp_ring", "ep_all_to_all", "pp_send", "zero_exposed", "dp_reduce")
 MOE = ["model.moe={experts = 4, top_k = 2}"]
 # name -> (Layout on 2 ranks, the base config's keys it needs). global batch 8: micro-batch 4 on dp 2 is one
 # micro-batch per rank; micro-batch 2 on pp 2 is four, the fewest that every schedule (interleaved too) accepts.
@@ -70,6 +71,7 @@ def main() -> None:
     calibrate_each_round = args.no_calibrate is False or not (CLUSTER_DIR / "this-machine.toml").is_file()
     names = args.only.split(",") if args.only else list(LAYOUTS)
     measured: dict[str, list[float]] = {name: [] for name in names}
+    fastest: dict[str, dict] = {}  # the fastest round's whole report (its breakdown)
     quietest = (0.0, "")
     with tempfile.TemporaryDirectory() as offload_dir:
         for round_index in range(args.rounds):
@@ -80,7 +82,10 @@ def main() -> None:
             for name in names if round_index % 2 == 0 else reversed(names):
                 layout, extra = LAYOUTS[name]
                 settings = overrides(layout) + extra + [f"memory.offload_dir=\"{offload_dir}\""]
-                measured[name].append(run(args.config, settings, args.steps, timeout=900)["step_time_s"])
+                report = run(args.config, settings, args.steps, timeout=900)
+                measured[name].append(report["step_time_s"])
+                if report["step_time_s"] <= min(measured[name]):
+                    fastest[name] = report
                 print(f"round {round_index + 1}: {name:<20} {1000 * measured[name][-1]:8.1f} ms", flush=True)
     if calibrate_each_round:
         (CLUSTER_DIR / "this-machine.toml").write_text(quietest[1])
@@ -98,6 +103,17 @@ def main() -> None:
         print(f"{name:<20} {1000 * predicted['step_s']:12.1f} {1000 * best:12.1f} {ratio:6.2f} "
               f"{max(measured[name]) / best:6.2f} {predicted['memory']['held'] / 2**20:9.1f}Mi  "
               f"{predicted['bottleneck']}", flush=True)
+    print(f"\nparts of the step, predicted / measured ms (the fastest round's breakdown, max over ranks):\n"
+          f"{'layout':<20} {'compute':>15} {'communication':>15} {'bubble':>13} {'optimizer':>13}")
+    for name in names:
+        predicted, parts = rows[name]["parts"], fastest[name].get("breakdown") or {}
+        pairs = [(predicted["matmul"] + predicted["elementwise"] + predicted["overhead"],
+                  sum(parts.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight"))),
+                 (sum(predicted[k] for k in COMMUNICATION), sum(v for k, v in parts.items() if k.startswith("comm."))),
+                 (predicted["bubble"], parts.get("pipeline_bubble", 0.0)),
+                 (predicted["optimizer"], parts.get("optimizer", 0.0))]
+        print(f"{name:<20} " + " ".join(f"{1000 * a:.0f}/{1000 * b:.0f}".rjust(width)
+                                         for width, (a, b) in zip((15, 15, 13, 13), pairs)))
     within = sum(abs(row["ratio"] - 1) <= 0.15 for row in rows.values())
     print(json.dumps({"cluster": cluster.name, "layouts": rows, "load": os.getloadavg()}))
     ratios = sorted(row["ratio"] for row in rows.values())

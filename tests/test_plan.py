@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,17 @@ def test_bad_optional_cluster_key_is_one_line(tmp_path):
     bad.write_text("comm_overlap = 2\n" + text)
     with pytest.raises(ConfigError, match="comm_overlap"):
         load_cluster(str(bad))
+    bad.write_text("efficiency_rows = [512, 2048]\nefficiency_at_rows = [0.5]\n" + text)
+    with pytest.raises(ConfigError, match="efficiency_rows"):
+        load_cluster(str(bad))
+
+
+def test_efficiency_measured_per_micro_batch_size_is_interpolated_in_log_rows(tmp_path):
+    table = tmp_path / "table.toml"
+    table.write_text("efficiency_rows = [512, 2048]\nefficiency_at_rows = [0.4, 0.2]\n" +
+                     Path(load_cluster("h100").source).read_text())
+    cluster = load_cluster(str(table))
+    assert cluster.matmul_efficiency_at(512) == pytest.approx(0.4)
+    assert cluster.matmul_efficiency_at(1024) == pytest.approx(0.3)  # halfway in log(rows)
+    assert cluster.matmul_efficiency_at(100) == pytest.approx(0.4) and cluster.matmul_efficiency_at(1e5) == 0.2
+    assert load_cluster("h100").matmul_efficiency_at(1024) == load_cluster("h100").matmul_efficiency
