@@ -145,7 +145,7 @@ def test_presets_have_their_published_sizes():
 
 def test_70b_on_64_h100_is_deterministic_and_keeps_tp_inside_a_node(monkeypatch):
     """Also the work that keeps this answer under 10 s (counted, not timed): the layouts evaluated, and the rank
-    models built (each builds every block's layout: the costly part), which fit the shape cache (256)."""
+    models built (each builds every block's layout: the costly part), well inside the shape cache (1,024)."""
     from mpitrain.plan import memory
     for cache in (memory._RANK_MODELS, memory._SAVED, memory._PARAMS, memory._SPLIT, memory._DEFERRED):
         cache.clear()

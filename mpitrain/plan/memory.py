@@ -178,7 +178,7 @@ def rank_model(cfg: Config, pp_rank: int = 0):
     cached by them: callers only read it)."""
     key = shape_key(cfg, pp_rank)
     if key not in _RANK_MODELS:
-        if len(_RANK_MODELS) > 256:
+        if len(_RANK_MODELS) > 1024:  # a 405B search on 1,024 GPUs builds ~255
             for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT, _DEFERRED):
                 cache.clear()
         _RANK_MODELS[key] = _build_rank_model(cfg, pp_rank)
