@@ -265,12 +265,13 @@ def make_state(cfg: Config, model: GPT, backend, mesh, placement=None):
     p = cfg.parallel
     reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
     group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
-    if p.zero == 0:  # experts under ep > 1 are reduced over expert_dp (other_reduction_groups)
+    others = other_reduction_groups(layouts, mesh)  # experts under ep > 1: reduced (and ZeRO-sharded) over expert_dp
+    if p.zero == 0:
         state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce,
-                                placement, other_reduction_groups(layouts, mesh))
+                                placement, others)
     else:
         state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
-                          placement)
+                          placement, others)
     return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 

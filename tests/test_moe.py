@@ -107,8 +107,9 @@ def test_config_keys_are_checked_by_name():
         load_config(None, ["parallel.ep=2"])
     with pytest.raises(ConfigError, match="not divisible by parallel.ep = 4"):
         load_config(None, ["model.moe={experts = 6}", "parallel.ep=4"])
-    with pytest.raises(ConfigError, match="parallel.zero = 1 with parallel.ep = 2"):
-        load_config(None, ["model.moe={experts = 4}", "parallel.ep=2", "parallel.zero=1"])
+    with pytest.raises(ConfigError, match="model.moe with parallel.cp > 1 is not supported"):
+        load_config(None, ["model.moe={experts = 4}", "parallel.cp=2"])
+    assert load_config(None, ["model.moe={experts = 4}", "parallel.ep=2", "parallel.zero=3"]).parallel.zero == 3
     cfg = load_config(None, ["model.moe={experts = 8, top_k = 2, every = 2}", "model.n_layer=4"])
     assert [MoeSettings.of(cfg.model).is_moe_block(i) for i in range(4)] == [False, True, False, True]
 
@@ -286,3 +287,67 @@ def test_all_to_all_bytes_are_the_routed_tokens_bytes(tmp_path):
     for record in metrics:
         assert record["comm_bytes"]["all_to_all"] == 4 * tokens * d_model * 2 * layers * micro_batches
         assert np.isfinite(record["loss"]) and 0.9 < record["moe_balance"] < 1.5
+
+
+# ---- ZeRO with expert parallelism: experts sharded over expert_dp, the rest over dp ------------------------------
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_expert_parallel_matches_one_process(tmp_path, references, zero):
+    """dp 4 with ep 2: each expert's state is sharded over its expert_dp group of 2, the dense tensors over dp 4
+    (block 1, an MoE block, is both: two parts, each reduce-scattered and gathered over its own group)."""
+    moe, extra = MOE_CASES["E8-top2-llama"]
+    run = train_run(4, tmp_path / "run", f"model.moe={moe}", *extra, "parallel.ep=2", f"parallel.zero={zero}")
+    assert_same_run(references["E8-top2-llama"], run)
+
+
+def test_zero3_expert_parallel_checkpoint_resumes_under_zero2_without_ep(tmp_path, references):
+    """Steps 1-3 on dp 4, ep 2, ZeRO-3 (expert shards cut over expert_dp), resumed on dp 2, ep 1, ZeRO-2 (every
+    expert whole on both ranks, cut over dp): the one-process run's losses and weights."""
+    moe, extra = MOE_CASES["E8-top2-llama"]
+    settings = [f"model.moe={moe}", *extra]
+    train_run(4, tmp_path, *settings, "parallel.ep=2", "parallel.zero=3", "train.stop_at=3", expect=75)
+    assert_same_run(references["E8-top2-llama"], train_run(2, tmp_path, *settings, "parallel.zero=2", resume="auto"))
+
+
+ZERO_EP_MEMORY_JOB = """
+import json
+from mpi4py import MPI
+from mpitrain.backend import make_backend
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import load_config, resolve_layout
+from mpitrain.model.gpt import GPT
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.train import make_state
+world, out = MPI.COMM_WORLD, {}
+for stage in (0, 1, 2, 3):
+    cfg = load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}", "parallel.ep=2",
+                                            "train.micro_batch=1", f"parallel.zero={stage}",
+                                            "precision.compute=bfloat16"])
+    resolve_layout(cfg, world.size)
+    backend = make_backend("cpu", "bfloat16")
+    mesh = Mesh(world, dp=world.size, ep=2)
+    model = GPT(cfg.model, backend, ep_group=mesh.ep)
+    state = make_state(cfg, model, backend, mesh)
+    held = state.memory()
+    specs = [spec for layout in model.layouts for spec in layout.specs]
+    out[stage] = {"total": sum(held.values()) + AdamW(state.optimizer_segments(), AdamWHyper()).state_nbytes(),
+                  "experts": sum(s.size for s in specs if s.reduce_over == "expert_dp"),
+                  "dense": sum(s.size for s in specs if s.reduce_over != "expert_dp"),
+                  "expert_dp": mesh.expert_dp.size}
+if world.rank == world.size - 1:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_zero_state_of_experts_per_rank_falls_by_the_expert_dp_size():
+    """Bytes of the arrays a rank holds (bf16 params and grads, fp32 master and Adam moments) on dp 4 with ep 2:
+    the sharded bytes per parameter divided by 4 for the dense tensors and by expert_dp = 2 for this rank's experts
+    (4 of 8 per MoE block), as ZeRO's formulas say, up to padding."""
+    from tests.mpi_helpers import run_python_mpi_results
+    bytes_per_param = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}  # (whole, sharded): 2 + 2 + 4 + 4 + 4
+    measured = {int(k): v for k, v in run_python_mpi_results(4, ZERO_EP_MEMORY_JOB, timeout=120).items()}
+    dense, experts = measured[0]["dense"], measured[0]["experts"]
+    assert measured[0]["expert_dp"] == 2 and experts == 2 * 4 * 2 * 32 * 128  # 2 blocks, 4 experts, up and down
+    padding = 6 * 3 * 16  # at most 3 elements in each of 6 parts (embed, 2 per MoE block, head), 16 bytes each
+    for stage, (whole, sharded) in bytes_per_param.items():
+        expected = whole * (dense + experts) + sharded * (dense / 4 + experts / 2)
+        assert expected <= measured[stage]["total"] <= expected + padding, (stage, measured[stage], expected)

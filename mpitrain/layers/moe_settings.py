@@ -57,9 +57,6 @@ def validate_moe(cfg) -> None:
     if moe.experts % p.ep:
         raise ConfigError(f"model.moe.experts = {moe.experts} is not divisible by parallel.ep = {p.ep} (each "
                           f"expert-parallel rank holds experts / ep of them)")
-    if p.ep > 1 and p.zero:
-        raise ConfigError(f"parallel.zero = {p.zero} with parallel.ep = {p.ep}: ZeRO shards over dp but experts are "
-                          "reduced over expert-dp; use parallel.zero = 0 with expert parallelism")
     if p.cp > 1:
         raise ConfigError("model.moe with parallel.cp > 1 is not supported yet; use parallel.cp = 1")
     if cfg.memory.recompute == "selective":

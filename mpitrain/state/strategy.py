@@ -104,8 +104,8 @@ def add_up(sums: list[dict]) -> dict:
 
 def reduction_group(layouts, mesh):
     """The mesh group that sums the gradients, named by the tensors' `reduce_over`. Experts under expert
-    parallelism ("expert_dp") are reduced beside it by the replicated state (`other_reduction_groups`); any other
-    mix is refused."""
+    parallelism ("expert_dp") are reduced (and ZeRO-sharded) beside it over their own group
+    (`other_reduction_groups`); any other mix is refused."""
     names = sorted({spec.reduce_over for layout in layouts for spec in layout.specs} - {"expert_dp"} or {"dp"})
     if len(names) > 1:
         raise NotImplementedError(f"tensors reduce their gradients over several groups {names}; one is supported")

@@ -18,15 +18,22 @@ Communication per step, ring algorithms: stages 1 and 2 reduce-scatter gradients
 parameters: 2(N-1)/N Psi, the same as plain data parallelism's all-reduce. Stage 3 gathers twice and reduce-scatters
 once: 3(N-1)/N Psi, or 2(N-1)/N Psi with reshard_after_forward = false (parameters kept from forward to backward).
 Stages 2 and 3 reduce-scatter every micro-batch (their full gradients are gone by the next one); stage 1 once a step.
+
+Expert parallelism: a tensor is sharded over the group that sums its gradient (`ParamSpec.reduce_over`). Each unit
+is cut into parts, one per such group (an MoE block: its dense tensors over dp, its experts over expert_dp, the dp
+ranks that hold the same experts); a part is the unit of sharding, reduce-scatter and all-gather, so an expert's
+state per rank falls by the expert-dp size (dp / ep), the dense tensors' by dp. Without experts, part = unit.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from mpitrain.backend import wire_view
 from mpitrain.optim.adamw import Segment
 from mpitrain.state.offload import OnDevice, resident_nbytes
-from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
+from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
 from mpitrain.state.strategy import StateStrategy, add_up, norm_ranges, squared_sum
 
@@ -36,32 +43,33 @@ class FullParams:
 
     def __init__(self, zero):
         self.zero = zero
-        self.buffer = FlatBuffer.allocate(zero.layouts, zero.backend.xp, zero.backend.dtype, align=zero.group.size)
+        self.buffer = FlatBuffer.allocate(zero.parts, zero.backend.xp, zero.backend.dtype, align=zero.align)
+        self.unit_views = zero.by_unit(self.buffer.views)
 
-    def place(self, unit: int, full) -> None:
-        self.buffer.data[slice(*self.zero.geometry.unit_range(unit))] = full
+    def place(self, part: int, full) -> None:
+        self.buffer.data[slice(*self.zero.geometry.unit_range(part))] = full
 
-    def shard(self, unit: int):
-        return self.buffer.data[slice(*self.zero.window(unit))]
+    def shard(self, part: int):
+        return self.buffer.data[slice(*self.zero.window(part))]
 
     def acquire(self, unit: int, phase: str) -> dict:
-        return self.buffer.views[unit]
+        return self.unit_views[unit]
 
     def release(self, unit: int, phase: str) -> None:
         pass
 
     def publish(self) -> None:
-        """Every rank's updated shard to every rank."""
+        """Every rank's updated shard to every rank of its part's group."""
         handles = []
-        for unit in range(len(self.zero.layouts)):
-            own = self.shard(unit).copy()  # MPI forbids the send buffer to alias the receive buffer
-            full = self.buffer.data[slice(*self.zero.geometry.unit_range(unit))]
-            handles.append(self.zero.group.iall_gather(wire_view(own), wire_view(full)))
+        for part in range(len(self.zero.parts)):
+            own = self.shard(part).copy()  # MPI forbids the send buffer to alias the receive buffer
+            full = self.buffer.data[slice(*self.zero.geometry.unit_range(part))]
+            handles.append(self.zero.group_of(part).iall_gather(wire_view(own), wire_view(full)))
         for handle in handles:
             handle.wait()
 
     def held(self):
-        return [(0, self.zero.geometry.size, self.buffer.data, 0)], True  # windows, replicated over dp
+        return [(0, self.zero.geometry.size, self.buffer.data, 0)], True  # windows, replicated over each group
 
     @property
     def nbytes(self) -> int:
@@ -74,41 +82,47 @@ class ShardedParams:
     def __init__(self, zero):
         self.zero = zero
         self.data = zero.backend.xp.zeros(zero.shard_offsets[-1], dtype=zero.backend.dtype)
-        self.gathered: dict[int, list] = {}  # unit -> [single-unit FlatBuffer, pending handle or None]
+        self.gathered: dict[int, list] = {}  # part -> [single-part FlatBuffer, pending handle or None]
 
-    def shard(self, unit: int):
-        return self.zero.shard_of(self.data, unit)
+    def shard(self, part: int):
+        return self.zero.shard_of(self.data, part)
 
-    def place(self, unit: int, full) -> None:
-        self.shard(unit)[...] = full[slice(*self.zero.window(unit, local=True))]
+    def place(self, part: int, full) -> None:
+        self.shard(part)[...] = full[slice(*self.zero.window(part, local=True))]
 
-    def _start_gather(self, unit: int) -> None:
+    def _start_gathers(self, unit: int) -> None:
         z = self.zero
-        buffer = FlatBuffer.allocate([z.layouts[unit]], z.backend.xp, z.backend.dtype, align=z.group.size)
-        self.gathered[unit] = [buffer, z.group.iall_gather(wire_view(self.shard(unit)), wire_view(buffer.data))]
+        for part in z.parts_of[unit]:
+            if part not in self.gathered:
+                buffer = FlatBuffer.allocate([z.parts[part]], z.backend.xp, z.backend.dtype, align=z.align)
+                self.gathered[part] = [buffer, z.group_of(part).iall_gather(wire_view(self.shard(part)),
+                                                                            wire_view(buffer.data))]
 
     def acquire(self, unit: int, phase: str) -> dict:
-        if unit not in self.gathered:
-            self._start_gather(unit)
-        entry = self.gathered[unit]
-        if entry[1] is not None:
-            entry[1].wait()
-            entry[1] = None
+        self._start_gathers(unit)
+        views = {}
+        for part in self.zero.parts_of[unit]:
+            entry = self.gathered[part]
+            if entry[1] is not None:
+                entry[1].wait()
+                entry[1] = None
+            views.update(entry[0].views[0])
         upcoming = unit + 1 if phase == "forward" else unit - 1  # prefetch: overlap the next gather with compute
-        if 0 <= upcoming < len(self.zero.layouts) and upcoming not in self.gathered:
-            self._start_gather(upcoming)
-        return entry[0].views[0]
+        if 0 <= upcoming < len(self.zero.layouts):
+            self._start_gathers(upcoming)
+        return views
 
     def release(self, unit: int, phase: str) -> None:
         if phase == "backward" or self.zero.reshard_after_forward:
-            self.gathered.pop(unit, None)  # free the full parameters: only the shard stays
+            for part in self.zero.parts_of[unit]:
+                self.gathered.pop(part, None)  # free the full parameters: only the shard stays
 
     def publish(self) -> None:
         self.gathered.clear()  # nothing gathered may outlive an update: the next forward gathers anew
 
     def held(self):
         z = self.zero
-        return [(*z.window(u), self.data, z.shard_offsets[u]) for u in range(len(z.layouts))], False
+        return [(*z.window(p), self.data, z.shard_offsets[p]) for p in range(len(z.parts))], False
 
     @property
     def nbytes(self) -> int:
@@ -117,25 +131,26 @@ class ShardedParams:
 
 class AccumulatedGrads:
     """Stage 1: full gradients accumulate locally over the micro-batches; the last one's backward reduce-scatters
-    each unit, and the reduced shard is written over this rank's window of the full gradient."""
+    each part, and the reduced shard is written over this rank's window of the full gradient."""
 
     every_micro_batch = False
 
     def __init__(self, zero):
         self.zero = zero
-        self.buffer = FlatBuffer.allocate(zero.layouts, zero.backend.xp, zero.backend.dtype, align=zero.group.size)
+        self.buffer = FlatBuffer.allocate(zero.parts, zero.backend.xp, zero.backend.dtype, align=zero.align)
+        self.unit_views = zero.by_unit(self.buffer.views)
 
     def views(self, unit: int) -> dict:
-        return self.buffer.views[unit]
+        return self.unit_views[unit]
 
-    def full(self, unit: int):
-        return self.buffer.data[slice(*self.zero.geometry.unit_range(unit))]
+    def full(self, part: int):
+        return self.buffer.data[slice(*self.zero.geometry.unit_range(part))]
 
-    def shard(self, unit: int):
-        return self.buffer.data[slice(*self.zero.window(unit))]
+    def shard(self, part: int):
+        return self.buffer.data[slice(*self.zero.window(part))]
 
-    def take(self, unit: int, received) -> None:
-        self.shard(unit)[...] = received
+    def take(self, part: int, received) -> None:
+        self.shard(part)[...] = received
 
     def zero_fill(self) -> None:
         self.buffer.data.fill(0)
@@ -146,7 +161,7 @@ class AccumulatedGrads:
 
 
 class ShardedGrads:
-    """Stages 2, 3: a unit's full gradient exists from its backward until its reduce-scatter is issued; every
+    """Stages 2, 3: a part's full gradient exists from its unit's backward until its reduce-scatter is issued; every
     micro-batch's reduced shard is added into this rank's gradient shard."""
 
     every_micro_batch = True
@@ -154,23 +169,25 @@ class ShardedGrads:
     def __init__(self, zero):
         self.zero = zero
         self.data = zero.backend.xp.zeros(zero.shard_offsets[-1], dtype=zero.backend.dtype)
-        self.in_backward: dict[int, FlatBuffer] = {}
+        self.in_backward: dict[int, FlatBuffer] = {}  # part -> its full gradient
 
     def views(self, unit: int) -> dict:
-        if unit not in self.in_backward:
-            z = self.zero
-            self.in_backward[unit] = FlatBuffer.allocate([z.layouts[unit]], z.backend.xp, z.backend.dtype,
-                                                         align=z.group.size)
-        return self.in_backward[unit].views[0]
+        z, views = self.zero, {}
+        for part in z.parts_of[unit]:
+            if part not in self.in_backward:
+                self.in_backward[part] = FlatBuffer.allocate([z.parts[part]], z.backend.xp, z.backend.dtype,
+                                                             align=z.align)
+            views.update(self.in_backward[part].views[0])
+        return views
 
-    def full(self, unit: int):
-        return self.in_backward.pop(unit).data  # the reduction in flight keeps it alive until it completes
+    def full(self, part: int):
+        return self.in_backward.pop(part).data  # the reduction in flight keeps it alive until it completes
 
-    def shard(self, unit: int):
-        return self.zero.shard_of(self.data, unit)
+    def shard(self, part: int):
+        return self.zero.shard_of(self.data, part)
 
-    def take(self, unit: int, received) -> None:
-        add_into(self.shard(unit), received)
+    def take(self, part: int, received) -> None:
+        add_into(self.shard(part), received)
 
     def zero_fill(self) -> None:
         self.data.fill(0)
@@ -183,48 +200,79 @@ class ShardedGrads:
 STAGES = {1: (FullParams, AccumulatedGrads), 2: (FullParams, ShardedGrads), 3: (ShardedParams, ShardedGrads)}
 
 
+def split_by_reduction(layouts, others) -> tuple[list[UnitLayout], list[str | None], list[list[int]]]:
+    """(parts, the reduction each part's tensors share, the parts of each unit): a unit's tensors cut by
+    `ParamSpec.reduce_over` where it names a group of `others`, the rest (None: the main group) first. A unit
+    without tensors keeps one empty part."""
+    parts, reductions, parts_of = [], [], []
+    for layout in layouts:
+        cut: dict = {}
+        for spec in layout.specs:
+            cut.setdefault(spec.reduce_over if spec.reduce_over in others else None, []).append(spec)
+        parts_of.append([])
+        for name, specs in sorted(cut.items(), key=lambda item: item[0] or "") or [(None, [])]:
+            parts_of[-1].append(len(parts))
+            parts.append(UnitLayout(layout.name, specs))  # the unit's name: checkpoints name tensors by it
+            reductions.append(name)
+    return parts, reductions, parts_of
+
+
 class ZeroState(StateStrategy):
     sharded = True
 
     def __init__(self, layouts, backend, seed: int, group, stage: int, overlap: bool = True,
-                 reshard_after_forward: bool = True, grad_reduce: str = "float32", placement=None):
-        """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device)."""
+                 reshard_after_forward: bool = True, grad_reduce: str = "float32", placement=None,
+                 other_groups=None):
+        """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device).
+        other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp):
+        they are sharded over that group."""
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.layouts, self.backend, self.group, self.stage = layouts, backend, group, stage
         self.overlap, self.reshard_after_forward = overlap, reshard_after_forward
-        n = group.size
-        self.geometry = FlatBuffer.geometry(layouts, align=n)  # unit ranges padded to multiples of n
-        self.shard_sizes = [(self.geometry.unit_range(u)[1] - self.geometry.unit_range(u)[0]) // n
-                            for u in range(len(layouts))]
+        self.groups = {None: group, **(other_groups or {})}  # by reduction name (None: the main group)
+        self.parts, self.reductions, self.parts_of = split_by_reduction(layouts, other_groups or {})
+        self.align = math.lcm(*(g.size for g in self.groups.values()))  # every part splits over its group
+        self.geometry = FlatBuffer.geometry(self.parts, align=self.align)  # part ranges padded to multiples
+        self.shard_sizes = [(self.geometry.unit_range(p)[1] - self.geometry.unit_range(p)[0]) // self.group_of(p).size
+                            for p in range(len(self.parts))]
         self.shard_offsets = np.cumsum([0] + self.shard_sizes).tolist()
-        self.reducer = GradReducer(group, backend.dtype, grad_reduce)
+        self.reducers = {name: GradReducer(g, backend.dtype, grad_reduce) for name, g in self.groups.items()}
+        self.norm_ranges = norm_ranges(self.geometry)
         params_kind, grads_kind = STAGES[stage]
         self.params, self.grads = params_kind(self), grads_kind(self)
         self.master = None  # None: the parameters' own shard is the master (float32/float64 compute)
         if backend.mixed:
             placement = placement or OnDevice(backend.xp)
             self.master = placement.zeros("master", self.shard_offsets[-1], backend.optimizer_dtype)
-        for unit, (layout, size) in enumerate(zip(layouts, self.shard_sizes)):
+        for part, (layout, size) in enumerate(zip(self.parts, self.shard_sizes)):
             # in the optimizer's dtype, rounded from there to the compute dtype (as after every step)
-            full = backend.from_host(initial_unit_flat(layout, seed, size * n), backend.optimizer_dtype)
-            self.params.place(unit, full.astype(backend.dtype, copy=False))
+            full = backend.from_host(initial_unit_flat(layout, seed, size * self.group_of(part).size),
+                                     backend.optimizer_dtype)
+            self.params.place(part, full.astype(backend.dtype, copy=False))
             if self.master is not None:
-                self.master_shard(unit)[...] = full[slice(*self.window(unit, local=True))]
-        self._pending: list = []  # (Pending, unit)
+                self.master_shard(part)[...] = full[slice(*self.window(part, local=True))]
+        self._pending: list = []  # (Pending, part)
         self._last_micro_batch = False
 
     # -- geometry
-    def shard_of(self, flat_shards, unit: int):
-        return flat_shards[self.shard_offsets[unit]:self.shard_offsets[unit + 1]]
+    def group_of(self, part: int):
+        return self.groups[self.reductions[part]]
 
-    def window(self, unit: int, local: bool = False) -> tuple[int, int]:
-        """This rank's shard of `unit` in the coordinates of the padded full flat buffer (local: of the unit)."""
-        start = (0 if local else self.geometry.unit_range(unit)[0]) + self.group.rank * self.shard_sizes[unit]
-        return start, start + self.shard_sizes[unit]
+    def by_unit(self, part_views: list[dict]) -> list[dict]:
+        """Per-part views merged into one dict per unit (what the model asks for)."""
+        return [{name: view for part in parts for name, view in part_views[part].items()} for parts in self.parts_of]
 
-    def master_shard(self, unit: int):
-        return self.params.shard(unit) if self.master is None else self.shard_of(self.master, unit)
+    def shard_of(self, flat_shards, part: int):
+        return flat_shards[self.shard_offsets[part]:self.shard_offsets[part + 1]]
+
+    def window(self, part: int, local: bool = False) -> tuple[int, int]:
+        """This rank's shard of `part` in the coordinates of the padded full flat buffer (local: of the part)."""
+        start = (0 if local else self.geometry.unit_range(part)[0]) + self.group_of(part).rank * self.shard_sizes[part]
+        return start, start + self.shard_sizes[part]
+
+    def master_shard(self, part: int):
+        return self.params.shard(part) if self.master is None else self.shard_of(self.master, part)
 
     # -- what the model calls
     def acquire(self, unit: int, phase: str) -> dict:
@@ -238,22 +286,23 @@ class ZeroState(StateStrategy):
 
     def unit_done(self, unit: int) -> None:
         if self.grads.every_micro_batch or self._last_micro_batch:
-            pending = self.reducer.reduce_scatter(self.grads.full(unit))
-            self._pending.append((pending, unit))
-            if not self.overlap:
-                pending.wait()
+            for part in self.parts_of[unit]:
+                pending = self.reducers[self.reductions[part]].reduce_scatter(self.grads.full(part))
+                self._pending.append((pending, part))
+                if not self.overlap:
+                    pending.wait()
         self._progress(wait=False)
 
     def _progress(self, wait: bool) -> None:
         """Hand every completed reduction's shard to the gradient placement, in issue order."""
         still = []
-        for pending, unit in self._pending:
+        for pending, part in self._pending:
             if wait:
                 pending.wait()
             if not still and pending.test():
-                self.grads.take(unit, pending.result)
+                self.grads.take(part, pending.result)
             else:
-                still.append((pending, unit))
+                still.append((pending, part))
         self._pending = still
 
     # -- what the trainer calls
@@ -267,34 +316,44 @@ class ZeroState(StateStrategy):
         self._progress(wait=True)
 
     def grad_sq_sums(self) -> dict:
-        """From the shards: each rank sums its windows, the dp group adds up."""
-        local = add_up([{key: squared_sum(self.grads.shard(u), intersect(ranges, *self.window(u)))
-                         for key, ranges in norm_ranges(self.geometry).items()} for u in range(len(self.layouts))])
-        return {key: self.group.all_reduce_scalar(value) for key, value in sorted(local.items())}
+        """From the shards: each rank sums its windows, the group that shards them adds up (experts: expert_dp;
+        the caller then sums their key over ep)."""
+        totals = []
+        for name, group in self.groups.items():
+            parts = [p for p in range(len(self.parts)) if self.reductions[p] == name]
+            keys = sorted({spec.norm_groups for p in parts for spec in self.parts[p].specs})
+            local = add_up([{key: squared_sum(self.grads.shard(p), intersect(self.norm_ranges.get(key, []),
+                                                                             *self.window(p))) for key in keys}
+                            for p in parts])
+            totals.append({key: group.all_reduce_scalar(value) for key, value in sorted(local.items())})
+        return add_up(totals)
 
     def reduced_grad_window(self, unit: int):
-        return self.geometry, self.window(unit), self.grads.shard(unit)
+        part, *more = self.parts_of[unit]
+        if more:
+            raise NotImplementedError(f"unit {self.layouts[unit].name} is sharded over several groups")
+        return self.geometry, self.window(part), self.grads.shard(part)
 
     def optimizer_segments(self) -> list[Segment]:
         decay = self.geometry.ranges(lambda spec: spec.decay)
-        return [Segment(self.master_shard(u), self.grads.shard(u), intersect(decay, *self.window(u)))
-                for u in range(len(self.layouts))]
+        return [Segment(self.master_shard(p), self.grads.shard(p), intersect(decay, *self.window(p)))
+                for p in range(len(self.parts))]
 
     def after_step(self) -> None:
         if self.master is not None:
-            for unit in range(len(self.layouts)):
-                self.params.shard(unit)[...] = self.master_shard(unit)  # rounded to the compute dtype
+            for part in range(len(self.parts)):
+                self.params.shard(part)[...] = self.master_shard(part)  # rounded to the compute dtype
         self.params.publish()
 
     def checkpoint_layout(self) -> dict:
         """Where this rank's master weights sit in the padded flat geometry (see mpitrain/checkpoint/pieces.py)."""
-        units = range(len(self.layouts))
+        parts = range(len(self.parts))
         if self.master is None:
             windows, replicated = self.params.held()
         else:
-            windows, replicated = [(*self.window(u), self.master, self.shard_offsets[u]) for u in units], False
+            windows, replicated = [(*self.window(p), self.master, self.shard_offsets[p]) for p in parts], False
         return {"geometry": self.geometry, "param_windows": windows, "params_dp_replicated": replicated,
-                "segment_windows": [self.window(u) for u in units], "moments_dp_replicated": False}
+                "segment_windows": [self.window(p) for p in parts], "moments_dp_replicated": False}
 
     def after_restore(self) -> None:
         """Derive the compute-dtype parameters from the loaded masters; nothing gathered may outlive them."""
