@@ -121,3 +121,18 @@ def test_under_zero_1_a_flip_is_found_by_a_check_before_the_next_all_gather(tmp_
 def test_zero_3_says_the_check_has_nothing_to_compare(tmp_path):
     run = train(tmp_path / "run", "parallel.zero=3", "fault.sdc_every=2", "train.steps=2")
     assert "parallel.zero = 3 keeps one copy of every parameter" in run.stdout
+
+
+MOE_EP2 = ["model.moe={experts = 4, top_k = 2, every = 1}", "parallel.ep=2", "train.micro_batch=2"]
+
+
+def test_under_expert_parallelism_replicas_are_the_ranks_with_the_same_experts(tmp_path):
+    """dp 4 x ep 2: ranks 0 and 1 hold different experts, ranks 0 and 2 the same ones. A healthy run passes every
+    check (comparing over all of dp gave a false alarm), and a flip on rank 1 names rank 1 and its replica 3 only."""
+    healthy = train(tmp_path / "healthy", *MOE_EP2, "fault.sdc_every=1", "train.steps=3", n=4)
+    assert not sdc_errors(healthy), healthy.stderr
+    run = train(tmp_path / "run", *MOE_EP2, "fault.sdc_every=1", "train.steps=4", fault="flip:rank=1:step=2",
+                expect=1, n=4)
+    errors = sdc_errors(run)
+    assert errors and all("at step 2:" in e and "rank 1 on" in e and "rank 3 on" in e and "rank 0 on" not in e
+                          and "rank 2 on" not in e for e in errors), run.stderr

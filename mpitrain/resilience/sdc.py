@@ -16,7 +16,8 @@ What is compared, per parallel.zero:
     3     nothing: every parameter and moment has exactly one copy at rest; comparing gathered parameters would only
           test the all-gather. The check is off (with a warning).
 Each pipeline stage and tensor-parallel rank compares with its own data-parallel peers; the verdict is then shared
-over the world so that every rank stops together.
+over the world so that every rank stops together. Under expert parallelism (parallel.ep > 1) the peers are the
+expert_dp group: the dp ranks that hold the same experts (and, like every dp rank, the same dense tensors).
 """
 from __future__ import annotations
 
@@ -88,9 +89,14 @@ class ReplicaCheck:
     def __init__(self, every: int, zero: int, mesh, run_dir: Path, say, arrays=list):
         """arrays: returns the arrays to compare (replicated_arrays of the trainer's state), called at each check."""
         self.every, self.zero, self.mesh, self.run_dir, self.arrays = every, zero, mesh, Path(run_dir), arrays
-        self.enabled = every > 0 and mesh.dp.size > 1 and zero < 3
+        # Under expert parallelism the ranks of a dp group hold different experts; only the ranks of an expert_dp
+        # group (the same experts, and the dense tensors every dp rank holds) are replicas of each other.
+        experts_split = mesh.ep.size > 1
+        self.replicas = mesh.expert_dp if experts_split else mesh.dp
+        self.enabled = every > 0 and self.replicas.size > 1 and zero < 3
         if every > 0 and not self.enabled:
             why = ("parallel.zero = 3 keeps one copy of every parameter" if zero == 3 else
+                   "every expert-parallel rank holds its own experts (parallel.ep = dp)" if experts_split else
                    "there is one data-parallel replica")
             say(f"warning: fault.sdc_every = {every} but {why}: nothing to compare, the replica check is off")
 
@@ -98,15 +104,15 @@ class ReplicaCheck:
         return self.enabled and (saving or done % self.every == 0)
 
     def check(self, done: int) -> None:
-        """Collective (data-parallel group, then world): raise SilentDataCorruption on every rank on a mismatch."""
-        dp, world = self.mesh.dp, self.mesh.world
+        """Collective (the replicas' group, then world): raise SilentDataCorruption on every rank on a mismatch."""
+        replicas, world = self.replicas, self.mesh.world
         mine = np.array([digest(self.arrays())], dtype=np.uint64)
-        hashes = np.zeros(dp.size, dtype=np.uint64)
-        dp.all_gather(mine, hashes)
+        hashes = np.zeros(replicas.size, dtype=np.uint64)
+        replicas.all_gather(mine, hashes)
         suspects, tie = odd_ones_out(hashes.tolist())
         if not world.all_reduce_scalar(float(bool(suspects)), op="max"):
             return
-        me = {"rank": world.rank, "host": this_host(), "dp_rank": dp.rank, "suspect": dp.rank in suspects,
+        me = {"rank": world.rank, "host": this_host(), "replica": replicas.rank, "suspect": replicas.rank in suspects,
               "tie": tie, "hash": int(mine[0])}
         everyone = world.gather_object(me)
         message = None
