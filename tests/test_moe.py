@@ -351,3 +351,11 @@ def test_zero_state_of_experts_per_rank_falls_by_the_expert_dp_size():
     for stage, (whole, sharded) in bytes_per_param.items():
         expected = whole * (dense + experts) + sharded * (dense / 4 + experts / 2)
         assert expected <= measured[stage]["total"] <= expected + padding, (stage, measured[stage], expected)
+        # the planner's memory model (mpitrain memory / plan) predicts the same state bytes
+        from mpitrain.plan.memory import memory_report, rank_param_count
+        cfg = load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}", "parallel.ep=2",
+                                                "train.micro_batch=1", f"parallel.zero={stage}",
+                                                "precision.compute=bfloat16"])
+        resolve_layout(cfg, 4)
+        predicted = memory_report(cfg, rank_param_count(cfg))["bytes"]["state"]
+        assert predicted <= measured[stage]["total"] <= predicted + padding, (stage, measured[stage], predicted)

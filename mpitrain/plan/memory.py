@@ -231,8 +231,14 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     frozen = sum(layout.size for layout in split_rank_layouts(cfg, pp_rank)[1] or [])  # lora: the base
-    # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters)
-    state = model_state_bytes(n_params - frozen, cfg.precision.compute, p.zero, p.dp * p.cp)
+    # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters); experts
+    # under ep > 1 over expert_dp, the dp / ep ranks that hold the same experts (state/zero.py split_by_reduction)
+    experts = sum(math.prod(spec.shape) for layout in split_rank_layouts(cfg, pp_rank)[0] for spec in layout.specs
+                  if spec.reduce_over == "expert_dp")
+    state = model_state_bytes(n_params - frozen - experts, cfg.precision.compute, p.zero, p.dp * p.cp)
+    if experts:
+        for kind, value in model_state_bytes(experts, cfg.precision.compute, p.zero, p.dp // p.ep).items():
+            state[kind] += value
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
     activations = activation_bytes(cfg, pp_rank=pp_rank)
     formulas = state_formulas(cfg.precision.compute, p.zero)

@@ -51,7 +51,7 @@ def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
 def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [("1f1b", 1), ("zb1p", 1)] + \
         ([("interleaved", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
-    zeros = [0] if mesh.ep > 1 else ([0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2])  # ZeRO-3 under pp: regathers
+    zeros = [0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2]  # ZeRO-3 under pp: regathers
     recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
     for micro_batch in MICRO_BATCHES:
         if cfg.train.global_batch % (mesh.dp * micro_batch):
