@@ -20,8 +20,12 @@ standing for a GPU and the host for one node. About half a minute:
                           progress thread): communication does not hide behind compute here
 
 The one-process steps run `ranks` copies at once, as the ranks of a layout do: the cores, caches and memory
-bandwidth are shared then as they are in a training run. Each is the fastest of a few steps: other processes on the
-host only ever slow a step down.
+bandwidth are shared then as they are in a training run. The copies are the ranks of one mpiexec job, each training
+alone (COMM_SELF) but starting every step together (a barrier on the world): copies started as separate processes
+drift apart, and the fastest step of one was often run while the others were still importing or initialising.
+On this 2-core VM that read matmul efficiency 0.91 and contention 1.02, and bench_plan found 2 of 13 layouts within
+15% (all predicted too fast); in lockstep, taking the median step (the statistic `bench step`, and so
+benchmarks/bench_plan.py, reports), it reads 0.76 and 1.08, and 9 of 13 are within 15%.
 """
 from __future__ import annotations
 
@@ -165,30 +169,35 @@ import json, sys
 from mpi4py import MPI
 from mpitrain.config import load_config
 from mpitrain.train import Trainer
-trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]), MPI.COMM_WORLD)
-results = [trainer.train_step(step) for step in range(int(sys.argv[2]))][1:]  # the first warms up
-fastest = min(results, key=lambda result: result.seconds)  # noise (other processes) only slows a step down
-parts = fastest.breakdown
-print(json.dumps({"step": fastest.seconds, "optimizer": parts.get("optimizer", 0.0), "n_params": trainer.model.n_params,
+world = MPI.COMM_WORLD
+trainer = Trainer(load_config(sys.argv[1], sys.argv[3:]), MPI.COMM_SELF)  # each copy trains alone
+results = []
+for step in range(int(sys.argv[2])):
+    world.Barrier()  # every copy computes at once, as the ranks of a layout do
+    results.append(trainer.train_step(step))
+results = sorted(results[1:], key=lambda result: result.seconds)  # the first warms up
+median = results[(len(results) - 1) // 2]
+parts = median.breakdown
+print(json.dumps({"step": median.seconds, "optimizer": parts.get("optimizer", 0.0), "n_params": trainer.model.n_params,
                   "compute": sum(parts.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight"))}))
 """
 
 
-def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str], steps: int = 5) -> list[dict]:
-    """The fastest of `steps` - 1 training steps of one process (its step, forward + backward and optimizer
-    seconds), `copies` processes at once."""
-    root = CLUSTER_DIR.parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-c", STEP_JOB, config, str(steps), "data.synthetic=true", "logging.peak_flops=1e9",
-               f"train.steps={steps}", "train.log_every=1000000", *overrides]
-    running = [subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in range(copies)]
-    reports = []
-    for process in running:
-        out, err = process.communicate(timeout=600)
-        if process.returncode != 0:
-            raise ConfigError(f"plan calibrate: a training step of {config} failed: {err.strip()[-400:]}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str], steps: int = 6) -> list[dict]:
+    """The median of `steps` - 1 training steps of one process (its step, forward + backward and optimizer
+    seconds), `copies` processes in lockstep (module docstring): one report per copy."""
+    from mpitrain.launcher import find_mpiexec
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
+    command = [find_mpiexec(), "-n", str(copies), sys.executable, "-c", STEP_JOB, config, str(steps),
+               "data.synthetic=true", "logging.peak_flops=1e9", f"train.steps={steps}", "train.log_every=1000000",
+               *overrides]
+    done = subprocess.run(command, cwd=CLUSTER_DIR.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise ConfigError(f"plan calibrate: a training step of {config} failed: {done.stderr.strip()[-400:]}")
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(reports) != copies:
+        raise ConfigError(f"plan calibrate: {len(reports)} of {copies} copies of {config} reported their steps")
     return reports
 
 
