@@ -230,11 +230,11 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     pp_rank (n_params: rank_param_count(cfg, pp_rank))."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
-    frozen = sum(layout.size for layout in split_rank_layouts(cfg, pp_rank)[1] or [])  # lora: the base
+    trainable, frozen_layouts = split_rank_layouts(cfg, pp_rank)
+    frozen = sum(layout.size for layout in frozen_layouts or [])  # lora: the base
     # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters); experts
     # under ep > 1 over expert_dp, the dp / ep ranks that hold the same experts (state/zero.py split_by_reduction)
-    experts = sum(math.prod(spec.shape) for layout in split_rank_layouts(cfg, pp_rank)[0] for spec in layout.specs
-                  if spec.reduce_over == "expert_dp")
+    experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
     state = model_state_bytes(n_params - frozen - experts, cfg.precision.compute, p.zero, p.dp * p.cp)
     if experts:
         for kind, value in model_state_bytes(experts, cfg.precision.compute, p.zero, p.dp // p.ep).items():
@@ -245,7 +245,7 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     if frozen:
         formulas["params"] += f" + e*{frozen:,} frozen (LoRA: Psi counts only the {n_params - frozen:,} adapters)"
         formulas["state"] = formulas["state"].replace("per parameter", f"per adapter parameter, {itemsize} per frozen")
-    lean = optimizer_row(cfg, split_rank_layouts(cfg, pp_rank)[0])  # optim.name = adafactor | adam8bit | sgd
+    lean = optimizer_row(cfg, trainable)  # optim.name = adafactor | adam8bit | sgd
     if lean:
         state["optimizer"], formulas["optimizer"] = lean
         formulas["state"] = "params + grads + optimizer rows"
