@@ -158,9 +158,8 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
     # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
     per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
-    layers_here = sum(layer_counts) // p.pp
-    elementwise = ELEMENTWISE_PASSES * per_token * layers_here * tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
     layers = sum(layer_counts) // p.pp  # blocks on one pipeline rank
+    elementwise = ELEMENTWISE_PASSES * per_token * layers * tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
     # the embedding and head are units too (one each on the first and last stage); a recomputed forward costs
     # a third of a unit's forward and backward again
     units = layers + (2 if p.pp == 1 else 1)
