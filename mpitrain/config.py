@@ -14,7 +14,12 @@ from typing import Any
 
 from mpitrain.errors import ConfigError
 from mpitrain.layers.moe_settings import validate_moe
-from mpitrain.layout_checks import validate_context_parallel, validate_pipeline, validate_tensor_parallel
+from mpitrain.layout_checks import (
+    _require,
+    validate_context_parallel,
+    validate_pipeline,
+    validate_tensor_parallel,
+)
 from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
 
@@ -289,11 +294,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     cfg = config_from_dict(raw, source)
     validate(cfg)
     return cfg
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 def validate(cfg: Config) -> None:

@@ -344,7 +344,6 @@ def add_bias_grad(db, dy) -> None:
 CUDA_DTYPES = {"bfloat16": 14, "float16": 2, "float32": 0}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
 
 def batched_matmul(a, b, transpose_a: bool = False, transpose_b: bool = False, out=None, out_dtype=None):

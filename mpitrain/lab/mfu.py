@@ -12,6 +12,7 @@ matmul peak) and what became largest next.
 from __future__ import annotations
 
 from mpitrain.lab.runner import Row
+from mpitrain.profile.breakdown import COMPUTE_PARTS
 
 NAME = "mfu"
 TITLE = "Measure first: the step breakdown, overlap off -> on, then 4x micro-batches per step"
@@ -61,8 +62,7 @@ def job(world, quick: bool):
 
 
 def _suspect(breakdown: dict) -> tuple[str, float]:
-    losses = {k: v for k, v in breakdown.items() if k not in ("step_s", "forward", "backward_input",
-                                                              "backward_weight")}
+    losses = {k: v for k, v in breakdown.items() if k not in ("step_s", *COMPUTE_PARTS)}
     name = max(losses, key=losses.get)
     return name, losses[name] / breakdown["step_s"]
 
@@ -80,7 +80,7 @@ def rows(result: dict) -> list[Row]:
                        f"{run['moved'] / 1e6:.3f} MB", run["moved"], expected, 8 * n * 16))
     for label, run in result["runs"].items():
         name, share = _suspect(run["breakdown"])
-        compute = sum(run["breakdown"][k] for k in ("forward", "backward_input", "backward_weight"))
+        compute = sum(run["breakdown"][k] for k in COMPUTE_PARTS)
         out.append(Row(f"{label}: largest loss", "max over non-compute parts",
                        f"{name} {100 * share:.0f}% (compute {100 * compute / run['breakdown']['step_s']:.0f}%, "
                        f"MFU {100 * run['mfu']:.1f}%)"))

@@ -47,7 +47,6 @@ class KVCache:
     """Every block's LayerCache, and how many positions they hold."""
 
     def __init__(self, n_layer: int, batch: int, kv_heads: int, capacity: int, head_dim: int, xp, dtype):
-        self.capacity = capacity
         self.layers = [LayerCache(batch, kv_heads, capacity, head_dim, xp, dtype) for _ in range(n_layer)]
 
     @classmethod
