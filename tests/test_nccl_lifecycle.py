@@ -12,7 +12,7 @@ LIFECYCLE = r"""
 import atexit, json, os
 import numpy as np
 from mpi4py import MPI
-from mpitrain.comm import nccl_standin, watchdog
+from mpitrain.comm import failure, nccl_standin
 from mpitrain.comm.nccl import HostRuntime, NcclGroup
 from mpitrain.comm.nccl_group import destroy_all_communicators
 
@@ -54,7 +54,7 @@ lanes.close()  # idempotent
 results["after_close"] = list(ended)
 ended.clear()
 world.Barrier()
-results["aborted_groups"] = watchdog.abort_device_communicators()  # hung and left_open
+results["aborted_groups"] = failure.abort_device_communicators()  # hung and left_open
 results["after_abort"] = list(ended)
 ended.clear()
 try:

@@ -40,8 +40,7 @@ def report_and_abort(exc: BaseException, comm, code: int = 1):
         # Let the other ranks print too (a bad config or checkpoint fails on every rank at once; the first Abort
         # would otherwise kill them mid-message) and let mpiexec forward the output, then end the job.
         time.sleep(ABORT_GRACE_SECONDS)
-        abort_device_communicators()
-        comm.Abort(code)
+        abort_job(comm, code)
     raise SystemExit(code)
 
 
@@ -51,6 +50,13 @@ def abort_device_communicators() -> int:
     looked up, not imported: CPU runs never load it)."""
     nccl_group = sys.modules.get("mpitrain.comm.nccl_group")
     return nccl_group.abort_all_communicators() if nccl_group is not None else 0
+
+
+def abort_job(comm, code: int) -> None:
+    """End every rank: this rank's NCCL communicators first, then MPI Abort on `comm` (the failure path above and
+    the watchdog both end a job this way)."""
+    abort_device_communicators()
+    comm.Abort(code)
 
 
 @contextmanager

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from mpitrain.comm.failure import ABORT_GRACE_SECONDS, abort_device_communicators
+from mpitrain.comm.failure import ABORT_GRACE_SECONDS, abort_job
 from mpitrain.comm.operations import Operation, ProgressRecord, format_ranks
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended because something did not finish in time
@@ -241,7 +241,6 @@ class Watchdog:
         self._record_faults(fault_records(operation, self.progress.step, self.rank, message, states))
         self.publish("hang")
         time.sleep(ABORT_GRACE_SECONDS)  # let mpiexec forward the line before every rank is killed
-        abort_device_communicators()
         self.abort(HANG_EXIT_CODE)
 
     def inspect_peers(self, operation: Operation) -> tuple[list[PeerState] | None, dict]:
@@ -280,9 +279,13 @@ class Watchdog:
 
 def start_watchdog(world_comm, progress: ProgressRecord, timeout_s: float, heartbeats=None, record_fault=None,
                    host: str | None = None) -> Watchdog:
-    """The watchdog of this rank, started; it aborts through MPI_Abort on `world_comm`."""
+    """The watchdog of this rank, started; it ends the job through failure.abort_job on `world_comm` (NCCL
+    communicators aborted, then MPI Abort)."""
     from mpi4py import MPI
 
-    watchdog = Watchdog(progress, timeout_s, world_comm.Abort, world_comm.Get_size(), heartbeats, record_fault, host,
+    def abort(code: int) -> None:
+        abort_job(world_comm, code)
+
+    watchdog = Watchdog(progress, timeout_s, abort, world_comm.Get_size(), heartbeats, record_fault, host,
                         poll_in_main_thread=MPI.Query_thread() < MPI.THREAD_MULTIPLE)
     return watchdog.start()
