@@ -89,6 +89,23 @@ def test_a_branch_from_an_older_checkpoint_saves_its_own_steps_and_sets_the_old_
     assert metric_steps(run_copy) == list(range(1, 11))
 
 
+def test_saving_every_step_keeps_the_previous_checkpoints_in_place(tmp_path, dataset):
+    # before the fix each save set the previous step's checkpoint aside first: a job killed between that move and
+    # the commit of the new one left no checkpoint to resume from
+    run_dir = tmp_path / "run"
+    out = train(2, run_dir, dataset, "checkpoint.every=1", "checkpoint.keep=3", "train.steps=4")
+    checkpoints = run_dir / "checkpoints"
+    assert names(committed_checkpoints(checkpoints)) == ["step_00000002", "step_00000003", "step_00000004"]
+    assert not (checkpoints / "set_aside").exists() and "checkpoint: moved" not in out.stdout, describe(out)
+
+
+def test_set_aside_at_a_save_takes_a_foreign_checkpoint_of_that_step_and_leaves_the_older_ones(tmp_path):
+    fake_checkpoints(tmp_path, [1, 2, 3, 5])
+    folder = set_aside_newer(tmp_path, 3, None, lambda text: None)  # what a save of step 3 does before its commit
+    assert names(committed_checkpoints(tmp_path)) == ["step_00000001", "step_00000002"]
+    assert names(committed_checkpoints(folder)) == ["step_00000003", "step_00000005"]
+
+
 def test_fallback_past_a_corrupt_newest_checkpoint_replaces_it_and_retention_keeps_the_good_ones(tmp_path, dataset):
     run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     settings = ["checkpoint.every=2", "checkpoint.keep=2"]

@@ -127,9 +127,11 @@ class CheckpointManager:
             if errors:
                 outcome = "checkpoint save failed: " + "; ".join(errors)
             else:
-                # Restoring already set later checkpoints aside; one found now (another run writing to the same
-                # directory) is not this run's past either: the new state wins, the old one is kept aside.
-                set_aside_newer(self.directory, step - 1, None, self.echo)
+                # Restoring already set later checkpoints aside; one found now at this step or beyond (another run
+                # writing to the same directory) is not this run's past either: the new state wins, the old one is
+                # kept aside. Only >= step: the previous save (step - 1 when saving every step) is this run's past,
+                # and moving it would leave nothing committed if the job died before this commit.
+                set_aside_newer(self.directory, step, None, self.echo)
                 if final.exists():
                     shutil.rmtree(final)  # a step directory without its marker: the leftover of an interrupted save
                 commit(partial, final, self._index(step, [rec for rec, _ in gathered]))
