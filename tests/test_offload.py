@@ -205,3 +205,31 @@ def test_resident_state_falls_by_the_twelve_bytes_per_parameter_that_moved():
         assert report["bytes"]["offloaded"] == pytest.approx(share, rel=1e-12)
         assert report["bytes"]["state"] == pytest.approx(plain["total"] - disk["moved"], abs=16 * n * 6)
         assert "disk" in report["formulas"]["offloaded"]
+
+
+def test_pinned_host_state_is_not_counted_as_device_memory():
+    """GPU `memory.offload = host` on CPU stand-ins (pinned arrays are plain numpy arrays, off the device): the
+    master copy and moments in them hold no device memory, whatever their type; on the device they count whole."""
+    from mpi4py import MPI
+
+    from mpitrain.comm.group import Group
+    from mpitrain.state.params import ParamSpec, UnitLayout
+    from mpitrain.state.replicated import ReplicatedState
+    from mpitrain.state.zero import ZeroState
+
+    backend = make_backend("cpu", "bfloat16")  # mixed: a separate fp32 master
+    layouts = [UnitLayout(f"u{i}", [ParamSpec("w", (n,), "normal", std=0.02)]) for i, n in enumerate([12, 20])]
+    psi = 32
+    alone = Group(MPI.COMM_SELF, "self")
+
+    def pinned():
+        return Offloaded("host", lambda name, size, dtype: np.zeros(size, dtype), "pinned host memory", 8,
+                         off_device=lambda a: type(a) is np.ndarray)
+
+    for make in (lambda p: ReplicatedState(layouts, backend, 0, alone, placement=p),
+                 lambda p: ZeroState(layouts, backend, 0, alone, stage=1, placement=p)):
+        for placement, device_bytes in ((None, 4 * psi), (pinned(), 0)):
+            state = make(placement)
+            optimizer = AdamW(state.optimizer_segments(), AdamWHyper(), placement=placement)
+            assert state.memory()["master"] == device_bytes, (type(state).__name__, placement)
+            assert optimizer.state_nbytes() == 2 * device_bytes

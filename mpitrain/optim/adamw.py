@@ -13,7 +13,7 @@ import numpy as np
 
 from mpitrain import tiles
 from mpitrain.backend import array_module
-from mpitrain.state.offload import OnDevice, resident_nbytes
+from mpitrain.state.offload import OnDevice
 
 
 @dataclass
@@ -61,7 +61,7 @@ class AdamW:
         pass  # the loaded moments are the whole state
 
     def state_nbytes(self) -> int:
-        return resident_nbytes(self.exp_avg) + resident_nbytes(self.exp_avg_sq)  # offloaded moments: 0
+        return self.placement.resident_nbytes(self.exp_avg) + self.placement.resident_nbytes(self.exp_avg_sq)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update of every segment's parameters in place from its gradients (already averaged) times grad_scale

@@ -28,11 +28,6 @@ from mpitrain.state.params import intersect
 KINDS = ("none", "host", "disk")
 
 
-def resident_nbytes(array) -> int:
-    """Bytes an array holds in the process's own memory: a memory-mapped file's pages belong to the file."""
-    return 0 if array is None or isinstance(array, np.memmap) else int(array.nbytes)
-
-
 class OnDevice:
     """Master weights and moments are ordinary device arrays; the optimizer updates each segment in one go."""
 
@@ -43,6 +38,10 @@ class OnDevice:
 
     def zeros(self, name: str, size: int, dtype):
         return self.xp.zeros(size, dtype=dtype)
+
+    def resident_nbytes(self, array) -> int:
+        """Bytes of `array` in device memory (what memory reports and plans count); None: no array."""
+        return 0 if array is None else int(array.nbytes)
 
     def stream(self, segments, bounds, moments):
         """(segment, its slice of each moment array) for every segment; updated in place."""
@@ -71,6 +70,10 @@ class Offloaded(OnDevice):
         array = self.allocate(name, size, dtype)
         self.moved_nbytes += int(array.nbytes)
         return array
+
+    def resident_nbytes(self, array) -> int:
+        """Off-device arrays (memory-mapped files, GPU pinned host arrays) hold no device memory."""
+        return 0 if array is None or self.off_device(array) else int(array.nbytes)
 
     def stream(self, segments, bounds, moments):
         """Chunks of every segment: (a Segment over resident copies, the moments' resident chunks); after the caller

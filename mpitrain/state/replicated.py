@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 from mpitrain.optim.adamw import Segment
-from mpitrain.state.offload import resident_nbytes
+from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer
 from mpitrain.state.strategy import StateStrategy, norm_ranges, squared_sum
@@ -68,6 +68,7 @@ class ReplicatedState(StateStrategy):
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
         off_device = placement is not None and backend.mixed  # parameters that are their own master stay
+        self.placement = placement if off_device else OnDevice(xp)
         self.master = FlatBuffer.allocate(layouts, xp, backend.optimizer_dtype,
                                           zeros=partial(placement.zeros, "master") if off_device else None)
         if seed is not None:
@@ -152,5 +153,5 @@ class ReplicatedState(StateStrategy):
         self.after_step()
 
     def memory(self) -> dict:
-        master = 0 if self.params is self.master else resident_nbytes(self.master.data)  # offloaded: 0
+        master = 0 if self.params is self.master else self.placement.resident_nbytes(self.master.data)  # off device: 0
         return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes), "master": master}

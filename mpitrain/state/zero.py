@@ -32,7 +32,7 @@ import numpy as np
 
 from mpitrain.backend import wire_view
 from mpitrain.optim.adamw import Segment
-from mpitrain.state.offload import OnDevice, resident_nbytes
+from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
 from mpitrain.state.strategy import StateStrategy, add_up, norm_ranges, squared_sum
@@ -242,9 +242,9 @@ class ZeroState(StateStrategy):
         params_kind, grads_kind = STAGES[stage]
         self.params, self.grads = params_kind(self), grads_kind(self)
         self.master = None  # None: the parameters' own shard is the master (float32/float64 compute)
+        self.placement = placement or OnDevice(backend.xp)
         if backend.mixed:
-            placement = placement or OnDevice(backend.xp)
-            self.master = placement.zeros("master", self.shard_offsets[-1], backend.optimizer_dtype)
+            self.master = self.placement.zeros("master", self.shard_offsets[-1], backend.optimizer_dtype)
         for part, (layout, size) in enumerate(zip(self.parts, self.shard_sizes)):
             # in the optimizer's dtype, rounded from there to the compute dtype (as after every step)
             full = backend.from_host(initial_unit_flat(layout, seed, size * self.group_of(part).size),
@@ -361,5 +361,5 @@ class ZeroState(StateStrategy):
 
     def memory(self) -> dict:
         """Bytes of the arrays this state keeps between steps (transient gathers and unit gradients excluded)."""
-        master = resident_nbytes(self.master)  # None (the params are the master) or offloaded: 0
+        master = self.placement.resident_nbytes(self.master)  # None (the params are the master) or off the device: 0
         return {"params": self.params.nbytes, "grads": self.grads.nbytes, "master": master}
