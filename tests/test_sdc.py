@@ -61,7 +61,9 @@ def test_what_is_compared_for_each_zero_stage(zero):
 
     cfg = load_config("configs/tiny.toml", ["data.synthetic=true", f"parallel.zero={zero}", "logging.peak_flops=1e9"])
     trainer = Trainer(cfg, MPI.COMM_SELF)
-    arrays = replicated_arrays(trainer.state, trainer.optimizer)
+    by_group = replicated_arrays(trainer.state, trainer.optimizer)
+    assert list(by_group) == ["dp"]  # one group holds every tensor: its arrays whole
+    arrays = by_group["dp"]
     moments = [trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq]
     if zero == 3:
         assert arrays == []  # one copy of everything at rest: nothing to compare
@@ -71,6 +73,35 @@ def test_what_is_compared_for_each_zero_stage(zero):
         assert len(arrays) == 3 and arrays[1] is moments[0] and arrays[2] is moments[1]
     else:
         assert len(arrays) == 1  # moments are sharded: one copy each
+
+
+def test_experts_and_dense_tensors_are_compared_over_their_own_reduction_groups():
+    """Experts under ep > 1 reduce over expert_dp, the rest over dp: each group gets exactly its tensors' parameters
+    and Adam moments (zero = 0), cut out of the flat buffers; factored or block state is left out."""
+    from mpitrain.backend import make_backend
+    from mpitrain.optim.adamw import AdamW, AdamWHyper
+    from mpitrain.state.params import ParamSpec, UnitLayout
+    from mpitrain.state.replicated import ReplicatedState
+    from tests.test_data_parallel_unit import RecordingGroup
+
+    def spec(name, n, group):
+        return ParamSpec(name, (n,), "normal", std=1.0, reduce_over=group)
+    layouts = [UnitLayout("embed", [spec("wte", 5, "dp")]),
+               UnitLayout("block", [spec("norm", 3, "dp"), spec("expert_w", 7, "expert_dp"), spec("router", 2, "dp"),
+                                    spec("expert_b", 4, "expert_dp")])]
+    group = RecordingGroup([])
+    state = ReplicatedState(layouts, make_backend("cpu", "float64"), 0, group, other_groups={"expert_dp": group})
+    optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
+    optimizer.exp_avg[...] = np.arange(optimizer.exp_avg.size)
+    by_group = replicated_arrays(state, optimizer)
+    assert sorted(by_group) == ["dp", "expert_dp"]
+    flat = state.master.data
+    dense, experts = [0, 1, 2, 3, 4, 5, 6, 7, 15, 16], [8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 20]
+    for name, where in (("dp", dense), ("expert_dp", experts)):
+        params, m, v = (np.concatenate([a for a in by_group[name] if a.base is base or a.base is base.base])
+                        for base in (flat, optimizer.exp_avg, optimizer.exp_avg_sq))
+        assert np.array_equal(params, flat[where]) and np.array_equal(m, where), name
+        assert v.size == len(where) and sum(a.size for a in by_group[name]) == 3 * len(where)
 
 
 # ----------------------------------------------------------------------------- MPI runs
@@ -124,6 +155,18 @@ def test_zero_3_says_the_check_has_nothing_to_compare(tmp_path):
 
 
 MOE_EP2 = ["model.moe={experts = 4, top_k = 2, every = 1}", "parallel.ep=2", "train.micro_batch=2"]
+
+
+def test_at_ep_equal_to_dp_the_dense_tensors_are_still_compared(tmp_path):
+    """dp 2 x ep 2 (every expert has one copy): the check stays on over dp for the dense tensors; step 1 passes (the
+    experts, which differ between the ranks, are not compared over dp) and a flip in a dense parameter (ZeRO-1: the
+    first segment is the embedding's shard) is found at step 2, before the step-2 save."""
+    run = train(tmp_path / "run", *MOE_EP2[:2], "train.global_batch=4", "train.micro_batch=2", "parallel.zero=1",
+                "fault.sdc_every=1", "checkpoint.every=2", "train.steps=3", fault="flip:rank=1:step=2", expect=1)
+    errors = sdc_errors(run)
+    assert "replica check is off" not in run.stdout
+    assert errors and all("at step 2:" in e and "rank 0 on" in e and "rank 1 on" in e for e in errors), run.stderr
+    assert not committed_checkpoints(tmp_path / "run" / "checkpoints")
 
 
 def test_under_expert_parallelism_replicas_are_the_ranks_with_the_same_experts(tmp_path):

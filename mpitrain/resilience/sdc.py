@@ -7,7 +7,7 @@ RUN_DIR/faults.jsonl (kind "sdc"; the sbatch restart loop excludes that host) an
 before every checkpoint save, so no checkpoint is ever written from a state that failed it.
 
 What is compared, per parallel.zero:
-    0     the full parameters and both Adam moments: every replica keeps and updates its own copy, so a corruption
+    0     the full parameters and the Adam moments: every replica keeps and updates its own copy, so a corruption
           stays visible at every later check.
     1, 2  the full parameters, which every replica rebuilds by the all-gather at the end of each step (Adam moments
           are sharded: one copy each, nothing to compare). A corruption is visible only until the next step's
@@ -15,9 +15,11 @@ What is compared, per parallel.zero:
           set fault.sdc_every = 1 to cover every step.
     3     nothing: every parameter and moment has exactly one copy at rest; comparing gathered parameters would only
           test the all-gather. The check is off (with a warning).
-Each pipeline stage and tensor-parallel rank compares with its own data-parallel peers; the verdict is then shared
-over the world so that every rank stops together. Under expert parallelism (parallel.ep > 1) the peers are the
-expert_dp group: the dp ranks that hold the same experts (and, like every dp rank, the same dense tensors).
+Replicas are the group each tensor's gradient is reduced over (`ParamSpec.reduce_over`): dense tensors are compared
+over dp (dp x cp under context parallelism), experts under expert parallelism over expert_dp, the dp ranks that hold
+the same experts. So at parallel.ep = dp, where every expert has one copy, the dense tensors are still compared.
+Each pipeline stage and tensor-parallel rank compares with its own peers; the verdict is then shared over the world
+so that every rank stops together.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import numpy as np
 from mpitrain.backend import array_module
 from mpitrain.errors import MpitrainError
 from mpitrain.resilience.faulty_hosts import FAULTS_FILE, record_fault, this_host
+from mpitrain.state.params import intersect
 
 
 class SilentDataCorruption(MpitrainError):
@@ -62,15 +65,44 @@ def odd_ones_out(hashes: list[int]) -> tuple[list[int], bool]:
     return [i for i, h in enumerate(hashes) if h != majority], False
 
 
-def replicated_arrays(state, optimizer) -> list:
-    """What every data-parallel replica holds bitwise the same between steps, as the state declares it for
-    checkpoints (which write a replicated tensor once): the parameter windows when they are dp-replicated, the Adam
-    moments when they are (see the module table)."""
+def replicated_arrays(state, optimizer) -> dict[str, list]:
+    """{reduce_over group name: what every rank of that group holds bitwise the same between steps}, as the state
+    declares it for checkpoints (which write a replicated tensor once): the parameter windows when they are
+    replicated, the optimizer's state when it is (see the module table), each cut to the tensors of its group."""
     layout = state.checkpoint_layout()
-    arrays = [window[2] for window in layout["param_windows"]] if layout["params_dp_replicated"] else []
-    if layout["moments_dp_replicated"]:
-        arrays += optimizer.state_arrays()
-    return arrays
+    geometry = layout["geometry"]
+    names = sorted({spec.reduce_over for unit in geometry.layouts for spec in unit.specs})
+    if len(names) == 1:  # one group holds everything: the arrays whole (also state that is not element-wise)
+        arrays = [window[2] for window in layout["param_windows"]] if layout["params_dp_replicated"] else []
+        return {names[0]: arrays + (optimizer.state_arrays() if layout["moments_dp_replicated"] else [])}
+    by_name = {}
+    for name in names:
+        ranges = geometry.ranges(lambda spec, name=name: spec.reduce_over == name)
+        arrays = []
+        if layout["params_dp_replicated"]:
+            arrays += [array[offset + a:offset + b] for start, end, array, offset in layout["param_windows"]
+                       for a, b in intersect(ranges, start, end)]
+        if layout["moments_dp_replicated"]:
+            arrays += [piece for array in elementwise(optimizer, layout["segment_windows"])
+                       for piece in cut(array, ranges, layout["segment_windows"])]
+        by_name[name] = arrays
+    return by_name
+
+
+def elementwise(optimizer, segment_windows) -> list:
+    """The optimizer's state arrays with one value per parameter (Adam's moments), which can be cut by tensor;
+    factored statistics and block scales mix tensors of several groups and are left out."""
+    total = sum(end - start for start, end in segment_windows)
+    return [array for array in optimizer.state_arrays() if array.ndim == 1 and array.size == total]
+
+
+def cut(array, ranges, segment_windows) -> list:
+    """The pieces of an array over the concatenated segment windows that hold `ranges` (geometry coordinates)."""
+    pieces, position = [], 0
+    for start, end in segment_windows:
+        pieces += [array[position + a:position + b] for a, b in intersect(ranges, start, end)]
+        position += end - start
+    return pieces
 
 
 def flip_one_bit(segments) -> None:
@@ -84,19 +116,17 @@ def flip_one_bit(segments) -> None:
 
 
 class ReplicaCheck:
-    """The check for one rank: `mesh` gives the data-parallel and world groups, `run_dir` where faults.jsonl goes."""
+    """The check for one rank: `mesh` gives the replicas' and world groups, `run_dir` where faults.jsonl goes."""
 
-    def __init__(self, every: int, zero: int, mesh, run_dir: Path, say, arrays=list):
-        """arrays: returns the arrays to compare (replicated_arrays of the trainer's state), called at each check."""
+    def __init__(self, every: int, zero: int, mesh, run_dir: Path, say, arrays=dict):
+        """arrays: returns {reduce_over group name: the arrays to compare} (replicated_arrays of the trainer's state),
+        called at each check."""
         self.every, self.zero, self.mesh, self.run_dir, self.arrays = every, zero, mesh, Path(run_dir), arrays
-        # Under expert parallelism the ranks of a dp group hold different experts; only the ranks of an expert_dp
-        # group (the same experts, and the dense tensors every dp rank holds) are replicas of each other.
-        experts_split = mesh.ep.size > 1
-        self.replicas = mesh.expert_dp if experts_split else mesh.dp
-        self.enabled = every > 0 and self.replicas.size > 1 and zero < 3
+        names = sorted(arrays()) if every > 0 and zero < 3 else []
+        self.replicas = {name: getattr(mesh, name) for name in names if getattr(mesh, name).size > 1}
+        self.enabled = bool(self.replicas)
         if every > 0 and not self.enabled:
             why = ("parallel.zero = 3 keeps one copy of every parameter" if zero == 3 else
-                   "every expert-parallel rank holds its own experts (parallel.ep = dp)" if experts_split else
                    "there is one data-parallel replica")
             say(f"warning: fault.sdc_every = {every} but {why}: nothing to compare, the replica check is off")
 
@@ -104,16 +134,21 @@ class ReplicaCheck:
         return self.enabled and (saving or done % self.every == 0)
 
     def check(self, done: int) -> None:
-        """Collective (the replicas' group, then world): raise SilentDataCorruption on every rank on a mismatch."""
-        replicas, world = self.replicas, self.mesh.world
-        mine = np.array([digest(self.arrays())], dtype=np.uint64)
-        hashes = np.zeros(replicas.size, dtype=np.uint64)
-        replicas.all_gather(mine, hashes)
-        suspects, tie = odd_ones_out(hashes.tolist())
-        if not world.all_reduce_scalar(float(bool(suspects)), op="max"):
+        """Collective (each replicas' group, then world): raise SilentDataCorruption on every rank on a mismatch."""
+        arrays, world = self.arrays(), self.mesh.world
+        mismatch, suspect, tie, differs_over = False, False, False, []
+        for name, replicas in self.replicas.items():  # sorted names: the same order on every rank of a group
+            mine = np.array([digest(arrays[name])], dtype=np.uint64)
+            hashes = np.zeros(replicas.size, dtype=np.uint64)
+            replicas.all_gather(mine, hashes)
+            odd, group_tie = odd_ones_out(hashes.tolist())
+            mismatch = mismatch or bool(odd)
+            if replicas.rank in odd:
+                suspect, tie = True, tie or group_tie
+                differs_over.append(name)
+        if not world.all_reduce_scalar(float(mismatch), op="max"):
             return
-        me = {"rank": world.rank, "host": this_host(), "replica": replicas.rank, "suspect": replicas.rank in suspects,
-              "tie": tie, "hash": int(mine[0])}
+        me = {"rank": world.rank, "host": this_host(), "suspect": suspect, "tie": tie, "groups": differs_over}
         everyone = world.gather_object(me)
         message = None
         if world.rank == 0:
@@ -125,7 +160,7 @@ class ReplicaCheck:
         tie = any(s["tie"] for s in suspects)
         for s in suspects:
             record_fault(self.run_dir, "sdc", s["host"], rank=s["rank"], step=done, certain=not s["tie"],
-                         detail="parameter hash differs from its data-parallel replicas'")
+                         detail=f"hash differs from its replicas' over {' and '.join(s['groups'])}")
         named = ", ".join(f"rank {s['rank']} on {s['host']}" for s in suspects)
         verdict = ("no majority among the replicas, so either may be the corrupted one: " if tie else
                    "differs from the majority of its data-parallel replicas: ")
