@@ -48,6 +48,7 @@ from mpitrain.plan.memory import (
     memory_report,
     rank_model,
     rank_param_count,
+    reduction_shares,
     shape_key,
 )
 from mpitrain.profile.flops import recomputed_flops_per_token
@@ -193,26 +194,26 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     message = activation / (p.tp if p.sequence_parallel else 1)
     pp_micro = 2 * p.virtual_stages * pp_link.seconds(message, 1) if p.pp > 1 else 0.0
 
-    n_reduce = p.dp * p.cp
-    dp_link, dp_crosses = group_link(cluster, n_reduce, p.tp)
+    dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
+    reduced = reduction_rings(cfg, cluster)
     grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
     grad_bytes = max(grad_bytes, e)
     hidden_micro = cluster.comm_overlap * compute_micro * 2 / 3  # what a micro-batch's backward can hide
     zero3_micro = 0.0
     if p.zero == 3:  # gathered in forward and again in backward, hidden behind the compute they precede
-        gathers = ring(dp_link, "all_gather", psi * e, n_reduce, 2)
+        gathers = reduced("all_gather", e, 2)
         zero3_micro = max(0.0, gathers - cluster.comm_overlap * compute_micro)
     if p.zero in (2, 3):  # reduce-scatter every micro-batch, behind that micro-batch's backward
-        reduce_micro = ring(dp_link, "reduce_scatter", psi * grad_bytes, n_reduce)
+        reduce_micro = reduced("reduce_scatter", grad_bytes)
         zero3_micro += max(0.0, reduce_micro - hidden_micro)
         reduce_exposed = min(reduce_micro, hidden_micro) * 0.05  # the last bucket
     else:
-        reduce_s = ring(dp_link, "all_reduce" if p.zero == 0 else "reduce_scatter", psi * grad_bytes, n_reduce)
+        reduce_s = reduced("all_reduce" if p.zero == 0 else "reduce_scatter", grad_bytes)
         reduce_exposed = max(0.0, reduce_s - hidden_micro) + \
             cluster.comm_overlap * reduce_s * min(1.0, transient / max(psi * e, 1))  # the last bucket
-    gather_params = ring(dp_link, "all_gather", psi * e, n_reduce) if p.zero in (1, 2) else 0.0
+    gather_params = reduced("all_gather", e) if p.zero in (1, 2) else 0.0
 
-    shard = psi / (n_reduce if p.zero >= 1 else 1)
+    shard = sum(count / (ranks if p.zero >= 1 else 1) for count, ranks in reduction_shares(cfg))
     optimizer = shard * ADAM_BYTES_PER_PARAM / cluster.optimizer_bytes_per_s
     if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
         optimizer = shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
@@ -235,6 +236,20 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
             "fits": total <= cluster.usable_bytes, "step_s": step, "parts": parts,
             "tokens_per_s": tokens / step, "mfu": model_flops * tokens / step / (world * cluster.peak_flops),
             "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+
+
+def reduction_rings(cfg: Config, cluster: Cluster):
+    """rings(op, bytes_per_param, times=1): seconds of ring collectives over this rank's gradients or parameters,
+    each share over its own group (plan/memory.py reduction_shares): the dense ones over dp x cp, experts under
+    ep > 1 over expert_dp (dp / ep ranks, ep * cp * tp apart)."""
+    p = cfg.parallel
+    strides = (p.tp, p.tp * p.cp * p.ep)  # the dense share first, then the experts'
+    shares = [(count, ranks, group_link(cluster, ranks, stride)[0])
+              for (count, ranks), stride in zip(reduction_shares(cfg), strides)]
+
+    def rings(op: str, bytes_per_param: float, times: float = 1.0) -> float:
+        return sum(ring(link, op, count * bytes_per_param, ranks, times) for count, ranks, link in shares)
+    return rings
 
 
 def stage_memory(cfg: Config) -> dict:

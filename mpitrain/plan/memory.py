@@ -225,6 +225,17 @@ def rank_param_count(cfg: Config, pp_rank: int = 0) -> int:
     return _PARAMS[key]
 
 
+def reduction_shares(cfg: Config, pp_rank: int = 0) -> list[tuple[int, int]]:
+    """[(trainable parameters of this rank, the ranks that reduce their gradients and ZeRO-shard them)]: dp x cp (cp
+    ranks hold the same parameters); experts under ep > 1 over expert_dp, the dp / ep ranks that hold the same
+    experts (state/zero.py split_by_reduction). Frozen tensors (LoRA's base) are neither reduced nor sharded."""
+    p = cfg.parallel
+    trainable, _ = split_rank_layouts(cfg, pp_rank)
+    experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
+    dense = sum(spec.size for layout in trainable for spec in layout.specs) - experts
+    return [(dense, p.dp * p.cp)] + ([(experts, p.dp // p.ep)] if experts else [])
+
+
 def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size), on pipeline rank
     pp_rank (n_params: rank_param_count(cfg, pp_rank))."""
@@ -232,13 +243,10 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     trainable, frozen_layouts = split_rank_layouts(cfg, pp_rank)
     frozen = sum(layout.size for layout in frozen_layouts or [])  # lora: the base
-    # ZeRO shards over the ranks that reduce the gradients: dp x cp (cp ranks hold the same parameters); experts
-    # under ep > 1 over expert_dp, the dp / ep ranks that hold the same experts (state/zero.py split_by_reduction)
-    experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
-    state = model_state_bytes(n_params - frozen - experts, cfg.precision.compute, p.zero, p.dp * p.cp)
-    if experts:
-        for kind, value in model_state_bytes(experts, cfg.precision.compute, p.zero, p.dp // p.ep).items():
-            state[kind] += value
+    state: dict = {}
+    for count, ranks in reduction_shares(cfg, pp_rank):  # ZeRO shards over the ranks that reduce the gradients
+        for kind, value in model_state_bytes(count, cfg.precision.compute, p.zero, ranks).items():
+            state[kind] = state.get(kind, 0) + value
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
     activations = activation_bytes(cfg, pp_rank=pp_rank)
     formulas = state_formulas(cfg.precision.compute, p.zero)
