@@ -22,9 +22,9 @@ debiased 3.95).
 
 Factoring and clipping need whole tensors. A tensor is whole where the segment holds the whole of it (every tensor
 under plain data parallelism; under tensor parallelism "the tensor" is this rank's block, so its statistics are of
-the block and the run differs from tp = 1). Under ZeRO a tensor cut by a shard boundary falls back to the
-unfactored (element-wise) second moment and its update is clipped by the rms of this rank's piece (a small fraction
-of the parameters when units hold many tensors; the run then depends on the layout). `matrices` names the factored
+the block and the run differs from tp = 1). A tensor cut by a segment boundary falls back to the unfactored
+(element-wise) second moment and its update is clipped by the rms of its piece; the run then depends on the layout,
+so ZeRO over several ranks is refused for Adafactor (factory.refuse_cut_tensors). `matrices` names the factored
 tensors: per segment, (start, end, rows, cols) in segment coordinates; `tensors` the whole ones, (start, end) (see
 factory.segment_tensors); without `tensors` each segment clips as one piece.
 
