@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 TILE_BYTES = 512 * 1024  # measured: smaller tiles gain nothing more here and pay more Python overhead per tile
@@ -82,19 +83,30 @@ def _blas_libraries() -> list:
     return [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
 
 
+_blas_lowered = {"users": 0, "threads": []}  # the threads BLAS had before the first of the overlapping users
+_blas_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _one_blas_thread():
-    """BLAS at one thread inside, restored after. The libraries' own setters (~1 us), not threadpoolctl.limit
-    (~20 us, it re-reads every library's state), since a step enters this a few hundred times."""
+    """BLAS at one thread inside, restored when the last of any overlapping users leaves (the setting is the
+    process's, so two threads entering at once must not restore each other's 1). The libraries' own setters (~1 us),
+    not threadpoolctl.limit (~20 us, it re-reads every library's state): a step enters this a few hundred times."""
     libraries = _blas_libraries()
-    before = [lib.num_threads for lib in libraries]
-    for lib in libraries:
-        lib.set_num_threads(1)
+    with _blas_lock:
+        if _blas_lowered["users"] == 0:
+            _blas_lowered["threads"] = [lib.num_threads for lib in libraries]
+            for lib in libraries:
+                lib.set_num_threads(1)
+        _blas_lowered["users"] += 1
     try:
         yield
     finally:
-        for lib, threads in zip(libraries, before):
-            lib.set_num_threads(threads)
+        with _blas_lock:
+            _blas_lowered["users"] -= 1
+            if _blas_lowered["users"] == 0:
+                for lib, threads in zip(libraries, _blas_lowered["threads"]):
+                    lib.set_num_threads(threads)
 
 
 def for_each_tile(n_rows: int, rows_per_tile: int, work) -> None:
