@@ -7,14 +7,19 @@ releases the GIL inside ufuncs, reductions and BLAS calls, a few Python threads 
 Results do not depend on the number of threads: tile boundaries follow only from the array shapes, each tile writes
 its own rows, and per-tile partial sums (weight gradients of the norms) are added in tile order.
 
-The thread count is MPITRAIN_THREADS, 1 (no pool) when unset: measured on the 2-core VM with 2 BLAS threads, the
-pool made a step slower (0.72-0.78 s against 0.60-0.70 s), because OpenBLAS's idle threads spin on the cores the tile
-threads need. CuPy arrays are never tiled: the callers hand them to one call.
+The thread count is MPITRAIN_THREADS, else as many as BLAS was given (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, the
+cores the rank owns), so one rank per core runs no pool and one rank with N cores spreads its tiles over N threads.
+The pool pays only because mpitrain/__init__.py shortens OpenBLAS's spin-wait (OPENBLAS_THREAD_TIMEOUT): after each
+product OpenBLAS's idle threads otherwise spin for ~0.1 s on the very cores the tile threads need (measured on the
+2-core VM, 1 rank x 2 threads: pool with the default spin 0.58 s a step, no pool 0.54 s, pool with the short spin
+0.46 s). CuPy arrays are never tiled: the callers hand them to one call.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 TILE_BYTES = 512 * 1024  # measured: smaller tiles gain nothing more here and pay more Python overhead per tile
@@ -22,7 +27,18 @@ TILE_BYTES = 512 * 1024  # measured: smaller tiles gain nothing more here and pa
 
 def thread_count() -> int:
     value = os.environ.get("MPITRAIN_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else 1
+    return int(value) if value.isdigit() and int(value) > 0 else _blas_threads()
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_threads() -> int:
+    """The threads BLAS runs with in this process (read once, before any tile has lowered it to one): from the
+    variables OpenBLAS reads, in its order, else asked of the loaded libraries (~20 ms, so only when unset)."""
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max([lib.num_threads for lib in _blas_libraries()], default=1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,14 +77,36 @@ def parallel_for(n_items: int, work, threads: int | None = None) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _blas_controller():
+def _blas_libraries() -> list:
     import numpy  # noqa: F401  (the controller finds the BLAS libraries loaded when it is made)
     from threadpoolctl import ThreadpoolController
-    return ThreadpoolController()
+    return [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
 
 
+_blas_lowered = {"users": 0, "threads": []}  # the threads BLAS had before the first of the overlapping users
+_blas_lock = threading.Lock()
+
+
+@contextlib.contextmanager
 def _one_blas_thread():
-    return _blas_controller().limit(limits=1, user_api="blas")
+    """BLAS at one thread inside, restored when the last of any overlapping users leaves (the setting is the
+    process's, so two threads entering at once must not restore each other's 1). The libraries' own setters (~1 us),
+    not threadpoolctl.limit (~20 us, it re-reads every library's state): a step enters this a few hundred times."""
+    libraries = _blas_libraries()
+    with _blas_lock:
+        if _blas_lowered["users"] == 0:
+            _blas_lowered["threads"] = [lib.num_threads for lib in libraries]
+            for lib in libraries:
+                lib.set_num_threads(1)
+        _blas_lowered["users"] += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_lowered["users"] -= 1
+            if _blas_lowered["users"] == 0:
+                for lib, threads in zip(libraries, _blas_lowered["threads"]):
+                    lib.set_num_threads(threads)
 
 
 def for_each_tile(n_rows: int, rows_per_tile: int, work) -> None:

@@ -147,3 +147,39 @@ def test_tiled_adamw_equals_the_textbook_update(tiny_tiles):
         v = h.beta2 * v + (1 - h.beta2) * g * g
         p -= lr / (1 - h.beta1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - h.beta2 ** t) + h.eps)
     np.testing.assert_allclose(params, p, rtol=1e-13, atol=1e-15)
+
+
+def test_the_pool_takes_as_many_threads_as_blas_unless_told(monkeypatch):
+    monkeypatch.delenv("MPITRAIN_THREADS", raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    tiles._blas_threads.cache_clear()
+    try:
+        assert tiles.thread_count() == 3  # OpenBLAS's own variable first, as OpenBLAS reads them
+        monkeypatch.setenv("MPITRAIN_THREADS", "1")
+        assert tiles.thread_count() == 1
+    finally:
+        tiles._blas_threads.cache_clear()
+
+
+class _FakeBlas:
+    def __init__(self, threads):
+        self.num_threads = threads
+
+    def set_num_threads(self, threads):
+        self.num_threads = threads
+
+
+def test_overlapping_one_blas_thread_sections_restore_the_first_setting(monkeypatch):
+    """Two threads inside at once (entered A, B; left A, B): BLAS stays at 1 until both left, then gets back its 2;
+    restoring per section would leave it at 1 for good (B saved A's 1)."""
+    blas = _FakeBlas(2)
+    monkeypatch.setattr(tiles, "_blas_libraries", lambda: [blas])
+    first, second = tiles._one_blas_thread(), tiles._one_blas_thread()
+    first.__enter__()
+    second.__enter__()
+    assert blas.num_threads == 1
+    first.__exit__(None, None, None)
+    assert blas.num_threads == 1  # the second section still runs its small products on one thread
+    second.__exit__(None, None, None)
+    assert blas.num_threads == 2
