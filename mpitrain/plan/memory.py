@@ -165,6 +165,7 @@ _SAVED: dict = {}  # (shape key, micro-batch) -> saved_bytes
 _PARAMS: dict = {}  # shape key -> rank_param_count
 _SPLIT: dict = {}  # shape key -> split_frozen of the layouts
 _DEFERRED: dict = {}  # shape key -> zb1p's deferred elements per row
+_SHARES: dict = {}  # shape key -> (dense, expert) trainable parameters: a walk over every spec, once per shape
 
 
 def shape_key(cfg: Config, pp_rank: int = 0) -> str:
@@ -179,7 +180,7 @@ def rank_model(cfg: Config, pp_rank: int = 0):
     key = shape_key(cfg, pp_rank)
     if key not in _RANK_MODELS:
         if len(_RANK_MODELS) > 1024:  # a 405B search on 1,024 GPUs builds ~255
-            for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT, _DEFERRED):
+            for cache in (_RANK_MODELS, _SAVED, _PARAMS, _SPLIT, _DEFERRED, _SHARES):
                 cache.clear()
         _RANK_MODELS[key] = _build_rank_model(cfg, pp_rank)
     return _RANK_MODELS[key]
@@ -229,10 +230,12 @@ def reduction_shares(cfg: Config, pp_rank: int = 0) -> list[tuple[int, int]]:
     """[(trainable parameters of this rank, the ranks that reduce their gradients and ZeRO-shard them)]: dp x cp (cp
     ranks hold the same parameters); experts under ep > 1 over expert_dp, the dp / ep ranks that hold the same
     experts (state/zero.py split_by_reduction). Frozen tensors (LoRA's base) are neither reduced nor sharded."""
-    p = cfg.parallel
-    trainable, _ = split_rank_layouts(cfg, pp_rank)
-    experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
-    dense = sum(spec.size for layout in trainable for spec in layout.specs) - experts
+    p, key = cfg.parallel, shape_key(cfg, pp_rank)
+    if key not in _SHARES:
+        trainable, _ = split_rank_layouts(cfg, pp_rank)
+        experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
+        _SHARES[key] = (sum(spec.size for layout in trainable for spec in layout.specs) - experts, experts)
+    dense, experts = _SHARES[key]
     return [(dense, p.dp * p.cp)] + ([(experts, p.dp // p.ep)] if experts else [])
 
 
