@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpitrain.config import load_config
@@ -196,6 +197,7 @@ def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     # the machine's own physics: shared cores (no overlap), a measured GEMM curve, overheads, contention
     assert cluster.comm_overlap == 0 and cluster.contention >= 1 and cluster.optimizer_bandwidth > 0
     assert cluster.unit_overhead_s >= 0 and cluster.gemm_rows_half > 0 and cluster.gemm_cols_half > 0
+    assert len(cluster.skew_intervals_s) == 2 and min(cluster.skew_at_intervals) >= 0  # a block's and a step's
     _, _, _, found, _ = plan("configs/tiny.toml", str(out), 2, None, None)
     assert found["fits"]
 
@@ -242,6 +244,9 @@ def test_bad_optional_cluster_key_is_one_line(tmp_path):
     bad.write_text("efficiency_rows = [512, 2048]\nefficiency_at_rows = [0.5]\n" + text)
     with pytest.raises(ConfigError, match="efficiency_rows"):
         load_cluster(str(bad))
+    bad.write_text("skew_intervals_s = [1.0, 0.01]\nskew_at_intervals = [0.05, 0.1]\n" + text)  # not ascending
+    with pytest.raises(ConfigError, match="skew_intervals_s"):
+        load_cluster(str(bad))
 
 
 def test_efficiency_measured_per_micro_batch_size_is_interpolated_in_log_rows(tmp_path):
@@ -253,3 +258,56 @@ def test_efficiency_measured_per_micro_batch_size_is_interpolated_in_log_rows(tm
     assert cluster.matmul_efficiency_at(1024) == pytest.approx(0.3)  # halfway in log(rows)
     assert cluster.matmul_efficiency_at(100) == pytest.approx(0.4) and cluster.matmul_efficiency_at(1e5) == 0.2
     assert load_cluster("h100").matmul_efficiency_at(1024) == load_cluster("h100").matmul_efficiency
+
+
+def test_rank_skew_is_the_measured_fraction_of_the_compute_between_synchronizations(tmp_path):
+    """skew_at interpolates the measured curve in log(interval); a layout's step gains skew_at(interval) x compute,
+    interval = compute / (synchronizations per micro-batch x micro-batches + the step's reduction): tp 2 syncs 8
+    times per block and micro-batch (2 gathers + 2 scatters, forward and backward). One rank, or a file without the
+    keys (GPUs), gains nothing."""
+    curve = tmp_path / "skewed.toml"
+    curve.write_text("skew_intervals_s = [0.001, 1.0]\nskew_at_intervals = [0.2, 0.05]\n" +
+                     Path(load_cluster("h100").source).read_text())
+    skewed = dataclasses.replace(load_cluster(str(curve)), compute="float64")
+    assert skewed.skew_at(0.001) == pytest.approx(0.2) and skewed.skew_at(1.0) == pytest.approx(0.05)
+    assert skewed.skew_at(np.sqrt(0.001)) == pytest.approx(0.125)  # halfway in log(interval)
+    assert skewed.skew_at(1e-6) == pytest.approx(0.2) and skewed.skew_at(100.0) == pytest.approx(0.05)
+    assert load_cluster("h100").skew_at(0.01) == 0
+    base = load_config("configs/tiny.toml", BASE)
+    tp = estimate(base, Layout(dp=1, tp=2, pp=1, zero=0), skewed)
+    compute = tp["parts"]["matmul"] + tp["parts"]["elementwise"] + tp["parts"]["overhead"]
+    syncs = 8 * 4 * (8 // 2) + 1  # per block x blocks x micro-batches (global 8, micro-batch 2), + the step's
+    assert tp["parts"]["rank_skew"] == pytest.approx(skewed.skew_at(compute / syncs) * compute)
+    plain = estimate(base, Layout(dp=1, tp=2, pp=1, zero=0), dataclasses.replace(skewed, skew_intervals_s=(),
+                                                                               skew_at_intervals=()))
+    assert tp["step_s"] - plain["step_s"] == pytest.approx(tp["parts"]["rank_skew"])
+    one = load_config("configs/tiny.toml", BASE + ["train.global_batch=2"])
+    assert estimate(one, Layout(dp=1, tp=1, pp=1, zero=0), skewed)["parts"]["rank_skew"] == 0
+
+
+def test_calibrate_skew_is_the_slowest_rank_over_the_mean():
+    from mpitrain.plan.calibrate import _skew
+    interval, skew = _skew(np.array([[1.0, 1.0], [3.0, 1.0]]))  # (ranks, intervals): means 2 and 1
+    assert interval == pytest.approx(1.5) and skew == pytest.approx((0.5 + 0.0) / 2)
+
+
+def test_experts_run_at_the_busiest_rank_load_and_recomputation_repeats_the_forward_traffic():
+    """Under ep > 1 the experts' matmuls take capacity_factor x their mean share (their FLOPs: 6 x top_k x 2 d ff per
+    MoE block and token, gpt2); full recomputation adds the forward's half of the elementwise traffic."""
+    from mpitrain.model.gpt import GPT
+    from mpitrain.plan.memory import _shape_backend
+    h100 = dataclasses.replace(load_cluster("h100"), compute="float64")
+    ep = Layout(dp=2, tp=1, pp=1, ep=2, zero=0)
+    by_capacity = {}
+    for factor in (1.0, 1.5):
+        moe = f"model.moe={{experts = 4, top_k = 2, capacity_factor = {factor}}}"
+        cfg = load_config("configs/tiny.toml", BASE + [moe])
+        by_capacity[factor] = estimate(cfg, ep, h100)["parts"]["matmul"]
+    m = cfg.model
+    expert_flops = 6 * 2 * 2 * m.d_model * m.ff_dim * m.n_layer
+    flops = GPT(m, _shape_backend("float64")).flops_per_token()
+    assert by_capacity[1.5] / by_capacity[1.0] == pytest.approx(1 + 0.5 * expert_flops / flops)
+    base = load_config("configs/tiny.toml", BASE)
+    none, full = (estimate(base, Layout(dp=2, tp=1, pp=1, zero=1, recompute=mode), h100)["parts"]["elementwise"]
+                  for mode in ("none", "full"))
+    assert full == pytest.approx(1.5 * none)

@@ -18,6 +18,11 @@ standing for a GPU and the host for one node. About half a minute:
                           the memory bandwidth and caches): a pipeline's fill and drain run alone
     comm_overlap = 0      MPI over shared memory copies bytes with the same cores that compute (no DMA engine, no
                           progress thread): communication does not hide behind compute here
+    skew_intervals_s, ... how much longer the slower of the ranks takes between two synchronizations, as a fraction
+                          of the interval, at two intervals: the copies' steps in lockstep (a whole step between
+                          barriers) and a barrier after every block-sized chunk of work (one MLP forward of the
+                          calibration model on a rank's share of a micro-batch); ranks that share a host's caches
+                          and memory drift apart, by ~5% over a step here and ~10% over a block
 
 The one-process steps run `ranks` copies at once, as the ranks of a layout do: the cores, caches and memory
 bandwidth are shared then as they are in a training run. The copies are the ranks of one mpiexec job, each training
@@ -76,12 +81,16 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
                "host_bandwidth": bandwidth, "gemm_rows_half": rows_half, "gemm_cols_half": cols_half,
                "comm_overlap": 0.0}
     numbers.update(_step_numbers(numbers, link, ranks, threads))
+    numbers.update(_skew_numbers(numbers.pop("step_skew"), ranks, threads))
     _write(out_path, numbers, link, threads)
     say(f"wrote {out_path}: matmul {peak / 1e9:.1f} GFLOP/s per rank at {100 * numbers['matmul_efficiency']:.0f}% "
         f"in a step (GEMM curve r0 {rows_half:.0f}, c0 {cols_half:.0f}), memory {bandwidth / 1e9:.1f} GB/s, "
         f"optimizer {numbers['optimizer_bandwidth'] / 1e9:.2f} GB/s, contention {numbers['contention']:.2f}, overhead "
         f"{1e3 * numbers['unit_overhead_s']:.2f} ms per unit and micro-batch + {1e3 * numbers['step_overhead_s']:.1f} "
-        f"ms per step, all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, busbw {fit['busbw_GBps']:.2f} GB/s")
+        f"ms per step, rank skew {100 * numbers['skew_at_intervals'][0]:.1f}% over "
+        f"{1e3 * numbers['skew_intervals_s'][0]:.0f} ms and {100 * numbers['skew_at_intervals'][-1]:.1f}% over "
+        f"{1e3 * numbers['skew_intervals_s'][-1]:.0f} ms, all_reduce alpha {1e6 * fit['alpha_s']:.0f} us, "
+        f"busbw {fit['busbw_GBps']:.2f} GB/s")
     return numbers
 
 
@@ -145,7 +154,8 @@ def _step_numbers(numbers: dict, link: dict, ranks: int, threads: int) -> dict:
     alone += _concurrent_steps(CALIBRATION_MODEL, 1, threads, [])  # before and after: the quieter one counts
     found = {"unit_overhead_s": unit_overhead, "step_overhead_s": step_overhead,
              "optimizer_bandwidth": real[0]["n_params"] * ADAM_BYTES_PER_PARAM / _median(real, "optimizer"),
-             "contention": max(1.0, _median(real, "compute") / min(report["compute"] for report in alone))}
+             "contention": max(1.0, _median(real, "compute") / min(report["compute"] for report in alone)),
+             "step_skew": _skew(np.array([report["computes"] for report in real]))}
     cfg = load_config(CLUSTER_DIR.parents[1] / CALIBRATION_MODEL)
     cluster = cluster_from_numbers({**numbers, **found}, link, link, "calibration")
 
@@ -175,11 +185,14 @@ results = []
 for step in range(int(sys.argv[2])):
     world.Barrier()  # every copy computes at once, as the ranks of a layout do
     results.append(trainer.train_step(step))
-results = sorted(results[1:], key=lambda result: result.seconds)  # the first warms up
+computes = [sum(r.breakdown.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight"))
+            for r in results[1:]]  # the first warms up; in step order (the rank skew compares the copies' steps)
+results = sorted(results[1:], key=lambda result: result.seconds)
 median = results[(len(results) - 1) // 2]
 parts = median.breakdown
 print(json.dumps({"step": median.seconds, "optimizer": parts.get("optimizer", 0.0), "n_params": trainer.model.n_params,
-                  "compute": sum(parts.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight"))}))
+                  "compute": sum(parts.get(k, 0.0) for k in ("forward", "backward_input", "backward_weight")),
+                  "computes": computes}))
 """
 
 
@@ -199,6 +212,54 @@ def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[st
     if len(reports) != copies:
         raise ConfigError(f"plan calibrate: {len(reports)} of {copies} copies of {config} reported their steps")
     return reports
+
+
+SKEW_JOB = """
+import json, sys, time
+import numpy as np
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+rows, width, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+rng = np.random.default_rng(world.rank)
+x = rng.standard_normal((rows, width), dtype=np.float32)
+up, down = (rng.standard_normal(shape, dtype=np.float32) for shape in ((width, 4 * width), (4 * width, width)))
+chunks, stop = [], time.perf_counter() + seconds
+while not chunks or len(chunks) % 4 or not world.allreduce(time.perf_counter() > stop, op=MPI.LOR):
+    world.Barrier()
+    start = time.perf_counter()
+    h = x @ up
+    (0.5 * h * (1 + np.tanh(0.8 * h))) @ down  # a block's MLP: GELU between two matmuls
+    chunks.append(time.perf_counter() - start)
+everyone = world.gather(chunks[1:])
+if world.rank == 0:
+    print(json.dumps(everyone))
+"""
+
+
+def _skew(chunks: np.ndarray) -> tuple[float, float]:
+    """(mean interval, mean of (slowest - mean) / mean) of (ranks, intervals) seconds of work between barriers."""
+    mean = chunks.mean(axis=0)
+    return float(mean.mean()), float(((chunks.max(axis=0) - mean) / mean).mean())
+
+
+def _skew_numbers(step_skew: tuple[float, float], ranks: int, threads: int) -> dict:
+    """skew_intervals_s and skew_at_intervals (module docstring): a block's work between barriers (SKEW_JOB on
+    the calibration model's shape), and the lockstep copies' whole steps."""
+    from mpitrain.config import load_config
+    from mpitrain.launcher import find_mpiexec
+    if ranks < 2:  # one rank never waits on another
+        return {"skew_intervals_s": [step_skew[0]], "skew_at_intervals": [0.0]}
+    cfg = load_config(CLUSTER_DIR.parents[1] / CALIBRATION_MODEL)
+    rows, model = cfg.train.micro_batch * cfg.model.seq_len // ranks, cfg.model
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-c", SKEW_JOB, str(rows), str(model.d_model), "2.5"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise ConfigError(f"plan calibrate: the rank skew loop failed: {done.stderr.strip()[-400:]}")
+    chunks = json.loads(done.stdout.strip().splitlines()[-1])
+    block = _skew(np.array([c[:min(map(len, chunks))] for c in chunks]))
+    points = sorted([block, step_skew])
+    return {"skew_intervals_s": [p[0] for p in points], "skew_at_intervals": [p[1] for p in points]}
 
 
 def _median(reports: list[dict], key: str) -> float:

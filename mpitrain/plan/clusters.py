@@ -14,7 +14,9 @@ communication can hide behind (1: NCCL on its own engines; 0: collectives that n
 contention, how much slower a rank computes while all the node's ranks compute than alone (1: GPUs, each with its
 own memory; above 1: ranks sharing a host's memory bandwidth); efficiency_rows and efficiency_at_rows, the
 fraction of the peak a step's matmuls reached at these micro-batch rows (caches spill as a micro-batch grows), which
-replace matmul_efficiency where given.
+replace matmul_efficiency where given; skew_intervals_s and skew_at_intervals, how much longer than the mean rank
+the slower of ranks that synchronize after every `interval` seconds of compute takes, as a fraction of the interval
+(ranks sharing a host's caches and memory drift apart; absent: 0, GPUs that each compute alone).
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ class Cluster:
     contention: float = 1.0
     efficiency_rows: tuple = ()  # measured matmul_efficiency at these rows per micro-batch (empty: one number)
     efficiency_at_rows: tuple = ()
+    skew_intervals_s: tuple = ()  # measured rank skew at these compute intervals between synchronizations (empty: 0)
+    skew_at_intervals: tuple = ()
 
     def matmul_efficiency_at(self, rows: float) -> float:
         """matmul_efficiency, or where the file measured it per micro-batch size, interpolated in log(rows) between
@@ -69,6 +73,14 @@ class Cluster:
         if not self.efficiency_rows:
             return self.matmul_efficiency
         return float(np.interp(np.log(rows), np.log(self.efficiency_rows), self.efficiency_at_rows))
+
+    def skew_at(self, interval_s: float) -> float:
+        """The slower rank's extra time, as a fraction of an interval of `interval_s` seconds of compute between two
+        synchronizations: interpolated in log(interval) between the measured points (the nearest one outside them),
+        0 where the file measured none."""
+        if not self.skew_intervals_s or interval_s <= 0:
+            return 0.0
+        return float(np.interp(np.log(interval_s), np.log(self.skew_intervals_s), self.skew_at_intervals))
 
     @property
     def usable_bytes(self) -> float:
@@ -119,10 +131,13 @@ def load_cluster(name_or_path: str) -> Cluster:
     if negative:
         raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1, "
                           "contention at least 1)")
-    rows, at_rows = raw.get("efficiency_rows", []), raw.get("efficiency_at_rows", [])
-    if len(rows) != len(at_rows) or any(not value > 0 for value in [*rows, *at_rows]) or rows != sorted(rows):
-        raise ConfigError(f"cluster file {path}: efficiency_rows (ascending) and efficiency_at_rows must be lists of "
-                          "positive numbers of the same length")
+    for points, values, least in (("efficiency_rows", "efficiency_at_rows", "positive"),
+                                  ("skew_intervals_s", "skew_at_intervals", "non-negative")):
+        at, measured = raw.get(points, []), raw.get(values, [])
+        if len(at) != len(measured) or any(not value > 0 for value in at) or at != sorted(at) or \
+                any(not (value > 0 if least == "positive" else value >= 0) for value in measured):
+            raise ConfigError(f"cluster file {path}: {points} (positive, ascending) and {values} ({least}) must be "
+                              "lists of numbers of the same length")
     return cluster_from_numbers({**raw, **numbers, **optional}, links["intra"], links["inter"], str(path))
 
 
@@ -136,4 +151,6 @@ def cluster_from_numbers(numbers: dict, intra, inter, source: str) -> Cluster:
                    host_bandwidth=numbers["host_bandwidth"], intra=intra, inter=inter,
                    efficiency_rows=tuple(numbers.get("efficiency_rows", ())),
                    efficiency_at_rows=tuple(numbers.get("efficiency_at_rows", ())),
+                   skew_intervals_s=tuple(numbers.get("skew_intervals_s", ())),
+                   skew_at_intervals=tuple(numbers.get("skew_at_intervals", ())),
                    **{key: float(numbers.get(key, default)) for key, default in OPTIONAL.items()})

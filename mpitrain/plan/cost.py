@@ -12,7 +12,7 @@ Time of one step on the slowest rank (the first pipeline stage):
               + ZeRO-3 gathers beyond the compute they hide behind + pipeline sends
     t_step  = m * t_micro * (1 + bubble / (1 - bubble) / contention) + exposed gradient reduction + ZeRO-1/2 parameter
               all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
-              + step_overhead_s
+              + rank skew + step_overhead_s
 
 Collectives are rings (design.md): all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
 all-gather and reduce-scatter (n-1)/n in n-1. A group runs on the intra-node link when all its ranks share a node
@@ -23,6 +23,15 @@ path. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0
 micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the cluster file
 measured its own (`plan calibrate`). bubble is the schedule's textbook fraction (parallel/schedule.py); the fill and
 drain run faster by the cluster's contention where ranks share a host's memory (1 on GPUs).
+
+Rank skew: ranks that synchronize wait for the slowest. Between two synchronizing operations (a tp collective, a cp
+ring step, an ep all-to-all, a ZeRO-2/3 unit's reduce-scatter or gather, a pipeline send, the step's gradient
+reduction) each rank computes `interval` = compute / synchronizations; the slower one takes skew_at(interval) x
+interval longer than the mean, so the step gains skew_at(interval) x compute (the cluster's measured curve; 0 on
+GPUs, where it is absent). Mixture of experts: the ep rank holding the busiest experts sets the pace, so the
+experts' matmuls run at the busiest rank's load, capacity_factor times the mean (DROPLESS_EXPERT_LOAD for dropless
+routing, GShard's and Switch's customary capacity); the routed rows are gathered, weighted and scattered back
+(MOE_ROW_PASSES element passes per pick). Full recomputation runs the forward's elementwise work again.
 """
 from __future__ import annotations
 
@@ -55,6 +64,11 @@ from mpitrain.profile.flops import recomputed_flops_per_token
 
 ADAM_BYTES_PER_PARAM = 36  # read master, m, v, grad (4 each), write master, m, v, and the compute-dtype copy
 ELEMENTWISE_PASSES = 4  # saved activations are written, read in backward, and their gradients written and read
+# per routed pick and MoE layer, in elements of d_model: forward gathers the token's row (read, write) and scales
+# and adds the expert output into the token's (3); backward gathers the output gradient (2), the gate's dot
+# product (2), scales the rows it sends (2) and adds the returned input gradient into the token's (3)
+MOE_ROW_PASSES = 14
+DROPLESS_EXPERT_LOAD = 1.25  # busiest expert-parallel rank / mean under dropless routing (capacity factor 1.25)
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,19 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
     per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
     layers = sum(layer_counts) // p.pp  # blocks on one pipeline rank
-    elementwise = ELEMENTWISE_PASSES * per_token * layers * tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
+    moe = MoeSettings.of(m_cfg)
+    moe_layers = sum(moe.is_moe_block(i) for i in range(layers))  # of this pipeline rank's blocks
+    # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
+    again = {"full": 34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp,
+             "selective": 5 * m_cfg.n_head * m_cfg.seq_len / p.cp}.get(cfg.memory.recompute, 0.0) / p.tp * e / 2
+    routed_rows = MOE_ROW_PASSES * moe.top_k * m_cfg.d_model * e * moe_layers  # per token; every tp rank routes all
+    elementwise = (ELEMENTWISE_PASSES * per_token * layers + ELEMENTWISE_PASSES / 2 * again * layers + routed_rows) * \
+        tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
+    if moe.experts and p.ep > 1:  # the experts' matmuls at the busiest ep rank's load
+        load = min(moe.capacity_factor or DROPLESS_EXPERT_LOAD, p.ep)
+        expert_flops = 6 * moe.top_k * (3 if m_cfg.arch == "llama" else 2) * m_cfg.d_model * m_cfg.ff_dim * \
+            sum(moe.is_moe_block(i) for i in range(m_cfg.n_layer))  # per token, whole model
+        matmul += (load - 1) * matmul * expert_flops / hardware_flops
     # the embedding and head are units too (one each on the first and last stage); a recomputed forward costs
     # a third of a unit's forward and backward again
     units = layers + (2 if p.pp == 1 else 1)
@@ -182,11 +208,9 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
                                                                                   cluster.matmul_efficiency)
         cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
 
-    moe = MoeSettings.of(m_cfg)
     ep_link, ep_crosses = group_link(cluster, p.ep, p.tp * p.cp)
     ep_micro = 0.0
     if moe.experts and p.ep > 1:
-        moe_layers = layers // max(moe.every, 1)
         routed = rows * moe.top_k * m_cfg.d_model * e
         ep_micro = 4 * moe_layers * ep_link.seconds((p.ep - 1) / p.ep * routed, p.ep - 1)
 
@@ -218,16 +242,23 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
         optimizer = shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
 
+    # synchronizations per micro-batch (module docstring), and one per step: the gradient reduction
+    syncs_micro = per_layer * layers * (p.tp > 1) + 3 * layers * (p.cp - 1) + 4 * moe_layers * (p.ep > 1) + \
+        {3: 3 * units, 2: units}.get(p.zero, 0) * (p.dp * p.cp > 1) + 2 * p.virtual_stages * (p.pp > 1)
+    compute = micro_batches * compute_micro
+    skew = cluster.skew_at(compute / (micro_batches * syncs_micro + 1)) * compute if world > 1 else 0.0
+
     micro = compute_micro + tp_micro + cp_micro + ep_micro + pp_micro + zero3_micro
     bubble = theoretical_bubble(p.schedule, p.pp, micro_batches, p.virtual_stages) if p.pp > 1 else 0.0
     # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
     pipeline = micro_batches * micro * (1 + bubble / (1 - bubble) / cluster.contention)
-    step = pipeline + reduce_exposed + gather_params + optimizer + cluster.step_overhead_s
+    step = pipeline + reduce_exposed + gather_params + optimizer + skew + cluster.step_overhead_s
     parts = {"matmul": matmul, "elementwise": elementwise, "overhead": overhead + cluster.step_overhead_s,
              "tp": micro_batches * tp_micro,
              "cp_ring": micro_batches * cp_micro, "ep_all_to_all": micro_batches * ep_micro,
              "pp_send": micro_batches * pp_micro, "zero_exposed": micro_batches * zero3_micro + gather_params,
-             "dp_reduce": reduce_exposed, "bubble": pipeline - micro_batches * micro, "optimizer": optimizer}
+             "dp_reduce": reduce_exposed, "bubble": pipeline - micro_batches * micro, "optimizer": optimizer,
+             "rank_skew": skew}
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
     return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": world, "micro_batches": micro_batches,
             "memory": {"held": held, "transient": transient, "total": total, "rows": memory["bytes"],
@@ -274,5 +305,6 @@ def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
              "cp_ring": f"cp {p.cp} K/V ring", "ep_all_to_all": f"ep {p.ep} all-to-all",
              "pp_send": "pipeline sends", "zero_exposed": f"ZeRO-{p.zero} parameter gathers",
              "dp_reduce": "gradient reduction" + (" across nodes" if crosses["dp"] else ""),
-             "bubble": f"pipeline bubble ({p.schedule}, pp {p.pp})", "optimizer": "optimizer step"}
+             "bubble": f"pipeline bubble ({p.schedule}, pp {p.pp})", "optimizer": "optimizer step",
+             "rank_skew": "waiting on the slower rank at each synchronization"}
     return f"{words[kind]}: {share}"

@@ -126,7 +126,8 @@ def _why_slower(rival: dict, best: dict, cluster: Cluster) -> str:
              "tp": "more tensor-parallel traffic", "cp_ring": "the cp ring is exposed",
              "ep_all_to_all": "all-to-all of routed tokens", "pp_send": "more pipeline sends",
              "zero_exposed": "ZeRO parameter gathers", "dp_reduce": "gradient reduction is exposed",
-             "bubble": "a larger pipeline bubble", "optimizer": "a slower optimizer step"}
+             "bubble": "a larger pipeline bubble", "optimizer": "a slower optimizer step",
+             "rank_skew": "more synchronizations, each waiting on the slower rank"}
     if grown == "matmul":
         recompute = rival["layout"]["recompute"]
         more = recompute != best["layout"]["recompute"] and recompute != "none"
