@@ -8,12 +8,14 @@ of its block's absmax is stored to within +-3% (signed) / +-1.6% (unsigned) rela
 A value is rounded to the nearest code (by value). The second moment is stored as its square root (the rms the
 update divides by): 7 decades of rms are 14 of v, so a block whose gradients span many decades keeps its small v's
 instead of rounding them to 0 (tests/test_optimizers.py shows the difference). Bytes per parameter: 2 + 2 x scale
-bytes / 2048.
+bytes / 2048, and 2 scales more for each tensor's last (shorter) block.
 
-Blocks start at each segment's start (a segment is a ZeRO shard of one unit, or the whole buffer), so a block never
-straddles two segments; the step dequantizes, updates and requantizes a chunk of blocks at a time (bounded transient
-memory). Checkpoints hold the codes and each element's block scale (element-wise, so the pieces mean the same under
-any layout); a restore into the same blocks is bitwise, into other blocks (another dp / ZeRO layout) requantizes.
+Blocks are each tensor's own (mpitrain/optim/blocks.py: block k of a tensor is its elements [k 2048, (k+1) 2048),
+on whichever rank they live), so every layout stores the same codes and scales as one process; a block cut by a ZeRO
+shard boundary gets its absmax from one small all-reduce (max) over the shard group after the step. The step
+dequantizes, updates and requantizes a chunk of blocks of one tensor at a time (bounded transient memory).
+Checkpoints hold the codes and each element's block scale (element-wise, so the pieces mean the same under any
+layout, and a restore is bitwise); a checkpoint whose blocks were cut elsewhere (older runs) is requantized.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.optim.blocks import Run, block_count
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
 
 BLOCK = 2048
@@ -37,48 +40,52 @@ def quantization_map(signed: bool) -> np.ndarray:
     return np.sort(values)
 
 
-def quantize(values, table, xp):
-    """(codes uint8, absmax per block) of a 1-D array cut into blocks of BLOCK (the last may be short)."""
-    n = values.size
-    blocks = -(-n // BLOCK)
-    padded = xp.zeros(blocks * BLOCK, dtype=values.dtype)
-    padded[:n] = values
-    padded = padded.reshape(blocks, BLOCK)
-    absmax = xp.abs(padded).max(axis=1)
-    normalised = padded / xp.where(absmax > 0, absmax, 1)[:, None]
+def quantize(values, table, xp, lead: int = 0):
+    """(codes uint8, absmax per block) of a 1-D array cut into blocks of BLOCK, its first element `lead` elements
+    into its first block (the first and last blocks may be partial)."""
+    blocked = _blocked(values, xp, lead)
+    absmax = xp.abs(blocked).max(axis=1)
+    return encode(values, absmax, table, xp, lead), absmax
+
+
+def encode(values, absmax, table, xp, lead: int = 0):
+    """The codes of values laid out as quantize's, given their blocks' absmax."""
+    normalised = _blocked(values, xp, lead) / xp.where(absmax > 0, absmax, 1)[:, None]
     midpoints = (table[1:] + table[:-1]) / 2
-    codes = xp.searchsorted(midpoints, normalised.ravel()[:n]).astype(xp.uint8)
-    return codes, absmax
+    return xp.searchsorted(midpoints, normalised.ravel()[lead:lead + values.size]).astype(xp.uint8)
 
 
-def dequantize(codes, absmax, table):
-    n = codes.size
-    values = table[codes]
-    blocks = absmax.size
-    out = values.astype(absmax.dtype)
-    full = n - (n % BLOCK) if n % BLOCK else n
-    out[:full] = (out[:full].reshape(-1, BLOCK) * absmax[:full // BLOCK, None]).ravel()
-    if full < n:
-        out[full:] *= absmax[blocks - 1]
-    return out
+def dequantize(codes, absmax, table, lead: int = 0):
+    xp = array_module(absmax)
+    values = _blocked(table[codes].astype(absmax.dtype, copy=False), xp, lead) * absmax[:, None]
+    return values.ravel()[lead:lead + codes.size]
+
+
+def _blocked(values, xp, lead: int):
+    """values placed `lead` elements into zero padding, as (blocks, BLOCK) rows."""
+    n = values.size
+    padded = xp.zeros(-(-(lead + n) // BLOCK) * BLOCK, dtype=values.dtype)
+    padded[lead:lead + n] = values
+    return padded.reshape(-1, BLOCK)
 
 
 class Adam8bit:
-    def __init__(self, segments, hyper, state_dtype=None):
+    def __init__(self, segments, hyper, state_dtype=None, runs=None, exchanges=()):
+        """runs: per segment, the tensors in it (blocks.segment_runs; default: each segment one tensor);
+        exchanges: (group, slots, cuts) of the blocks other ranks hold part of (blocks.segment_cuts)."""
         xp = array_module(segments[0].params)
         self.xp, self.segments, self.hyper = xp, segments, hyper
         self.dtype = state_dtype or segments[0].params.dtype
         self.bounds = segment_bounds(segments)
-        self.block_bounds, blocks = [], 0  # [first block, end block) of each segment in the scale arrays
-        for start, end in self.bounds:
-            self.block_bounds.append((blocks, blocks + -(-(end - start) // BLOCK)))
-            blocks += self.block_bounds[-1][1] - self.block_bounds[-1][0]
+        self.runs = runs or [[Run(0, end - start, 0, end - start)] for start, end in self.bounds]
+        self.exchanges = exchanges
+        self.first_block = np.cumsum([0] + [block_count(held, BLOCK) for held in self.runs]).tolist()
         total = self.bounds[-1][1]
         self.tables = {"m": xp.asarray(quantization_map(True), dtype=self.dtype),
                        "v": xp.asarray(quantization_map(False), dtype=self.dtype)}
         zero_m = int(np.searchsorted(quantization_map(True), 0.0))
         self.codes = {"m": xp.full(total, zero_m, dtype=xp.uint8), "v": xp.zeros(total, dtype=xp.uint8)}
-        self.absmax = {"m": xp.zeros(blocks, dtype=self.dtype), "v": xp.zeros(blocks, dtype=self.dtype)}
+        self.absmax = {k: xp.zeros(self.first_block[-1], dtype=self.dtype) for k in "mv"}
         self.steps_taken = 0
         self._checkpoint: dict = {}
 
@@ -88,37 +95,75 @@ class Adam8bit:
     def state_nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.state_arrays()))
 
-    def moment(self, which: str, segment_index: int):
-        """A segment's moment as stored, dequantized (for "v": its square root)."""
-        (start, end), (b0, b1) = self.bounds[segment_index], self.block_bounds[segment_index]
-        return dequantize(self.codes[which][start:end], self.absmax[which][b0:b1], self.tables[which])
+    def _chunks(self):
+        """(segment index, flat [lo, hi) in the state arrays, the chunk's blocks, lead) of every chunk of at most
+        CHUNK_BLOCKS blocks of one tensor, each starting on a block boundary except a run's first."""
+        for index, ((start, _), held) in enumerate(zip(self.bounds, self.runs)):
+            block = self.first_block[index]
+            for run in held:
+                a = 0
+                while a < run.size:
+                    lead = (run.first + a) % BLOCK
+                    b = min(run.size, a + CHUNK_BLOCKS * BLOCK - lead)
+                    count = -(-(lead + b - a) // BLOCK)
+                    yield index, start + run.start + a, start + run.start + b, slice(block, block + count), lead
+                    block, a = block + count, b
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.steps_taken += 1
-        h, t = self.hyper, self.steps_taken
+        h, t, xp = self.hyper, self.steps_taken, self.xp
         bias1, bias2 = 1.0 - h.beta1 ** t, math.sqrt(1.0 - h.beta2 ** t)
-        for segment, (start, end), (b0, _) in zip(self.segments, self.bounds, self.block_bounds):
-            g_all = scaled_grad(segment, self.dtype, grad_scale)
+        for segment in self.segments:
             decay(segment, lr, h.weight_decay)
-            for lo in range(0, end - start, CHUNK_BLOCKS * BLOCK):
-                hi = min(lo + CHUNK_BLOCKS * BLOCK, end - start)
-                blocks = slice(b0 + lo // BLOCK, b0 + -(-hi // BLOCK))
-                codes = {k: self.codes[k][start + lo:start + hi] for k in "mv"}
-                m = dequantize(codes["m"], self.absmax["m"][blocks], self.tables["m"])
-                v = dequantize(codes["v"], self.absmax["v"][blocks], self.tables["v"]) ** 2  # stored: sqrt(v)
-                g = g_all[lo:hi]
-                m = h.beta1 * m + (1.0 - h.beta1) * g
-                v = h.beta2 * v + (1.0 - h.beta2) * (g * g)
-                rms = self.xp.sqrt(v)
-                segment.params[lo:hi] -= (lr / bias1) * m / (rms / bias2 + h.eps)
-                for k, values in (("m", m), ("v", rms)):
-                    codes[k][...], self.absmax[k][blocks] = quantize(values, self.tables[k], self.xp)
+        grad = {}  # the current segment's gradient as the update sees it (one segment's transient at a time)
+        cut_at = {self.bounds[cut.segment][0] + cut.start: cut for _, _, cuts in self.exchanges for cut in cuts}
+        cut_values = {}  # cut -> {"m": m, "v": rms} of its local part, kept until the exchange
+        for index, lo, hi, blocks, lead in self._chunks():
+            offset = self.bounds[index][0]
+            codes = {k: self.codes[k][lo:hi] for k in "mv"}
+            m = dequantize(codes["m"], self.absmax["m"][blocks], self.tables["m"], lead)
+            v = dequantize(codes["v"], self.absmax["v"][blocks], self.tables["v"], lead) ** 2  # stored: sqrt(v)
+            if index not in grad:
+                grad = {index: scaled_grad(self.segments[index], self.dtype, grad_scale)}
+            g = grad[index][lo - offset:hi - offset]
+            m = h.beta1 * m + (1.0 - h.beta1) * g
+            v = h.beta2 * v + (1.0 - h.beta2) * (g * g)
+            rms = xp.sqrt(v)
+            self.segments[index].params[lo - offset:hi - offset] -= (lr / bias1) * m / (rms / bias2 + h.eps)
+            for k, values in (("m", m), ("v", rms)):
+                codes[k][...], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
+            if cut_at:  # a cut block is the chunk's first or last one
+                for start in {lo, max(lo, hi - (lead + hi - lo - 1) % BLOCK - 1)} & cut_at.keys():
+                    cut = cut_at[start]
+                    part = slice(start - lo, start - lo + cut.end - cut.start)
+                    cut_values[cut] = {"m": m[part].copy(), "v": rms[part].copy()}
+        self._share_cut_blocks(lambda cut, k: cut_values[cut][k])
+
+    def _share_cut_blocks(self, local_values) -> None:
+        """Every cut block's absmax over all its holders (one all-reduce, max, per shard group; local_values(cut,
+        k): the moment's float values of the cut's local part), and its local codes encoded against it."""
+        xp = self.xp
+        for group, slots, cuts in self.exchanges:
+            partial = xp.zeros((2, slots), dtype=self.dtype)
+            for cut in cuts:
+                for row, k in enumerate("mv"):
+                    partial[row, list(cut.slots)] = self.absmax[k][cut.block]
+            group.all_reduce(partial.reshape(-1), "max")
+            for cut in cuts:
+                flat = self.bounds[cut.segment][0]
+                for row, k in enumerate("mv"):
+                    absmax = partial[row, cut.slots[0]:cut.slots[0] + 1]
+                    if bool(absmax[0] != self.absmax[k][cut.block]):  # another holder has the block's largest
+                        values = local_values(cut, k)
+                        self.absmax[k][cut.block:cut.block + 1] = absmax
+                        self.codes[k][flat + cut.start:flat + cut.end] = encode(values, absmax, self.tables[k], xp,
+                                                                               cut.lead)
 
     # -- checkpoints: the codes and each element's block scale, element-wise
     def _expanded_absmax(self, which: str):
-        out = self.xp.zeros(self.bounds[-1][1], dtype=self.dtype)
-        for (start, end), (b0, b1) in zip(self.bounds, self.block_bounds):
-            out[start:end] = self.xp.repeat(self.absmax[which][b0:b1], BLOCK)[:end - start]
+        out = self.xp.zeros(self.bounds[-1][1], dtype=self.dtype)  # padding (in no run): 0
+        for _, lo, hi, blocks, lead in self._chunks():
+            out[lo:hi] = self.xp.repeat(self.absmax[which][blocks], BLOCK)[lead:lead + hi - lo]
         return out
 
     def checkpoint_arrays(self) -> dict:
@@ -128,20 +173,22 @@ class Adam8bit:
         return self._checkpoint
 
     def after_restore(self) -> None:
-        """The codes were loaded in place; take each block's scale from its elements', requantizing the blocks whose
-        elements came from different saved blocks."""
+        """The codes were loaded in place; take each block's scale from its elements' (restored into the same
+        blocks: bitwise), requantizing the blocks whose elements came from different saved blocks (a checkpoint of
+        an older run, whose blocks followed its segments)."""
         xp = self.xp
-        for k in "mv":
-            expanded = self._checkpoint[f"adam8bit_{k}_absmax"]
-            for (start, end), (b0, b1) in zip(self.bounds, self.block_bounds):
-                n = end - start
-                padded = xp.zeros((b1 - b0) * BLOCK, dtype=self.dtype)
-                padded[:n] = expanded[start:end]
-                padded[n:] = expanded[end - 1] if n else 0
-                per_block = padded.reshape(-1, BLOCK)
-                if bool((per_block == per_block[:, :1]).all()):
-                    self.absmax[k][b0:b1] = per_block[:, 0]
-                    continue
-                values = self.tables[k][self.codes[k][start:end]] * expanded[start:end]
-                self.codes[k][start:end], self.absmax[k][b0:b1] = quantize(values, self.tables[k], xp)
+        for _, lo, hi, blocks, lead in self._chunks():
+            edges = np.clip(np.arange(blocks.stop - blocks.start + 1) * BLOCK - lead, 0, hi - lo)
+            lengths, firsts = np.diff(edges), edges[:-1]  # of the chunk's blocks, in the chunk
+            for k in "mv":
+                saved = self._checkpoint[f"adam8bit_{k}_absmax"][lo:hi]
+                if bool((xp.repeat(saved[firsts], lengths.tolist()) == saved).all()):
+                    self.absmax[k][blocks] = saved[firsts]
+                else:
+                    values = self.tables[k][self.codes[k][lo:hi]] * saved
+                    self.codes[k][lo:hi], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
+        flat = [start for start, _ in self.bounds]
+        self._share_cut_blocks(lambda cut, k: dequantize(
+            self.codes[k][flat[cut.segment] + cut.start:flat[cut.segment] + cut.end],
+            self.absmax[k][cut.block:cut.block + 1], self.tables[k], cut.lead))
         self._checkpoint = {}

@@ -1,11 +1,13 @@
 """optim.name -> the optimizer over a state's segments (adamw | adafactor | adam8bit | sgd).
 
 Every optimizer runs over `state.optimizer_segments()`: one segment under plain data parallelism, one per unit shard
-under ZeRO, so each is sharded by ZeRO exactly as AdamW is (Adafactor excepted: refuse_cut_tensors).
+under ZeRO, so each is sharded by ZeRO exactly as AdamW is (Adafactor excepted: refuse_cut_tensors). 8-bit Adam's
+quantization blocks are each tensor's own (optim/blocks.py), so its run is the same in every ZeRO layout.
 """
 from __future__ import annotations
 
 from mpitrain.errors import ConfigError
+from mpitrain.optim import adam8bit, blocks
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import Adam8bit
 from mpitrain.optim.adamw import AdamW, AdamWHyper
@@ -59,7 +61,10 @@ def make_optimizer(optim_cfg, state, placement=None):
         raise ConfigError(f"memory.offload = {placement.kind!r} moves AdamW's moments only; optim.name = {name!r} "
                           "keeps its small state on the device: set memory.offload = 'none'")
     if name == "adam8bit":
-        return Adam8bit(segments, AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay))
+        layout = state.checkpoint_layout()
+        runs = blocks.segment_runs(layout, adam8bit.BLOCK)  # each tensor's own blocks, the same in every layout
+        return Adam8bit(segments, AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay), runs=runs,
+                        exchanges=blocks.segment_cuts(layout, runs, adam8bit.BLOCK))
     if name == "adafactor":
         refuse_cut_tensors(state)
         layout = state.checkpoint_layout()

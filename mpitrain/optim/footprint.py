@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mpitrain.optim import quant4
 from mpitrain.optim.adam8bit import BLOCK
+from mpitrain.optim.blocks import block_count, segment_runs
 from mpitrain.optim.factory import segment_matrices
 from mpitrain.state.params import FlatBuffer
 
@@ -28,8 +29,9 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
     sizes = [b - a for a, b in windows]
     if name == "sgd":
         return itemsize * sum(sizes) if momentum else 0
-    if name == "adam8bit":
-        return 2 * sum(sizes) + 2 * itemsize * sum(-(-n // BLOCK) for n in sizes)
+    if name == "adam8bit":  # codes for every element (padding too), scales for each tensor's blocks it overlaps
+        runs = segment_runs({"geometry": geometry, "segment_windows": windows}, BLOCK)
+        return 2 * sum(sizes) + 2 * itemsize * sum(block_count(held, BLOCK) for held in runs)
     if name == "adafactor":
         matrices = segment_matrices({"geometry": geometry, "segment_windows": windows})
         factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
@@ -43,7 +45,7 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
     raise ValueError(f"no lean state for optim.name = {name!r}")
 
 
-FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales per 2048: ~2*Psi",
+FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales per 2048 of each tensor: ~2*Psi",
             "adafactor": "row + column statistics of matrices, s per element elsewhere, + first moment "
                          "(optim.adafactor_beta1 > 0): 0.5*Psi + s per 128 (int4) or s*Psi (full)"}
 

@@ -353,7 +353,8 @@ class ZeroState(StateStrategy):
         else:
             windows, replicated = [(*self.window(p), self.master, self.shard_offsets[p]) for p in parts], False
         return {"geometry": self.geometry, "param_windows": windows, "params_dp_replicated": replicated,
-                "segment_windows": [self.window(p) for p in parts], "moments_dp_replicated": False}
+                "segment_windows": [self.window(p) for p in parts], "moments_dp_replicated": False,
+                "segment_groups": [self.group_of(p) for p in parts]}  # what shards each (optim/blocks.py)
 
     def after_restore(self) -> None:
         """Derive the compute-dtype parameters from the loaded masters; nothing gathered may outlive them."""
