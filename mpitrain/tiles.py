@@ -47,8 +47,11 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="mpitrain-tiles")
 
 
-if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: it makes its own pool
-    os.register_at_fork(after_in_child=_executor.cache_clear)
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: it makes its own pool, and a BLAS section another parent
+    thread was inside (its lock possibly held) is not the child's."""
+    _executor.cache_clear()
+    _blas_lowered.update(users=0, lock=threading.Lock())
 
 
 def tile_rows(row_bytes: int) -> int:
@@ -83,8 +86,12 @@ def _blas_libraries() -> list:
     return [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
 
 
-_blas_lowered = {"users": 0, "threads": []}  # the threads BLAS had before the first of the overlapping users
-_blas_lock = threading.Lock()
+# users inside, and the threads BLAS had before the first of them entered
+_blas_lowered = {"users": 0, "threads": [], "lock": threading.Lock()}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -93,7 +100,7 @@ def _one_blas_thread():
     process's, so two threads entering at once must not restore each other's 1). The libraries' own setters (~1 us),
     not threadpoolctl.limit (~20 us, it re-reads every library's state): a step enters this a few hundred times."""
     libraries = _blas_libraries()
-    with _blas_lock:
+    with _blas_lowered["lock"]:
         if _blas_lowered["users"] == 0:
             _blas_lowered["threads"] = [lib.num_threads for lib in libraries]
             for lib in libraries:
@@ -102,7 +109,7 @@ def _one_blas_thread():
     try:
         yield
     finally:
-        with _blas_lock:
+        with _blas_lowered["lock"]:
             _blas_lowered["users"] -= 1
             if _blas_lowered["users"] == 0:
                 for lib, threads in zip(libraries, _blas_lowered["threads"]):
