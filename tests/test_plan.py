@@ -293,8 +293,10 @@ def test_calibrate_skew_is_the_slowest_rank_over_the_mean():
 
 def test_experts_run_at_the_busiest_rank_load_and_recomputation_repeats_the_forward_traffic():
     """Under ep > 1 the experts' matmuls take capacity_factor x their mean share (their FLOPs: 6 x top_k x 2 d ff per
-    MoE block and token, gpt2); full recomputation adds the forward's half of the elementwise traffic."""
+    MoE block and token, gpt2); full recomputation adds the forward's half of the elementwise traffic; cp's ring
+    attention recomputes its scores in backward."""
     from mpitrain.model.gpt import GPT
+    from mpitrain.plan.cost import gemm_shape_factor
     from mpitrain.plan.memory import _shape_backend
     h100 = dataclasses.replace(load_cluster("h100"), compute="float64")
     ep = Layout(dp=2, tp=1, pp=1, ep=2, zero=0)
@@ -311,3 +313,12 @@ def test_experts_run_at_the_busiest_rank_load_and_recomputation_repeats_the_forw
     none, full = (estimate(base, Layout(dp=2, tp=1, pp=1, zero=1, recompute=mode), h100)["parts"]["elementwise"]
                   for mode in ("none", "full"))
     assert full == pytest.approx(1.5 * none)
+    # ring attention recomputes its scores in backward: 2 d T FLOPs per block and token more than cp 1's share
+    one, two = (estimate(base, Layout(dp=2 // cp, tp=1, pp=1, cp=cp, zero=1), h100) for cp in (1, 2))
+    m = base.model
+    flops = GPT(m, _shape_backend("float64")).flops_per_token()
+    matmul = {cp: run["parts"]["matmul"] * h100.matmul_efficiency_at(m.seq_len // cp) for cp, run in
+              ((1, one), (2, two))}  # undo the efficiency at each micro-batch's rows (the same GEMM width)
+    shape = {cp: gemm_shape_factor(m.seq_len // cp, m.d_model) for cp in (1, 2)}
+    assert matmul[2] * shape[2] / (matmul[1] * shape[1]) == pytest.approx(
+        (flops + 2 * m.d_model * m.seq_len * m.n_layer) / flops)

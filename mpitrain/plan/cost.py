@@ -31,7 +31,8 @@ interval longer than the mean, so the step gains skew_at(interval) x compute (th
 GPUs, where it is absent). Mixture of experts: the ep rank holding the busiest experts sets the pace, so the
 experts' matmuls run at the busiest rank's load, capacity_factor times the mean (DROPLESS_EXPERT_LOAD for dropless
 routing, GShard's and Switch's customary capacity); the routed rows are gathered, weighted and scattered back
-(MOE_ROW_PASSES element passes per pick). Full recomputation runs the forward's elementwise work again.
+(MOE_ROW_PASSES element passes per pick). Full recomputation runs the forward's elementwise work again; under cp
+the ring attention's backward recomputes the scores and probabilities of every pair (2 d T FLOPs per block and token).
 """
 from __future__ import annotations
 
@@ -167,6 +168,8 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     model_flops = shape["flops_per_token"]
     layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
+    if p.cp > 1:  # ring attention's backward recomputes each pair's scores, S = Q K^T, from the saved lse
+        hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(layer_counts)
     rows = t.micro_batch * m_cfg.seq_len // p.cp
     thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
     matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency_at(rows) * thin)
@@ -177,8 +180,10 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     moe = MoeSettings.of(m_cfg)
     moe_layers = sum(moe.is_moe_block(i) for i in range(layers))  # of this pipeline rank's blocks
     # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
-    again = {"full": 34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp,
-             "selective": 5 * m_cfg.n_head * m_cfg.seq_len / p.cp}.get(cfg.memory.recompute, 0.0) / p.tp * e / 2
+    # (and under cp the ring's backward its probabilities, P = exp(S - lse))
+    scores = 5 * m_cfg.n_head * m_cfg.seq_len / p.cp
+    again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
+             scores * (p.cp > 1)) / p.tp * e / 2
     routed_rows = MOE_ROW_PASSES * moe.top_k * m_cfg.d_model * e * moe_layers  # per token; every tp rank routes all
     elementwise = (ELEMENTWISE_PASSES * per_token * layers + ELEMENTWISE_PASSES / 2 * again * layers + routed_rows) * \
         tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
