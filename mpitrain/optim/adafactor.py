@@ -10,7 +10,8 @@ rate is our schedule's, weight decay is decoupled as in our AdamW.
     p <- p (1 - lr wd) - lr U
 
 The first moment is what makes it train as well as AdamW here, and it is stored in 4 bits (momentum = "int4",
-optim.adafactor_momentum's default; quant4.py: blocks of 128, stochastic rounding; the update is the stored m), so
+optim.adafactor_momentum's default; quant4.py: each tensor's blocks of 128, stochastic rounding drawn per (step,
+tensor, element), so the same in every layout; the update is the stored m), so
 the state stays about half a byte per parameter; "full" keeps m in the state dtype (4 bytes per parameter in fp32).
 Without m the quickstart trained 22% worse than AdamW (500 steps), and so did AdamW itself with beta1 ~ 0: it is the
 missing average, not the factoring. An exponential average lets the step grow (1 + beta1) / (1 - beta1) = 19 times
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from mpitrain.backend import array_module
 from mpitrain.optim import quant4
+from mpitrain.optim.blocks import Run, block_count
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
 
 MOMENTUM_STORAGE = ("int4", "full")
@@ -45,7 +47,10 @@ MOMENTUM_STORAGE = ("int4", "full")
 class Adafactor:
     def __init__(self, segments, matrices: list[list[tuple[int, int, int, int]]], weight_decay: float = 0.0,
                  beta1: float = 0.9, decay_rate: float = -0.8, eps1: float = 1e-30, clip_threshold: float = 1.0,
-                 tensors: list[list[tuple[int, int]]] | None = None, state_dtype=None, momentum: str = "full"):
+                 tensors: list[list[tuple[int, int]]] | None = None, state_dtype=None, momentum: str = "full",
+                 runs=None):
+        """runs (int4 momentum): per segment, the tensors in it, whose own blocks quant4 uses (blocks.segment_runs;
+        default: each segment one tensor)."""
         xp = array_module(segments[0].params)
         self.xp, self.segments, self.matrices = xp, segments, matrices
         self.weight_decay, self.beta1, self.decay_rate, self.eps1, self.clip_threshold = weight_decay, beta1, \
@@ -63,8 +68,10 @@ class Adafactor:
         # int4: per segment, the first moment's packed codes (0x88: both zero) and block scales (quant4.py)
         self.m_codes = [xp.full(quant4.packed_size(end - start), 0x88, dtype=xp.uint8)
                         for start, end in self.bounds] if beta1 and momentum == "int4" else None
-        self.m_scales = [xp.zeros(quant4.blocks_of(end - start), dtype=self.dtype)
-                         for start, end in self.bounds] if self.m_codes else None
+        self.runs = runs or [[Run(0, end - start, 0, end - start, index)] for index, (start, end) in
+                             enumerate(self.bounds)]
+        self.m_scales = [xp.zeros(block_count(held, quant4.BLOCK), dtype=self.dtype)
+                         for held in self.runs] if self.m_codes else None
         # per segment: the element-wise v over what no factored matrix covers; rows/cols per matrix
         self.unfactored = [complement([(a, b) for a, b, _, _ in mats], end - start)
                            for mats, (start, end) in zip(matrices, self.bounds)]
@@ -126,16 +133,31 @@ class Adafactor:
             decay(segment, lr, self.weight_decay)
             segment.params -= lr * update
 
+    def _run_blocks(self, index: int):
+        """(run, its blocks in the segment's int4 scales) of segment `index`."""
+        block = 0
+        for run in self.runs[index]:
+            count = len(run.block_range(quant4.BLOCK))
+            yield run, slice(block, block + count)
+            block += count
+
     def _int4_momentum(self, index: int, update):
         """The moment's step in full precision, stored back with stochastic rounding (quant4.py); the update is the
-        stored moment. The random numbers are a function of (step, segment), so a resumed run draws the same ones."""
-        xp, n = self.xp, self.bounds[index][1] - self.bounds[index][0]
-        m = quant4.dequantize(quant4.unpack(self.m_codes[index], n, xp), self.m_scales[index], xp)
-        m *= self.beta1
-        m += (1.0 - self.beta1) * update
-        codes, self.m_scales[index][...] = quant4.quantize(m, xp, seed=(self.steps_taken << 20) | index)
+        stored moment. The draws are a function of (step, tensor, element), so every layout and a resumed run draw
+        the same ones."""
+        xp, scales = self.xp, self.m_scales[index]
+        codes = quant4.unpack(self.m_codes[index], self.bounds[index][1] - self.bounds[index][0], xp)
+        out = xp.zeros_like(update)  # elements in no tensor (padding) stay 0
+        for run, blocks in self._run_blocks(index):
+            part = slice(run.start, run.end)
+            m = quant4.dequantize(codes[part], scales[blocks], xp, run.first)
+            m *= self.beta1
+            m += (1.0 - self.beta1) * update[part]
+            codes[part], scales[blocks] = quant4.quantize(m, xp, seed=(self.steps_taken << 32) | run.key,
+                                                          first=run.first)
+            out[part] = quant4.dequantize(codes[part], scales[blocks], xp, run.first)
         self.m_codes[index][...] = quant4.pack(codes, xp)
-        return quant4.dequantize(codes, self.m_scales[index], xp) / (1.0 - self.beta1 ** self.steps_taken)
+        return out / (1.0 - self.beta1 ** self.steps_taken)
 
     # -- checkpoints
     def checkpoint_arrays(self) -> dict:
@@ -157,7 +179,9 @@ class Adafactor:
             codes, scales = xp.zeros(total, dtype=xp.uint8), xp.zeros(total, dtype=self.dtype)
             for index, (start, end) in enumerate(self.bounds):
                 codes[start:end] = quant4.unpack(self.m_codes[index], end - start, xp)
-                scales[start:end] = quant4.expand_scales(self.m_scales[index], end - start, xp)
+                for run, blocks in self._run_blocks(index):
+                    scales[start + run.start:start + run.end] = quant4.expand_scales(
+                        self.m_scales[index][blocks], run.size, xp, run.first)
             self._checkpoint.update(adafactor_m4_code=codes, adafactor_m4_scale=scales)
         return self._checkpoint
 
@@ -181,8 +205,11 @@ class Adafactor:
             self.m[...] = saved["adafactor_m"]
         if self.m_codes:
             for index, (start, end) in enumerate(self.bounds):
-                codes, self.m_scales[index][...] = quant4.scales_from_elements(
-                    saved["adafactor_m4_scale"][start:end], saved["adafactor_m4_code"][start:end], self.xp)
+                codes = saved["adafactor_m4_code"][start:end].copy()
+                for run, blocks in self._run_blocks(index):
+                    part = slice(start + run.start, start + run.end)
+                    codes[run.start:run.end], self.m_scales[index][blocks] = quant4.scales_from_elements(
+                        saved["adafactor_m4_scale"][part], saved["adafactor_m4_code"][part], self.xp, run.first)
                 self.m_codes[index][...] = quant4.pack(codes, self.xp)
         self._checkpoint = {}
 

@@ -1,4 +1,4 @@
-"""Quantization blocks that do not depend on the parallel layout (8-bit Adam's moments).
+"""Quantization blocks that do not depend on the parallel layout (8-bit Adam's moments, Adafactor's 4-bit one).
 
 Block k of a tensor is elements [k B, (k + 1) B) of the whole tensor's flat index, wherever they live, so one
 process and every ZeRO layout quantize the same blocks with the same scales. An optimizer segment (this rank's shard
@@ -13,6 +13,7 @@ not start on a block boundary share a block with another ep rank: both would qua
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ class Run:
     end: int
     first: int  # the tensor's flat index of the run's first element
     stop: int  # the tensor's flat index just past its piece (its size for a whole tensor)
+    key: int = 0  # names the tensor in every layout (seeds quant4's stochastic rounding)
 
     @property
     def size(self) -> int:
@@ -90,7 +92,8 @@ def segment_runs(layout: dict, block: int, name: str = "adam8bit") -> list[list[
                 lo, hi = max(g0, offset), min(g1, offset + spec.size)
                 if lo < hi:
                     first, stop = _piece(spec, block, name)
-                    runs.append(Run(lo - g0, hi - g0, first + lo - offset, stop))
+                    key = zlib.crc32(f"{unit_layout.name}.{spec.name}".encode())
+                    runs.append(Run(lo - g0, hi - g0, first + lo - offset, stop, key))
                 offset += spec.size
         out.append(runs)
     return out

@@ -7,7 +7,7 @@ quantization blocks are each tensor's own (optim/blocks.py), so its run is the s
 from __future__ import annotations
 
 from mpitrain.errors import ConfigError
-from mpitrain.optim import adam8bit, blocks
+from mpitrain.optim import adam8bit, blocks, quant4
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import Adam8bit
 from mpitrain.optim.adamw import AdamW, AdamWHyper
@@ -68,9 +68,11 @@ def make_optimizer(optim_cfg, state, placement=None):
     if name == "adafactor":
         refuse_cut_tensors(state)
         layout = state.checkpoint_layout()
+        momentum = getattr(o, "adafactor_momentum", "int4")
+        int4 = momentum == "int4" and o.adafactor_beta1
         return Adafactor(segments, segment_matrices(layout), weight_decay=o.weight_decay, beta1=o.adafactor_beta1,
                          tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],
-                         momentum=getattr(o, "adafactor_momentum", "int4"))
+                         momentum=momentum, runs=blocks.segment_runs(layout, quant4.BLOCK, name) if int4 else None)
     if name == "sgd":
         return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay)
     raise ValueError(f"optim.name = {name!r}: expected one of {', '.join(OPTIMIZERS)}")

@@ -39,8 +39,10 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
         second_moment = itemsize * (statistics + sum(sizes) - factored)
         if not adafactor_beta1:
             return second_moment
-        if adafactor_momentum == "int4":  # packed codes and block scales per segment
-            return second_moment + sum(quant4.nbytes(n, itemsize) for n in sizes)
+        if adafactor_momentum == "int4":  # packed codes per segment, scales for each tensor's blocks
+            runs = segment_runs({"geometry": geometry, "segment_windows": windows}, quant4.BLOCK, name)
+            return second_moment + sum(quant4.packed_size(n) + itemsize * block_count(held, quant4.BLOCK)
+                                       for n, held in zip(sizes, runs))
         return second_moment + itemsize * sum(sizes)
     raise ValueError(f"no lean state for optim.name = {name!r}")
 

@@ -2,57 +2,77 @@
 -7..7 (stored +8, two per byte). Adafactor keeps its first moment this way (optim.adafactor_momentum = "int4"):
 0.5 + itemsize / BLOCK bytes per element, about 0.53 in fp32.
 
+Blocks are each tensor's own (optim/blocks.py): `first` is the tensor index of an array's first element, so block k
+of a tensor is its elements [k BLOCK, (k + 1) BLOCK) in every layout (one process or a pipeline stage).
+
 Rounding. An exponential moving average written back to a coarse grid every step sticks with nearest rounding:
 0.9 m rounds back to m whenever a code's neighbours are more than 10% away, and the gradient's (1 - beta1) share is
 mostly below half a code step, so the moment would neither decay nor follow the gradient. The step therefore rounds
 stochastically (unbiased: E[stored] = value; Li et al. 2023, "Memory efficient optimizers with 4-bit states", keep
-the first moment in 4 bits the same way), with random numbers drawn from `seed` (the step and the segment), so a
-run and its resume draw the same ones. Requantizing a restored block rounds to nearest (it is done once).
+the first moment in 4 bits the same way). Each element's draw is a hash (splitmix64) of `seed` (the step and the
+tensor) and its index in the tensor, so it is the same in every layout, and a run and its resume draw the same ones.
+Requantizing a restored block rounds to nearest (it is done once).
 """
 from __future__ import annotations
+
+import numpy as np
 
 BLOCK = 128
 LEVELS = 7  # codes -7..7
 
 
-def blocks_of(n: int) -> int:
-    return -(-n // BLOCK)
+def blocks_of(n: int, first: int = 0) -> int:
+    return (first + n - 1) // BLOCK - first // BLOCK + 1 if n else 0
 
 
 def packed_size(n: int) -> int:
     return -(-n // 2)
 
 
-def nbytes(n: int, itemsize: int) -> int:
-    """Bytes that hold n elements: the packed codes and one scale per block."""
-    return packed_size(n) + itemsize * blocks_of(n)
-
-
-def _blocked(values, xp):
-    n = values.size
-    padded = xp.zeros(blocks_of(n) * BLOCK, dtype=values.dtype)
-    padded[:n] = values
+def _blocked(values, xp, first: int):
+    """values in zero padding as (blocks, BLOCK) rows, the first `first % BLOCK` places before them."""
+    n, lead = values.size, first % BLOCK
+    padded = xp.zeros(blocks_of(n, first) * BLOCK, dtype=values.dtype)
+    padded[lead:lead + n] = values
     return padded.reshape(-1, BLOCK)
 
 
-def quantize(values, xp, seed: int | None = None):
-    """(codes 0..15 per element, uint8; scale per block) of a 1-D array; seed: stochastic rounding (None: nearest)."""
-    n = values.size
-    blocked = _blocked(values, xp)
+MASK, GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
+MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's finaliser constants
+
+
+def _mix_int(z: int) -> int:
+    z = ((z ^ (z >> 30)) * MIX[0]) & MASK
+    z = ((z ^ (z >> 27)) * MIX[1]) & MASK
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, first: int, n: int, xp):
+    """n float32 draws in [0, 1) for the elements first .. first + n - 1 of a tensor: each a function of (seed, its
+    index) only (splitmix64: the mixed seed + index x golden ratio, mixed; its top 24 bits). uint64 arrays wrap."""
+    u64 = xp.uint64
+    z = u64((_mix_int(seed & MASK) + first * GOLDEN) & MASK) + xp.arange(n, dtype=u64) * u64(GOLDEN)
+    z = (z ^ (z >> u64(30))) * u64(MIX[0])
+    z = (z ^ (z >> u64(27))) * u64(MIX[1])
+    z ^= z >> u64(31)
+    return (z >> u64(40)).astype(xp.float32) * xp.float32(2.0 ** -24)
+
+
+def quantize(values, xp, seed: int | None = None, first: int = 0):
+    """(codes 0..15 per element, uint8; scale per block) of a 1-D array, its first element the tensor's `first`;
+    seed: stochastic rounding (None: nearest)."""
+    n, lead = values.size, first % BLOCK
+    blocked = _blocked(values, xp, first)
     scale = xp.abs(blocked).max(axis=1) / LEVELS
-    scaled = blocked / xp.where(scale > 0, scale, 1)[:, None]
-    if seed is None:
-        rounded = xp.rint(scaled)
-    else:
-        rounded = xp.floor(scaled + xp.random.default_rng(seed).random(scaled.shape, dtype=xp.float32))
-    codes = (xp.clip(rounded, -LEVELS, LEVELS) + 8).astype(xp.uint8).ravel()[:n]
-    return codes, scale
+    scaled = (blocked / xp.where(scale > 0, scale, 1)[:, None]).ravel()[lead:lead + n]
+    rounded = xp.rint(scaled) if seed is None else xp.floor(scaled + uniform(seed, first, n, xp))
+    return (xp.clip(rounded, -LEVELS, LEVELS) + 8).astype(xp.uint8), scale
 
 
-def dequantize(codes, scale, xp):
-    n = codes.size
-    values = _blocked(codes.astype(scale.dtype) - 8, xp) * scale[:, None]
-    return values.ravel()[:n]
+def dequantize(codes, scale, xp, first: int = 0):
+    n, lead = codes.size, first % BLOCK
+    values = _blocked(codes.astype(scale.dtype) - 8, xp, first) * scale[:, None]
+    return values.ravel()[lead:lead + n]
 
 
 def pack(codes, xp):
@@ -68,19 +88,19 @@ def unpack(packed, n: int, xp):
     return out[:n]
 
 
-def expand_scales(scale, n: int, xp):
+def expand_scales(scale, n: int, xp, first: int = 0):
     """Each element's block scale (what a checkpoint saves element-wise)."""
-    return xp.repeat(scale, BLOCK)[:n]
+    lead = first % BLOCK
+    return xp.repeat(scale, BLOCK)[lead:lead + n]
 
 
-def scales_from_elements(expanded, codes, xp):
-    """A segment's per-block scales from element-wise saved scales and codes: taken as they are where every element
+def scales_from_elements(expanded, codes, xp, first: int = 0):
+    """A run's per-block scales from element-wise saved scales and codes: taken as they are where every element
     of a block carries the same scale (restored into the same blocks: bitwise), else requantized from the values."""
     n = expanded.size
-    padded = _blocked(expanded, xp)
-    if n % BLOCK:
-        padded[-1, n % BLOCK:] = expanded[-1]
-    if bool((padded == padded[:, :1]).all()):
-        return codes, padded[:, 0].copy()
+    edges = np.clip(np.arange(blocks_of(n, first) + 1) * BLOCK - first % BLOCK, 0, n)
+    firsts = edges[:-1]
+    if bool((xp.repeat(expanded[firsts], np.diff(edges).tolist()) == expanded).all()):
+        return codes, expanded[firsts].copy()
     values = (codes.astype(expanded.dtype) - 8) * expanded
-    return quantize(values, xp)
+    return quantize(values, xp, first=first)

@@ -1,7 +1,8 @@
-"""8-bit Adam does not depend on the parallel layout: its quantization blocks are each tensor's own
-(mpitrain/optim/blocks.py), and a block cut by a ZeRO shard boundary takes its absmax from every rank holding part
-of it. Before, the blocks followed the ZeRO shards, and adam8bit under ZeRO-1 on 2 ranks ended some parameters 7% off
-the one-process run (float64)."""
+"""Block-quantized optimizer state does not depend on the parallel layout: the blocks are each tensor's own
+(mpitrain/optim/blocks.py). 8-bit Adam: a block cut by a ZeRO shard boundary takes its absmax from every rank holding
+part of it; before, the blocks followed the ZeRO shards, and adam8bit under ZeRO-1 on 2 ranks ended some parameters
+7% off the one-process run (float64). Adafactor's 4-bit first moment: blocks and stochastic-rounding draws per tensor
+(before: per segment, so a pipeline stage drew other numbers than one process; float64 pp 2 differed at step 2)."""
 from __future__ import annotations
 
 import threading
@@ -112,15 +113,18 @@ def _state_with(spec):
     layout = UnitLayout("u", [spec])
     geometry = FlatBuffer.geometry([layout])
     grads = np.zeros(geometry.size)
-    return SimpleNamespace(optimizer_segments=lambda: [Segment(np.zeros(geometry.size), grads, [])],
+    return SimpleNamespace(optimizer_segments=lambda: [Segment(np.zeros(geometry.size), grads, [])], sharded=False,
                            checkpoint_layout=lambda: {"geometry": geometry, "segment_windows": [(0, geometry.size)]})
 
 
 def test_pieces_that_would_quantize_per_rank_are_refused_naming_the_keys():
-    optim = SimpleNamespace(name="adam8bit", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    optim = SimpleNamespace(name="adam8bit", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            adafactor_beta1=0.9, adafactor_momentum="int4")
     tp_piece = ParamSpec("w", (64, 32), "normal", 0.02, (64, 64), (0, 32), tp_replicated=False, tp_axis=1)
     with pytest.raises(ConfigError, match=r"optim.name = 'adam8bit' with parallel.tp > 1.*set parallel.tp = 1"):
         make_optimizer(optim, _state_with(tp_piece))
+    with pytest.raises(ConfigError, match=r"optim.name = 'adafactor' with parallel.tp > 1.*set parallel.tp = 1"):
+        make_optimizer(SimpleNamespace(**{**vars(optim), "name": "adafactor"}), _state_with(tp_piece))
     unaligned_experts = ParamSpec("expert_w_fc", (1, 30, 40), "normal", 0.02, (2, 30, 40), (1, 0, 0))
     with pytest.raises(ConfigError, match=r"optim.name = 'adam8bit' with parallel.ep > 1.*expert_w_fc"):
         make_optimizer(optim, _state_with(unaligned_experts))
@@ -128,12 +132,41 @@ def test_pieces_that_would_quantize_per_rank_are_refused_naming_the_keys():
     assert make_optimizer(optim, _state_with(aligned_experts)).runs[0][0].first == 32 * 128
 
 
-ADAM8BIT = ["data.synthetic=true", "precision.compute=float64", "train.steps=3", "optim.name=adam8bit"]
+def test_adafactor_int4_momentum_is_the_same_on_a_pipeline_stage():
+    """Both units in one segment (one process) or each in its own (a pipeline stage each, as pp = 2 cuts them):
+    the same parameters, bitwise, after 4 steps (the blocks and the draws are each tensor's)."""
+    from mpitrain.optim.adafactor import Adafactor
+    from mpitrain.optim.factory import segment_matrices, segment_tensors
+    rng = np.random.default_rng(1)
+    geometry = FlatBuffer.geometry(LAYOUTS)
+    gradients = [rng.normal(size=geometry.size) for _ in range(STEPS)]
+    results = []
+    for windows in ([(0, geometry.size)], [geometry.unit_range(0), geometry.unit_range(1)]):
+        params, grads = np.linspace(1, 2, geometry.size), np.zeros(geometry.size)
+        layout = {"geometry": geometry, "segment_windows": windows}
+        optimizer = Adafactor([Segment(params[a:b], grads[a:b], []) for a, b in windows], segment_matrices(layout),
+                              tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],
+                              momentum="int4", runs=blocks.segment_runs(layout, 128, "adafactor"))
+        for step, g in enumerate(gradients):
+            grads[:] = g
+            optimizer.step(1e-2 * (1 + step))
+        results.append(params)
+    np.testing.assert_array_equal(*results)
 
 
-def test_zero_1_and_2_over_two_ranks_are_the_one_process_run(tmp_path):
-    """float64, 3 steps of the tiny model: every step's loss and the final parameters within 1e-10 of one process
-    (before: step 3's loss 2.6e-6 off, some parameters 7%)."""
-    single = run_training(1, tmp_path / "one", ADAM8BIT)
-    for stage in (1, 2):
-        assert_same_run(single, run_training(2, tmp_path / f"zero{stage}", [*ADAM8BIT, f"parallel.zero={stage}"]))
+FLOAT64 = ["data.synthetic=true", "precision.compute=float64", "train.steps=3"]
+
+
+def test_adam8bit_under_zero_and_pipeline_is_the_one_process_run(tmp_path):
+    """float64, 3 steps of the tiny model on 2 ranks: ZeRO-1, 2, 3 and pp 2, every step's loss and the final
+    parameters within 1e-10 of one process (before: ZeRO-1's step-3 loss 2.6e-6 off, some parameters 7%)."""
+    settings = [*FLOAT64, "optim.name=adam8bit"]
+    single = run_training(1, tmp_path / "one", settings)
+    for layout in ("parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.pp=2"):
+        assert_same_run(single, run_training(2, tmp_path / layout, [*settings, layout]))
+
+
+def test_adafactor_with_int4_momentum_on_two_pipeline_stages_is_the_one_process_run(tmp_path):
+    settings = [*FLOAT64, "optim.name=adafactor", "optim.adafactor_momentum=int4"]
+    assert_same_run(run_training(1, tmp_path / "one", settings),
+                    run_training(2, tmp_path / "pp2", [*settings, "parallel.pp=2"]))
