@@ -179,10 +179,10 @@ class Adam8bit:
         xp = self.xp
         for _, lo, hi, blocks, lead in self._chunks():
             edges = np.clip(np.arange(blocks.stop - blocks.start + 1) * BLOCK - lead, 0, hi - lo)
-            lengths, firsts = np.diff(edges), edges[:-1]  # of the chunk's blocks, in the chunk
+            lengths, firsts = np.diff(edges).tolist(), xp.asarray(edges[:-1])  # of the chunk's blocks, in it
             for k in "mv":
                 saved = self._checkpoint[f"adam8bit_{k}_absmax"][lo:hi]
-                if bool((xp.repeat(saved[firsts], lengths.tolist()) == saved).all()):
+                if bool((xp.repeat(saved[firsts], lengths) == saved).all()):
                     self.absmax[k][blocks] = saved[firsts]
                 else:
                     values = self.tables[k][self.codes[k][lo:hi]] * saved

@@ -99,7 +99,7 @@ def scales_from_elements(expanded, codes, xp, first: int = 0):
     of a block carries the same scale (restored into the same blocks: bitwise), else requantized from the values."""
     n = expanded.size
     edges = np.clip(np.arange(blocks_of(n, first) + 1) * BLOCK - first % BLOCK, 0, n)
-    firsts = edges[:-1]
+    firsts = xp.asarray(edges[:-1])
     if bool((xp.repeat(expanded[firsts], np.diff(edges).tolist()) == expanded).all()):
         return codes, expanded[firsts].copy()
     values = (codes.astype(expanded.dtype) - 8) * expanded
