@@ -17,6 +17,7 @@ from mpitrain.layers.moe_settings import validate_moe
 from mpitrain.layout_checks import (
     _require,
     validate_context_parallel,
+    validate_optimizer_layout,
     validate_pipeline,
     validate_tensor_parallel,
 )
@@ -391,6 +392,7 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
              f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
              f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
              f"train.global_batch or train.micro_batch")
+    validate_optimizer_layout(cfg)
 
 
 def grad_accumulation_steps(cfg: Config) -> int:

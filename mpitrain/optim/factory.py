@@ -1,7 +1,8 @@
 """optim.name -> the optimizer over a state's segments (adamw | adafactor | adam8bit | sgd).
 
 Every optimizer runs over `state.optimizer_segments()`: one segment under plain data parallelism, one per unit shard
-under ZeRO, so each is sharded by ZeRO exactly as AdamW is (Adafactor excepted: refuse_cut_tensors). 8-bit Adam's
+under ZeRO, so each is sharded by ZeRO exactly as AdamW is (the layouts where a lean optimizer's run would depend
+on the layout are refused before: layout_checks.validate_optimizer_layout). 8-bit Adam's
 quantization blocks are each tensor's own (optim/blocks.py), so its run is the same in every ZeRO layout.
 """
 from __future__ import annotations
@@ -38,17 +39,6 @@ def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
     return [[(a, b, *shape) for a, b, shape in found if len(shape) == 2] for found in segment_tensors(layout)]
 
 
-def refuse_cut_tensors(state) -> None:
-    """Adafactor's factored row/column statistics and per-tensor update clipping need whole tensors, and its 4-bit
-    momentum blocks follow the segments: a ZeRO shard over several ranks cuts tensors, so the run would depend on the
-    layout (float64: 2.5e-5 off the one-process loss after one step at dp 2). Summing the statistics over the group
-    would fix the first two, not the blocks; until then the combination is refused."""
-    if state.sharded and state.group.size > 1:
-        raise ConfigError(f"optim.name = 'adafactor' with parallel.zero >= 1 over {state.group.size} ranks: ZeRO "
-                          "shards cut tensors, and Adafactor's factored statistics and update clipping need whole "
-                          "ones (the run would not match one process); set parallel.zero = 0 or optim.name = adamw")
-
-
 def make_optimizer(optim_cfg, state, placement=None):
     """placement: where AdamW's moments live (mpitrain/state/offload.py); the lean optimizers keep theirs on the
     device (their state is small: offloading it is not supported)."""
@@ -66,7 +56,6 @@ def make_optimizer(optim_cfg, state, placement=None):
         return Adam8bit(segments, AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay), runs=runs,
                         exchanges=blocks.segment_cuts(layout, runs, adam8bit.BLOCK))
     if name == "adafactor":
-        refuse_cut_tensors(state)
         layout = state.checkpoint_layout()
         momentum = getattr(o, "adafactor_momentum", "int4")
         int4 = momentum == "int4" and o.adafactor_beta1
