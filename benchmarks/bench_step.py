@@ -400,6 +400,13 @@ def main(argv=None) -> int:
                                 "DP scaling: 2 ranks x 1 thread / 1 rank x 1 thread"),
     }
     ratios = {key: (ratio(a, b), ratio(a, b, "tokens_per_s_median")) for key, (a, b, _) in headline.items()}
+
+    def paired(a, b):
+        """Each round's ratio (the two variants ran within seconds of each other there): on a VM whose speed drifts
+        between rounds these are steadier than ratios of bests or medians taken over different rounds."""
+        if not (s[a] and s[b]):
+            return []
+        return [x / y for x, y in zip(s[a]["tokens_per_s_all"], s[b]["tokens_per_s_all"])]
     numpy_peak_all, torch_peak_all = peaks[all_threads]["numpy"], peaks[all_threads]["torch"]
 
     def mfu(name, peak):
@@ -418,13 +425,14 @@ def main(argv=None) -> int:
             ("torch_sdpa", f"torch SDPA {all_threads} threads", torch_peak_all),
             ("torch_eager", f"torch eager {all_threads} threads (extra)", torch_peak_all),
             ("torch_sdpa_2x_batch", f"torch SDPA {all_threads} threads, gb {2 * micro}", torch_peak_all),
-            ("mpitrain_1rank_1thread", f"mpitrain 1 rank x 1 thread, gb {micro}", None),
-            ("mpitrain_2ranks_1thread", f"mpitrain 2 ranks x 1 thread, gb {2 * micro}", None)]
+            ("mpitrain_1rank_1thread", f"mpitrain 1 rank x 1 thread, gb {micro}", peaks[1]["numpy"]),
+            ("mpitrain_2ranks_1thread", f"mpitrain 2 ranks x 1 thread, gb {2 * micro}", 2 * peaks[1]["numpy"])]
+    # MFU against this benchmark's own peak readings (one per library and thread count, taken on a quiet start), not
+    # the peak each run reads at its start: 2 ranks reading theirs at once read each other's load (MFU over 100%)
     for name, label, peak in rows:
         if not s[name]:
             continue
-        best = s[name]["best"]
-        m = best["mfu"] if "mfu" in best else mfu(name, peak)
+        m = mfu(name, peak)
         print(f"{label:<34}{s[name]['tokens_per_s']:>16,.0f}{s[name]['tokens_per_s_median']:>10,.0f}"
               f"{s[name]['step_time_s'] * 1e3:>9.1f}{100 * m:>6.1f}%")
     print()
@@ -433,6 +441,9 @@ def main(argv=None) -> int:
         if best is not None:
             verdict = "OK" if best >= TARGETS[key] else "BELOW TARGET"
             print(f"{what:<62} = {best:.2f} (median {median:.2f}; target >= {TARGETS[key]}) {verdict}")
+            rounds = paired(*headline[key][:2])
+            print(f"{'':<62}   per round: {' '.join(f'{r:.2f}' for r in rounds)} "
+                  f"(median {statistics.median(rounds):.2f})")
     if s["torch_eager"]:
         print(f"{'mpitrain / torch eager attention (extra)':<62} = {ratio('mpitrain', 'torch_eager'):.2f}")
     parity = runs.get("torch_sdpa", [{}])[0].get("parity") if "torch_sdpa" in runs else None
@@ -468,7 +479,8 @@ def main(argv=None) -> int:
         | {f"torch_{t}t": p["torch"] for t, p in peaks.items()},
         "results": {name: compact(name) for name in variants},
         "torch_sdpa_mfu": mfu("torch_sdpa", torch_peak_all),
-        "ratios": {key: {"best": best, "median": median} for key, (best, median) in ratios.items()},
+        "ratios": {key: {"best": best, "median": median, "per_round": paired(*headline[key][:2])}
+                   for key, (best, median) in ratios.items()},
         "ratio_mpitrain_over_torch_eager": ratio("mpitrain", "torch_eager"),
         "loadavg_start": load_start, "loadavg_end": _loadavg(), "targets": TARGETS,
         "parity": parity, "skipped": [r for r in (torch_reason, mpi_reason) if r], "elapsed_s": elapsed,
