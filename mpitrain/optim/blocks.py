@@ -80,21 +80,32 @@ def _piece(spec, block: int, name: str) -> tuple[int, int]:
     return first, stop
 
 
-def segment_runs(layout: dict, block: int, name: str = "adam8bit") -> list[list[Run]]:
-    """Per optimizer segment, the runs of tensors it holds; `layout` is state.checkpoint_layout() (its
-    segment_windows follow the segments' order)."""
-    geometry, out = layout["geometry"], []
+def segment_specs(layout: dict):
+    """Per optimizer segment, its window (g0, g1) and the tensors overlapping it as (unit layout, spec, offset of the
+    tensor in the flat buffer); `layout` is state.checkpoint_layout() (its segment_windows follow the segments'
+    order). The one walk behind segment_runs and factory.segment_tensors."""
+    geometry = layout["geometry"]
     for g0, g1 in layout["segment_windows"]:
-        runs = []
+        found = []
         for unit, unit_layout in enumerate(geometry.layouts):
             offset = geometry.offsets[unit]
             for spec in unit_layout.specs:
-                lo, hi = max(g0, offset), min(g1, offset + spec.size)
-                if lo < hi:
-                    first, stop = _piece(spec, block, name)
-                    key = zlib.crc32(f"{unit_layout.name}.{spec.name}".encode())
-                    runs.append(Run(lo - g0, hi - g0, first + lo - offset, stop, key))
+                if max(g0, offset) < min(g1, offset + spec.size):
+                    found.append((unit_layout, spec, offset))
                 offset += spec.size
+        yield g0, g1, found
+
+
+def segment_runs(layout: dict, block: int, name: str = "adam8bit") -> list[list[Run]]:
+    """Per optimizer segment, the runs of tensors it holds."""
+    out = []
+    for g0, g1, found in segment_specs(layout):
+        runs = []
+        for unit_layout, spec, offset in found:
+            lo, hi = max(g0, offset), min(g1, offset + spec.size)
+            first, stop = _piece(spec, block, name)
+            key = zlib.crc32(f"{unit_layout.name}.{spec.name}".encode())
+            runs.append(Run(lo - g0, hi - g0, first + lo - offset, stop, key))
         out.append(runs)
     return out
 

@@ -19,19 +19,9 @@ OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
 
 def segment_tensors(layout: dict) -> list[list[tuple[int, int, tuple[int, ...]]]]:
     """Per optimizer segment, the tensors (this rank's block of them) that lie wholly inside it, as (start, end,
-    shape) in segment coordinates; `layout` is state.checkpoint_layout() (its segment_windows follow the segments'
-    order)."""
-    geometry, out = layout["geometry"], []
-    for g0, g1 in layout["segment_windows"]:
-        found = []
-        for unit, unit_layout in enumerate(geometry.layouts):
-            offset = geometry.offsets[unit]
-            for spec in unit_layout.specs:
-                if g0 <= offset and offset + spec.size <= g1:
-                    found.append((offset - g0, offset - g0 + spec.size, tuple(spec.shape)))
-                offset += spec.size
-        out.append(found)
-    return out
+    shape) in segment coordinates; `layout` is state.checkpoint_layout()."""
+    return [[(offset - g0, offset - g0 + spec.size, tuple(spec.shape)) for _, spec, offset in found
+             if g0 <= offset and offset + spec.size <= g1] for g0, g1, found in blocks.segment_specs(layout)]
 
 
 def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
