@@ -25,33 +25,28 @@ from concurrent.futures import ThreadPoolExecutor
 TILE_BYTES = 512 * 1024  # measured: smaller tiles gain nothing more here and pay more Python overhead per tile
 
 
+def _threads_from(name: str) -> int | None:
+    """The positive whole number in environment variable `name`, else None."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def thread_count() -> int:
-    value = os.environ.get("MPITRAIN_THREADS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else _blas_threads()
+    return _threads_from("MPITRAIN_THREADS") or _blas_threads()
 
 
 @functools.lru_cache(maxsize=1)
 def _blas_threads() -> int:
     """The threads BLAS runs with in this process (read once, before any tile has lowered it to one): from the
     variables OpenBLAS reads, in its order, else asked of the loaded libraries (~20 ms, so only when unset)."""
-    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return max([lib.num_threads for lib in _blas_libraries()], default=1)
+    return (_threads_from("OPENBLAS_NUM_THREADS") or _threads_from("OMP_NUM_THREADS")
+            or max([lib.num_threads for lib in _blas_libraries()], default=1))
 
 
 @functools.lru_cache(maxsize=1)
 def _executor(threads: int) -> ThreadPoolExecutor:
     """One pool per process, created on first use (its threads sleep, not spin, between ops)."""
     return ThreadPoolExecutor(threads, thread_name_prefix="mpitrain-tiles")
-
-
-def _after_fork_in_child() -> None:
-    """A forked child has none of the parent's threads: it makes its own pool, and a BLAS section another parent
-    thread was inside (its lock possibly held) is not the child's."""
-    _executor.cache_clear()
-    _blas_lowered.update(users=0, lock=threading.Lock())
 
 
 def tile_rows(row_bytes: int) -> int:
@@ -88,6 +83,13 @@ def _blas_libraries() -> list:
 
 # users inside, and the threads BLAS had before the first of them entered
 _blas_lowered = {"users": 0, "threads": [], "lock": threading.Lock()}
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: it makes its own pool, and a BLAS section another parent
+    thread was inside (its lock possibly held) is not the child's."""
+    _executor.cache_clear()
+    _blas_lowered.update(users=0, lock=threading.Lock())
 
 
 if hasattr(os, "register_at_fork"):
