@@ -4,9 +4,14 @@ whatever the thread count. The default tile sizes make one tile of test_ops' sma
 tiny: a few rows of a norm, two query rows of attention (so masked key blocks are skipped)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+import mpitrain
 from mpitrain import tiles
 from mpitrain.layers import attention_core, ops
 from mpitrain.layers.attention import head_view, merge_heads
@@ -151,6 +156,7 @@ def test_tiled_adamw_equals_the_textbook_update(tiny_tiles):
 
 def test_the_pool_takes_as_many_threads_as_blas_unless_told(monkeypatch):
     monkeypatch.delenv("MPITRAIN_THREADS", raising=False)
+    monkeypatch.setattr(mpitrain, "OPENBLAS_THREAD_TIMEOUT_AT_LOAD", "4")  # as when mpitrain loads before numpy
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     tiles._blas_threads.cache_clear()
@@ -160,6 +166,36 @@ def test_the_pool_takes_as_many_threads_as_blas_unless_told(monkeypatch):
         assert tiles.thread_count() == 1
     finally:
         tiles._blas_threads.cache_clear()
+
+
+def test_the_pool_stays_off_where_openblas_spins_long_unless_told(monkeypatch):
+    """numpy imported before mpitrain, no OPENBLAS_THREAD_TIMEOUT set then (or a long one): OpenBLAS's idle threads
+    spin on the cores the tile threads would take, so by default there is no pool; MPITRAIN_THREADS still rules."""
+    monkeypatch.delenv("MPITRAIN_THREADS", raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    tiles._blas_threads.cache_clear()
+    try:
+        for at_load, expected in ((None, 1), ("28", 1), ("16", 2), ("4", 2)):
+            monkeypatch.setattr(mpitrain, "OPENBLAS_THREAD_TIMEOUT_AT_LOAD", at_load)
+            assert tiles.thread_count() == expected, at_load
+        monkeypatch.setattr(mpitrain, "OPENBLAS_THREAD_TIMEOUT_AT_LOAD", None)
+        monkeypatch.setenv("MPITRAIN_THREADS", "2")
+        assert tiles.thread_count() == 2
+    finally:
+        tiles._blas_threads.cache_clear()
+
+
+def test_mpitrain_records_the_spin_openblas_read(tmp_path):
+    """Imported first, mpitrain sets the short spin before numpy loads OpenBLAS; imported after numpy, it records
+    what OpenBLAS saw (nothing) and still sets the variable for child processes."""
+    script = ("import sys, os\n"
+              "if sys.argv[1] == 'numpy-first': import numpy\n"
+              "import mpitrain\n"
+              "print(mpitrain.OPENBLAS_THREAD_TIMEOUT_AT_LOAD, os.environ['OPENBLAS_THREAD_TIMEOUT'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    outputs = [subprocess.run([sys.executable, "-c", script, order], env=env, capture_output=True, text=True,
+                              check=True).stdout.split() for order in ("mpitrain-first", "numpy-first")]
+    assert outputs == [["4", "4"], ["None", "4"]]
 
 
 class _FakeBlas:
