@@ -12,9 +12,10 @@ cores the rank owns), so one rank per core runs no pool and one rank with N core
 The pool pays only because mpitrain/__init__.py shortens OpenBLAS's spin-wait (OPENBLAS_THREAD_TIMEOUT): after each
 product OpenBLAS's idle threads otherwise spin for ~0.1 s on the very cores the tile threads need (measured on the
 2-core VM, 1 rank x 2 threads: pool with the default spin 0.58 s a step, no pool 0.54 s, pool with the short spin
-0.46 s). OpenBLAS reads the variable once, when numpy loads it: in a program that imported numpy before mpitrain
-(without the variable set) the pool stays off by default (there, one op at a time: GELU 0.87x, layer norm 0.94x
-with the pool against without). CuPy arrays are never tiled: the callers hand them to one call.
+0.46 s). OpenBLAS reads the variable when numpy loads it: in a program that imported numpy first, mpitrain has OpenBLAS
+re-read it and restart its threads (restart_openblas_threads); where that is not possible the pool stays off by
+default (with the long spin, one op at a time: GELU 0.87x, layer norm 0.94x with the pool against without).
+CuPy arrays are never tiled: the callers hand them to one call.
 """
 from __future__ import annotations
 
@@ -86,6 +87,26 @@ def parallel_for(n_items: int, work, threads: int | None = None) -> None:
         work(bounds[0], bounds[1])  # the calling thread takes the first range
         for future in futures:
             future.result()
+
+
+def restart_openblas_threads() -> bool:
+    """Have each loaded OpenBLAS re-read its environment variables and stop its threads; the next multithreaded
+    call starts them again, with the spin-wait now in OPENBLAS_THREAD_TIMEOUT (read only when they start). Called
+    once, at mpitrain's import, before any BLAS call of mpitrain's. False where no OpenBLAS has these entry points."""
+    import ctypes
+    restarted = False
+    for lib in _blas_libraries():
+        if lib.internal_api != "openblas":
+            continue
+        try:
+            handle = ctypes.CDLL(lib.filepath)
+            read_environment, stop_threads = handle.openblas_read_env, handle.blas_thread_shutdown_
+        except (OSError, AttributeError):
+            continue
+        read_environment()
+        stop_threads()
+        restarted = True
+    return restarted
 
 
 @functools.lru_cache(maxsize=1)
