@@ -92,8 +92,12 @@ def parallel_for(n_items: int, work, threads: int | None = None) -> None:
 def restart_openblas_threads() -> bool:
     """Have each loaded OpenBLAS re-read its environment variables and stop its threads; the next multithreaded
     call starts them again, with the spin-wait now in OPENBLAS_THREAD_TIMEOUT (read only when they start). Called
-    once, at mpitrain's import, before any BLAS call of mpitrain's. False where no OpenBLAS has these entry points."""
+    once, at mpitrain's import, before any BLAS call of mpitrain's. False where no OpenBLAS has these entry points,
+    and where other Python threads run (one of them could be inside a BLAS call, which stopping the threads would
+    break)."""
     import ctypes
+    if threading.active_count() > 1:
+        return False
     restarted = False
     for lib in _blas_libraries():
         if lib.internal_api != "openblas":

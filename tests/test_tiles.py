@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -201,6 +202,19 @@ def test_openblas_runs_the_short_spin_whichever_is_imported_first():
     outputs = [subprocess.run([sys.executable, "-c", script, order], env=env, capture_output=True, text=True,
                               check=True).stdout.split() for order in ("mpitrain-first", "numpy-first")]
     assert outputs == [["4", "4"], ["4", "4"]]
+
+
+def test_openblas_is_not_restarted_while_another_thread_could_be_inside_it():
+    """Stopping OpenBLAS's threads under a product another thread runs would break it: with a second thread alive
+    the restart is skipped (and the pool then stays off unless told)."""
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert tiles.restart_openblas_threads() is False
+    finally:
+        release.set()
+        other.join()
 
 
 class _FakeBlas:
