@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from mpitrain.backend import array_module
-from mpitrain.optim.blocks import Run, block_count
+from mpitrain.optim.blocks import Run, block_count, block_values, blocks_spanned, padded_blocks
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
 
 BLOCK = 2048
@@ -63,10 +63,7 @@ def dequantize(codes, absmax, table, lead: int = 0):
 
 def _blocked(values, xp, lead: int):
     """values placed `lead` elements into zero padding, as (blocks, BLOCK) rows."""
-    n = values.size
-    padded = xp.zeros(-(-(lead + n) // BLOCK) * BLOCK, dtype=values.dtype)
-    padded[lead:lead + n] = values
-    return padded.reshape(-1, BLOCK)
+    return padded_blocks(values, xp, lead, BLOCK)
 
 
 class Adam8bit:
@@ -105,7 +102,7 @@ class Adam8bit:
                 while a < run.size:
                     lead = (run.first + a) % BLOCK
                     b = min(run.size, a + CHUNK_BLOCKS * BLOCK - lead)
-                    count = -(-(lead + b - a) // BLOCK)
+                    count = blocks_spanned(b - a, lead, BLOCK)
                     yield index, start + run.start + a, start + run.start + b, slice(block, block + count), lead
                     block, a = block + count, b
 
@@ -178,12 +175,11 @@ class Adam8bit:
         an older run, whose blocks followed its segments)."""
         xp = self.xp
         for _, lo, hi, blocks, lead in self._chunks():
-            edges = np.clip(np.arange(blocks.stop - blocks.start + 1) * BLOCK - lead, 0, hi - lo)
-            lengths, firsts = np.diff(edges).tolist(), xp.asarray(edges[:-1])  # of the chunk's blocks, in it
             for k in "mv":
                 saved = self._checkpoint[f"adam8bit_{k}_absmax"][lo:hi]
-                if bool((xp.repeat(saved[firsts], lengths) == saved).all()):
-                    self.absmax[k][blocks] = saved[firsts]
+                per_block = block_values(saved, lead, BLOCK, xp)
+                if per_block is not None:
+                    self.absmax[k][blocks] = per_block
                 else:
                     values = self.tables[k][self.codes[k][lo:hi]] * saved
                     self.codes[k][lo:hi], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)

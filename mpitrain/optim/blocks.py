@@ -114,6 +114,30 @@ def block_count(runs: list[Run], block: int) -> int:
     return sum(len(run.block_range(block)) for run in runs)
 
 
+def blocks_spanned(n: int, lead: int, block: int) -> int:
+    """Blocks that n elements overlap, the first of them `lead` elements into its block."""
+    return (lead + n - 1) // block + 1 if n else 0
+
+
+def padded_blocks(values, xp, lead: int, block: int):
+    """A 1-D array as (blocks, block) rows, placed `lead` elements into zero padding (a run's elements sit where they
+    sit in their tensor's blocks)."""
+    n = values.size
+    padded = xp.zeros(blocks_spanned(n, lead, block) * block, dtype=values.dtype)
+    padded[lead:lead + n] = values
+    return padded.reshape(-1, block)
+
+
+def block_values(expanded, lead: int, block: int, xp):
+    """Each block's value from an array that repeats it on every element (a checkpoint's element-wise scales, the
+    first element `lead` into its block), or None where the elements of a block disagree (they were saved from
+    other blocks: the caller requantizes)."""
+    n = expanded.size
+    edges = np.clip(np.arange(blocks_spanned(n, lead, block) + 1) * block - lead, 0, n)
+    values = expanded[xp.asarray(edges[:-1])]
+    return values if bool((xp.repeat(values, np.diff(edges).tolist()) == expanded).all()) else None
+
+
 def segment_cuts(layout: dict, runs: list[list[Run]], block: int) -> list[tuple[object, int, list[Cut]]]:
     """(group, exchange vector length, cuts) per group that shards segments (the layout's `segment_groups`: ZeRO's;
     none without it). Slots: one per shard boundary of each segment's part (N - 1 of them), segments in order."""

@@ -15,14 +15,14 @@ Requantizing a restored block rounds to nearest (it is done once).
 """
 from __future__ import annotations
 
-import numpy as np
+from mpitrain.optim.blocks import block_values, blocks_spanned, padded_blocks
 
 BLOCK = 128
 LEVELS = 7  # codes -7..7
 
 
 def blocks_of(n: int, first: int = 0) -> int:
-    return (first + n - 1) // BLOCK - first // BLOCK + 1 if n else 0
+    return blocks_spanned(n, first % BLOCK, BLOCK)
 
 
 def packed_size(n: int) -> int:
@@ -31,10 +31,7 @@ def packed_size(n: int) -> int:
 
 def _blocked(values, xp, first: int):
     """values in zero padding as (blocks, BLOCK) rows, the first `first % BLOCK` places before them."""
-    n, lead = values.size, first % BLOCK
-    padded = xp.zeros(blocks_of(n, first) * BLOCK, dtype=values.dtype)
-    padded[lead:lead + n] = values
-    return padded.reshape(-1, BLOCK)
+    return padded_blocks(values, xp, first % BLOCK, BLOCK)
 
 
 MASK, GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
@@ -97,10 +94,8 @@ def expand_scales(scale, n: int, xp, first: int = 0):
 def scales_from_elements(expanded, codes, xp, first: int = 0):
     """A run's per-block scales from element-wise saved scales and codes: taken as they are where every element
     of a block carries the same scale (restored into the same blocks: bitwise), else requantized from the values."""
-    n = expanded.size
-    edges = np.clip(np.arange(blocks_of(n, first) + 1) * BLOCK - first % BLOCK, 0, n)
-    firsts = xp.asarray(edges[:-1])
-    if bool((xp.repeat(expanded[firsts], np.diff(edges).tolist()) == expanded).all()):
-        return codes, expanded[firsts].copy()
+    per_block = block_values(expanded, first % BLOCK, BLOCK, xp)
+    if per_block is not None:
+        return codes, per_block
     values = (codes.astype(expanded.dtype) - 8) * expanded
     return quantize(values, xp, first=first)
