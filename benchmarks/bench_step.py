@@ -407,6 +407,7 @@ def main(argv=None) -> int:
         if not (s[a] and s[b]):
             return []
         return [x / y for x, y in zip(s[a]["tokens_per_s_all"], s[b]["tokens_per_s_all"])]
+    per_round = {key: paired(a, b) for key, (a, b, _) in headline.items()}
     numpy_peak_all, torch_peak_all = peaks[all_threads]["numpy"], peaks[all_threads]["torch"]
 
     def mfu(name, peak):
@@ -441,9 +442,8 @@ def main(argv=None) -> int:
         if best is not None:
             verdict = "OK" if best >= TARGETS[key] else "BELOW TARGET"
             print(f"{what:<62} = {best:.2f} (median {median:.2f}; target >= {TARGETS[key]}) {verdict}")
-            rounds = paired(*headline[key][:2])
-            print(f"{'':<62}   per round: {' '.join(f'{r:.2f}' for r in rounds)} "
-                  f"(median {statistics.median(rounds):.2f})")
+            print(f"{'':<62}   per round: {' '.join(f'{r:.2f}' for r in per_round[key])} "
+                  f"(median {statistics.median(per_round[key]):.2f})")
     if s["torch_eager"]:
         print(f"{'mpitrain / torch eager attention (extra)':<62} = {ratio('mpitrain', 'torch_eager'):.2f}")
     parity = runs.get("torch_sdpa", [{}])[0].get("parity") if "torch_sdpa" in runs else None
@@ -479,7 +479,7 @@ def main(argv=None) -> int:
         | {f"torch_{t}t": p["torch"] for t, p in peaks.items()},
         "results": {name: compact(name) for name in variants},
         "torch_sdpa_mfu": mfu("torch_sdpa", torch_peak_all),
-        "ratios": {key: {"best": best, "median": median, "per_round": paired(*headline[key][:2])}
+        "ratios": {key: {"best": best, "median": median, "per_round": per_round[key]}
                    for key, (best, median) in ratios.items()},
         "ratio_mpitrain_over_torch_eager": ratio("mpitrain", "torch_eager"),
         "loadavg_start": load_start, "loadavg_end": _loadavg(), "targets": TARGETS,
