@@ -42,11 +42,10 @@ def thread_count() -> int:
     return _threads_from("MPITRAIN_THREADS") or (_blas_threads() if blas_spin_is_short() else 1)
 
 
-def blas_spin_is_short(timeout_at_load: str | None = None) -> bool:
-    """Whether OpenBLAS was loaded with a short idle spin (mpitrain/__init__.py records the value it read)."""
-    if timeout_at_load is None:
-        from mpitrain import OPENBLAS_THREAD_TIMEOUT_AT_LOAD as timeout_at_load
-    value = (timeout_at_load or "").strip()
+def blas_spin_is_short() -> bool:
+    """Whether OpenBLAS runs with a short idle spin (mpitrain/__init__.py records the value in force)."""
+    from mpitrain import OPENBLAS_THREAD_TIMEOUT_AT_LOAD as timeout
+    value = (timeout or "").strip()
     return value.isdigit() and int(value) <= SHORT_SPIN_MAX
 
 
