@@ -67,8 +67,8 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // ranks)
+    peak = _matmul_peak(threads)
     with threadpool_limits(threads):  # a rank's BLAS runs on its share of the cores (the launcher's setting)
-        peak = _matmul_peak(threads)
         rows_half, cols_half = fit_gemm_curve(measure_gemm_grid())
     bandwidth = memcpy_bandwidth() * 1e9 * 2  # a copy reads and writes each byte
     fit = _all_reduce_fit(ranks)
