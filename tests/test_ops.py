@@ -105,6 +105,16 @@ def gelu_from_output_case(rng):
         lambda s, i, p, dys, g: (ops.gelu_backward_from_output(s, ops.gelu_forward(s)[0], dys[0]),))
 
 
+def gelu_bias_case(rng):
+    """The gpt2 MLP's GELU on float64/float32 numpy: it adds the fc bias in its tiles and sums the bias gradient
+    there (forward gets the product without bias; the copy because it adds in place, as it may on the MLP's own
+    buffer)."""
+    return OpCase(
+        {"x": 2.0 * rng.normal(size=(3, 7))}, {"b": rng.normal(size=7)},
+        lambda i, p: _one(ops.gelu_forward(i["x"].copy(), p["b"])),
+        lambda s, i, p, dys, g: (ops.gelu_backward_from_output(s, ops.gelu_forward(s)[0], dys[0], g["b"]),))
+
+
 def swiglu_case(rng):
     return OpCase(
         {"gate": 2.0 * rng.normal(size=(2, 3, 5)), "up": rng.normal(size=(2, 3, 5))}, {},
@@ -231,6 +241,7 @@ CASES = {
     "rmsnorm": rmsnorm_case,
     "gelu": gelu_case,
     "gelu-from-output": gelu_from_output_case,
+    "gelu-bias-in-tiles": gelu_bias_case,
     "swiglu": swiglu_case,
     "embedding": embedding_case,
     "rope": lambda rng: rope_case(rng, [0, 1, 2, 3]),
@@ -257,7 +268,7 @@ CASES = {
     "block-llama-mqa": lambda rng: sublayer_case(rng, lambda c: Block(c, 0, ONE_RANK), "llama", n_kv_head=1),
 }
 PARAM_CASES = [name for name in CASES if name.startswith(("linear", "layernorm", "rmsnorm", "embedding", "sublayer",
-                                                          "block"))]
+                                                          "block", "gelu-bias"))]
 
 
 def make_case(name, seed=0):

@@ -114,7 +114,10 @@ def _run_everything(rng):
     for forward, backward, params in [
             (lambda: ops.layernorm_forward(x, w, b, 1e-5), lambda s, g: ops.layernorm_backward(s, w, dy, *g), 2),
             (lambda: ops.rmsnorm_forward(x, w, 1e-5), lambda s, g: ops.rmsnorm_backward(s, w, dy, *g), 1),
-            (lambda: ops.gelu_forward(x), lambda s, g: ops.gelu_backward(s, dy), 0)]:
+            (lambda: ops.layernorm_forward(x, w, b, 1e-5), lambda s, g: ops.layernorm_backward(s, w, dy, *g, x), 2),
+            (lambda: ops.gelu_forward(x), lambda s, g: ops.gelu_backward(s, dy), 0),
+            (lambda: ops.gelu_forward(x.copy(), b),
+             lambda s, g: ops.gelu_backward_from_output(s, ops.gelu_forward(s)[0], dy, *g), 1)]:
         y, saved = forward()
         grads = [np.zeros(6) for _ in range(params)]
         results += [y, backward(saved, grads), *grads]
@@ -126,6 +129,23 @@ def _run_everything(rng):
     for lr in (1e-2, 3e-3):
         optimizer.step(lr, grad_scale=0.5)
     return results + [params, optimizer.exp_avg, optimizer.exp_avg_sq]
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_backward_adds_the_residual_gradient_in_its_tiles(tiny_tiles, kind):
+    """The block hands its skip connection's gradient to the norm's backward: the same as adding it after."""
+    rng = np.random.default_rng(4)
+    x, dy, residual = (rng.normal(size=(3, 5, 6)) for _ in range(3))
+    w, b = rng.normal(size=6), rng.normal(size=6)
+    if kind == "layernorm":
+        _, saved = ops.layernorm_forward(x, w, b, 1e-5)
+        plain = ops.layernorm_backward(saved, w, dy, np.zeros(6), np.zeros(6))
+        summed = ops.layernorm_backward(saved, w, dy, np.zeros(6), np.zeros(6), residual)
+    else:
+        _, saved = ops.rmsnorm_forward(x, w, 1e-5)
+        plain = ops.rmsnorm_backward(saved, w, dy, np.zeros(6))
+        summed = ops.rmsnorm_backward(saved, w, dy, np.zeros(6), residual)
+    np.testing.assert_array_equal(summed, plain + residual)
 
 
 def test_results_do_not_depend_on_the_thread_count(tiny_tiles, monkeypatch):

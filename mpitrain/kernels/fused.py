@@ -181,7 +181,7 @@ def rmsnorm_forward(x, w, eps):
     return _norm_forward(x, w, None, eps, centre=False)
 
 
-def _norm_backward(saved, w, dy, dw, db, centre: bool):
+def _norm_backward(saved, w, dy, dw, db, centre: bool, residual=None):
     cp = _cupy()
     xhat, rstd = saved
     dy = cp.ascontiguousarray(dy)
@@ -192,15 +192,17 @@ def _norm_backward(saved, w, dy, dw, db, centre: bool):
     dw += (rows_dy * xhat.reshape(-1, n)).sum(axis=0)
     if db is not None:
         db += rows_dy.sum(axis=0)
+    if residual is not None:
+        dx += residual
     return dx
 
 
-def layernorm_backward(saved, w, dy, dw, db):
-    return _norm_backward(saved, w, dy, dw, db, centre=True)
+def layernorm_backward(saved, w, dy, dw, db, residual=None):
+    return _norm_backward(saved, w, dy, dw, db, True, residual)
 
 
-def rmsnorm_backward(saved, w, dy, dw):
-    return _norm_backward(saved, w, dy, dw, None, centre=False)
+def rmsnorm_backward(saved, w, dy, dw, residual=None):
+    return _norm_backward(saved, w, dy, dw, None, False, residual)
 
 
 # ---- softmax and cross-entropy -----------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ def head_view(x, n_heads: int):
 
 
 def merge_heads(x):
-    """(B, H, T, D) -> (B, T, H * D); a view when x is a head_view-like layout (the attention core's outputs)."""
+    """(B, H, T, D) -> (B, T, H * D); a view when x is a head_view-like layout (the attention core's outputs, also
+    its dq/dk/dv, which sit side by side in one buffer for the QKV linear's one product), else a copy."""
     b, h, t, d = x.shape
-    return array_module(x).ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(b, t, h * d)
+    return x.transpose(0, 2, 1, 3).reshape(b, t, h * d)
 
 
 class Attention:
@@ -76,7 +77,9 @@ class Attention:
             # zero and it would train only on rounding noise, which Adam amplifies to full-size steps.
             self.specs += [column("bq", cfg.n_head * d, "zeros"), kv_tensor("bv", "zeros"),
                            ParamSpec("bo", (c,), "zeros")]
-        self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None)
+        # RoPE replaces q and k by rotated copies: a saved v viewing one Q/K/V product would keep all of it alive
+        self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None,
+                                        one_product=not self.rope)
         self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
         self.ring = None  # the rank's ContextParallel under parallel.cp > 1

@@ -14,7 +14,8 @@ the (rows, keys) block), with O the forward's output, saved as a view of the buf
 anyway (no extra memory). Each chunk's widest key span writes dk/dv (matmul out=), the other blocks add to it.
 
 The outputs (out, dq, dk, dv) are (B, heads, T, D) views of (B, T, heads, D) buffers: attention.merge_heads then
-needs no copy to give the (B, T, heads * D) rows the output projection and the QKV linear take. Chunks of batch rows
+needs no copy to give the (B, T, heads * D) rows the output projection and the QKV linear take. dq, dk and dv share
+one (B, T, H + 2 Hkv, D) buffer, side by side, so that the QKV linear's backward is one product. Chunks of batch rows
 are spread over the tile threads (mpitrain/tiles.py); their boundaries depend on the shapes only.
 """
 from __future__ import annotations
@@ -115,8 +116,11 @@ def attention_backward(saved, dout):
     probs = probs.reshape(b, hkv, group, t, tk)
     qg, dout_g = q.reshape(b, hkv, group, t, d), dout.reshape(b, hkv, group, t, d)
     out_g = out.reshape(b, hkv, group, t, d)
-    dq = _heads_last(q.shape, dout.dtype)
-    dk, dv = _heads_last(k.shape, dout.dtype), _heads_last(v.shape, dout.dtype)
+    if tk == t:  # dq, dk, dv side by side in one (B, T, H + 2 Hkv, D) buffer: the QKV linear's backward is one product
+        grads = _heads_last((b, h + 2 * hkv, t, d), dout.dtype)
+        dq, dk, dv = grads[:, :h], grads[:, h:h + hkv], grads[:, h + hkv:]
+    else:  # a block of queries against another block's keys (context parallelism)
+        dq, dk, dv = (_heads_last(x.shape, dout.dtype) for x in (q, k, v))
     dq_g = dq.reshape(b, hkv, group, t, d)
     k_g, v_t = k[:, :, None], v.swapaxes(-1, -2)[:, :, None]
     scale = 1.0 / math.sqrt(d)

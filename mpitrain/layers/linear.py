@@ -17,6 +17,8 @@ reduction, so that the communication overlaps the matmuls); with one (zero-bubbl
 fresh buffer after each reduce-scatter). Bias gradients are cheap and always taken at once.
 
 Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
+`with_bias=False` leaves a column-parallel linear's biases, their add and their gradient, to the caller (the gpt2
+MLP adds b_fc inside GELU's tiles, ops.cpu_fusions_apply).
 `adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms.
 """
 from __future__ import annotations
@@ -26,9 +28,13 @@ from mpitrain.layers.tensor_parallel import TensorParallel
 
 
 def run_weight_grads(work, grads) -> None:
-    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass)."""
+    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). A tuple
+    of names: weights sharing x whose output gradients lie side by side in dy, one product for all."""
     for name, x, dy in work:
-        ops.add_weight_grad(grads[name], x, dy)
+        if isinstance(name, tuple):
+            ops.add_weight_grads_side_by_side([grads[n] for n in name], x, dy)
+        else:
+            ops.add_weight_grad(grads[name], x, dy)
 
 
 def weight_grads(work, grads, deferred, tp) -> None:
@@ -42,21 +48,28 @@ def weight_grads(work, grads, deferred, tp) -> None:
 
 class ColumnParallelLinear:
     def __init__(self, tp: TensorParallel, in_features: int, weights: list[str],
-                 biases: list[str | None] | None = None, trainable: bool = True):
+                 biases: list[str | None] | None = None, trainable: bool = True, one_product: bool = True):
+        """one_product: several weights' outputs as column views of one product where ops.cpu_fusions_apply (off
+        where a view would keep the whole product alive longer than its columns are needed)."""
         self.tp, self.in_features, self.weights, self.trainable = tp, in_features, list(weights), trainable
+        self.one_product = one_product
         self.biases = list(biases) if biases else [None] * len(self.weights)
         self.adapters: dict = {}
 
-    def forward(self, p, x):
+    def forward(self, p, x, with_bias: bool = True):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         h = self.tp.enter(x)
-        outputs = [ops.linear_forward(h, p[w], p[b] if b else None)[0] for w, b in zip(self.weights, self.biases)]
+        biases = [p[b] if b and with_bias else None for b in self.biases]
+        if len(self.weights) > 1 and self.one_product and ops.cpu_fusions_apply(h):
+            outputs = ops.linear_forward_side_by_side(h, [p[w] for w in self.weights], biases)
+        else:
+            outputs = [ops.linear_forward(h, p[w], b)[0] for w, b in zip(self.weights, biases)]
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(p, h, y)
         return outputs, h
 
-    def backward(self, p, g, h, output_grads, deferred=None):
+    def backward(self, p, g, h, output_grads, deferred=None, with_bias: bool = True):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
         dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
         for w, dy in zip(self.weights, output_grads):
@@ -65,9 +78,12 @@ class ColumnParallelLinear:
         pending = self.tp.start_enter_backward(dh)
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
-                if bias:
+                if bias and with_bias:
                     ops.add_bias_grad(g[bias], dy)
-            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
+            combined = ops.side_by_side(output_grads) if ops.cpu_fusions_apply(h) else None
+            work = ([(tuple(self.weights), h, combined)] if combined is not None
+                    else [(w, h, dy) for w, dy in zip(self.weights, output_grads)])
+            weight_grads(work, g, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:

@@ -30,8 +30,15 @@ class MLP:
         self.partial_grads: list[str] = []
 
     def forward(self, p, x, ctx=None):
-        ups, h = self.up.forward(p, x)
-        act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0])
+        if self.gated:
+            ups, h = self.up.forward(p, x)
+            act, act_saved = ops.swiglu_forward(*ups)
+        elif ops.cpu_fusions_apply(x):  # b_fc added inside GELU's tiles (one pass fewer)
+            ups, h = self.up.forward(p, x, with_bias=False)
+            act, act_saved = ops.gelu_forward(ups[0], p["b_fc"])
+        else:
+            ups, h = self.up.forward(p, x)
+            act, act_saved = ops.gelu_forward(ups[0])
         y, act = self.down.forward(p, act)
         return y, {"up": h, "activation": act_saved, "down": act}
 
@@ -39,9 +46,13 @@ class MLP:
         d_act = self.down.backward(p, g, s["down"], dy, deferred)
         if self.gated:
             d_ups = ops.swiglu_backward(s["activation"], d_act)
-        else:  # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp
-            d_ups = [ops.gelu_backward_from_output(s["activation"], s["down"], d_act)]
-        return self.up.backward(p, g, s["up"], list(d_ups), deferred)
+            return self.up.backward(p, g, s["up"], list(d_ups), deferred)
+        # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp; b_fc's gradient
+        # is summed in GELU's tiles when forward added it there
+        in_tiles = ops.cpu_fusions_apply(s["activation"])
+        db = g["b_fc"] if in_tiles and self.up.trainable else None
+        d_fc = ops.gelu_backward_from_output(s["activation"], s["down"], d_act, db)
+        return self.up.backward(p, g, s["up"], [d_fc], deferred, with_bias=not in_tiles)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, the activation's input(s) and its output."""

@@ -25,10 +25,11 @@ class Norm:
             return ops.layernorm_forward(x, p[self.weight], p[self.bias], self.eps)
         return ops.rmsnorm_forward(x, p[self.weight], self.eps)
 
-    def backward(self, p, g, saved, dy):
+    def backward(self, p, g, saved, dy, residual=None):
+        """dx, plus `residual` where given: the gradient the block's skip connection carries past the norm."""
         if self.bias:
-            return ops.layernorm_backward(saved, p[self.weight], dy, g[self.weight], g[self.bias])
-        return ops.rmsnorm_backward(saved, p[self.weight], dy, g[self.weight])
+            return ops.layernorm_backward(saved, p[self.weight], dy, g[self.weight], g[self.bias], residual)
+        return ops.rmsnorm_backward(saved, p[self.weight], dy, g[self.weight], residual)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The normalised input and 1/std per position of this rank's part of the sequence."""

@@ -121,9 +121,9 @@ class Block(Unit):
         partial = self.partial(g, deferred)
         g = partial.grads  # the partial ones are zeroed temporaries until partial.reduce()
         d_h2 = self.mlp.backward(p, g, s["mlp"], dy, deferred)
-        dx1 = dy + self.norm2.backward(p, g, s["norm2"], d_h2)
+        dx1 = self.norm2.backward(p, g, s["norm2"], d_h2, residual=dy)
         d_h1 = self.attention.backward(p, g, s["attention"], dx1, deferred)
-        dx = dx1 + self.norm1.backward(p, g, s["norm1"], d_h1)
+        dx = self.norm1.backward(p, g, s["norm1"], d_h1, residual=dx1)
         partial.reduce()
         return dx
 
