@@ -106,15 +106,7 @@ def test_units_save_exactly_the_arrays_they_declare(arch, extra, dtype):
         shared = [ctx.get("cos"), ctx.get("sin")]  # the model's tables, declared once by GPT.saved_bytes
         declared = [(int(np.prod(shape)), np.dtype(kind)) for shape, kind in unit.saved_arrays(batch, cfg.seq_len,
                                                                                                np.dtype(dtype))]
-        found = distinct_arrays(saved, shared)
-        if found != sorted(declared, key=str):
-            # float32/float64 on numpy: gpt2's Q/K/V and llama's gate/up are column blocks of one product
-            # (ops.linear_forward_side_by_side), one buffer held for several declared arrays; the elements of each
-            # dtype are the same
-            assert len(found) < len(declared) and dtype is np.float64, unit.layout.name
-            for kind in {kind for _, kind in declared}:
-                assert (sum(size for size, k in found if k == kind)
-                        == sum(size for size, k in declared if k == kind)), unit.layout.name
+        assert distinct_arrays(saved, shared) == sorted(declared, key=str), unit.layout.name
         held = nbytes_of(saved) - nbytes_of([a for a in shared if a is not None and unit is block])
         assert held == sum(size * kind.itemsize for size, kind in declared)
 

@@ -77,9 +77,7 @@ class Attention:
             # zero and it would train only on rounding noise, which Adam amplifies to full-size steps.
             self.specs += [column("bq", cfg.n_head * d, "zeros"), kv_tensor("bv", "zeros"),
                            ParamSpec("bo", (c,), "zeros")]
-        # RoPE replaces q and k by rotated copies: a saved v viewing one Q/K/V product would keep all of it alive
-        self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None,
-                                        one_product=not self.rope)
+        self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None)
         self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
         self.ring = None  # the rank's ContextParallel under parallel.cp > 1

@@ -48,22 +48,16 @@ def weight_grads(work, grads, deferred, tp) -> None:
 
 class ColumnParallelLinear:
     def __init__(self, tp: TensorParallel, in_features: int, weights: list[str],
-                 biases: list[str | None] | None = None, trainable: bool = True, one_product: bool = True):
-        """one_product: several weights' outputs as column views of one product where ops.cpu_fusions_apply (off
-        where a view would keep the whole product alive longer than its columns are needed)."""
+                 biases: list[str | None] | None = None, trainable: bool = True):
         self.tp, self.in_features, self.weights, self.trainable = tp, in_features, list(weights), trainable
-        self.one_product = one_product
         self.biases = list(biases) if biases else [None] * len(self.weights)
         self.adapters: dict = {}
 
     def forward(self, p, x, with_bias: bool = True):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         h = self.tp.enter(x)
-        biases = [p[b] if b and with_bias else None for b in self.biases]
-        if len(self.weights) > 1 and self.one_product and ops.cpu_fusions_apply(h):
-            outputs = ops.linear_forward_side_by_side(h, [p[w] for w in self.weights], biases)
-        else:
-            outputs = [ops.linear_forward(h, p[w], b)[0] for w, b in zip(self.weights, biases)]
+        outputs = [ops.linear_forward(h, p[w], p[b] if b and with_bias else None)[0]
+                   for w, b in zip(self.weights, self.biases)]
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(p, h, y)
