@@ -330,13 +330,23 @@ def stop_rank_when_at_step(process, run_dir: Path, rank: int, step: int) -> int:
     pytest.fail(f"the job ended before rank {rank} reached step {step}:\n{describe(finish_job(process))}")
 
 
-def assert_hang_reported(result, run_dir: Path, stopped_rank: int = 1):
+def names_the_stopped_rank(text: str, rank: int, stopped_anywhere: bool) -> bool:
+    """Whether a hang report names `rank` as the one that had not arrived. stopped_anywhere: the rank was stopped
+    from outside at no chosen point, so it may have been inside the collective already (an all-reduce overlapped
+    with backward spans much of a step, and a loaded machine stops it late); the report then names it as stopped
+    inside the operation instead."""
+    wordings = ["not arrived"] + (["stopped inside the operation"] if stopped_anywhere else [])
+    return any(f"{wording}: rank {rank} on " in text for wording in wordings)
+
+
+def assert_hang_reported(result, run_dir: Path, stopped_rank: int = 1, stopped_anywhere: bool = False):
     assert result.returncode != 0, describe(result)
     hang_lines = [line for line in result.stderr.splitlines() if " HANG " in line]
     assert len(hang_lines) == 1, describe(result)
     line = hang_lines[0]
     assert f"did not complete within {TIMEOUT_S} s" in line and " of " in line and "on group " in line, line
-    assert f"not arrived: rank {stopped_rank} on " in line and "(stopped: last heartbeat" in line, line
+    assert names_the_stopped_rank(line, stopped_rank, stopped_anywhere), line
+    assert "(stopped: last heartbeat" in line, line
     faults = [json.loads(text) for text in (run_dir / "faults.jsonl").read_text().splitlines()]
     assert [(f["kind"], f["rank"]) for f in faults] == [("hang", stopped_rank)], faults
     assert faults[0]["host"] and faults[0]["operation"] in line and faults[0]["group"] in line
@@ -348,7 +358,7 @@ def test_external_kill_stop_of_one_rank_ends_the_job_naming_it(tmp_path):
     process = start_job(train_command(run_dir, "train.steps=100000", f"fault.timeout_s={TIMEOUT_S}"))
     stop_rank_when_at_step(process, run_dir, rank=1, step=3)
     result = finish_job(process)
-    line = assert_hang_reported(result, run_dir)
+    line = assert_hang_reported(result, run_dir, stopped_anywhere=True)
     assert line.startswith("[rank 0/2] HANG at step "), line
     assert "Abort(124)" in result.stderr or result.returncode == HANG_EXIT_CODE, describe(result)
 
@@ -456,7 +466,7 @@ def test_stopped_rank_under_launch_restarts_and_ends_with_the_losses_of_an_unint
     result = finish_job(process, timeout=2 * JOB_DEADLINE_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0, describe(result)
-    assert output.count(" HANG at step ") == 1 and "not arrived: rank 1 on " in output, output
+    assert output.count(" HANG at step ") == 1 and names_the_stopped_rank(output, 1, stopped_anywhere=True), output
     assert "launch: restart 1" in output and "checkpoint: resumed from" in output, output
     losses = losses_by_step(run_dir)
     assert sorted(losses) == sorted(expected), output
