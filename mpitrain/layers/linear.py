@@ -65,7 +65,11 @@ class ColumnParallelLinear:
 
     def backward(self, p, g, h, output_grads, deferred=None, with_bias: bool = True):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
-        dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
+        # the attention core writes Q/K/V's gradients side by side: then one product for dx and one for the weights
+        combined = ops.side_by_side(output_grads) if ops.cpu_fusions_apply(h) else None
+        weights = [p[w] for w in self.weights]
+        dh = (ops.linear_input_grad_side_by_side(weights, combined) if combined is not None
+              else ops.linear_input_grad(weights, output_grads))
         for w, dy in zip(self.weights, output_grads):
             if w in self.adapters:
                 dh += self.adapters[w].backward(p, g, h, dy, deferred)
@@ -74,7 +78,6 @@ class ColumnParallelLinear:
             for bias, dy in zip(self.biases, output_grads):
                 if bias and with_bias:
                     ops.add_bias_grad(g[bias], dy)
-            combined = ops.side_by_side(output_grads) if ops.cpu_fusions_apply(h) else None
             work = ([(tuple(self.weights), h, combined)] if combined is not None
                     else [(w, h, dy) for w, dy in zip(self.weights, output_grads)])
             weight_grads(work, g, deferred, self.tp)

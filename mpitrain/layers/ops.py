@@ -40,8 +40,9 @@ def linear_forward(x, w, b=None):
 
 def side_by_side(arrays):
     """The one array of which `arrays` are consecutive column blocks, in order (numpy views of one buffer with the
-    same row strides: the gradients the attention core writes for Q/K/V), else None. The linears' backward then
-    makes one product where it would make one per weight (measured on the 2-core VM: QKV's backward 5% faster)."""
+    same row strides: the gradients the attention core writes for Q/K/V), else None. The column-parallel linear's
+    backward then makes one product for dx and one for the weight gradients where it would make one per weight
+    (measured on the 2-core VM: QKV's backward 5% faster)."""
     first = arrays[0]
     if len(arrays) < 2 or _xp(first) is not np or first.base is None or first.strides[-1] != first.itemsize:
         return None
@@ -59,12 +60,7 @@ def side_by_side(arrays):
 
 @computes_in_float32()
 def linear_input_grad(weights, output_grads):
-    """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up); one product when the
-    dy_i lie side by side in one buffer."""
-    combined = side_by_side(output_grads)
-    if combined is not None:
-        dx = _rows(combined) @ np.concatenate(weights, axis=1).T
-        return dx.reshape(*combined.shape[:-1], weights[0].shape[0])
+    """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up)."""
     dx = None
     for w, dy in zip(weights, output_grads):
         part = _rows(dy) @ w.T
@@ -78,6 +74,11 @@ def linear_input_grad(weights, output_grads):
 @computes_in_float32("dw")
 def add_weight_grad(dw, x, dy) -> None:
     dw += _rows(x).T @ _rows(dy)
+
+
+def linear_input_grad_side_by_side(weights, dy):
+    """linear_input_grad for dy = side_by_side(dy_i): one product, with the weights side by side."""
+    return linear_input_grad([np.concatenate(weights, axis=1)], [dy])
 
 
 def add_weight_grads_side_by_side(dws, x, dy) -> None:
