@@ -33,12 +33,10 @@ class MLP:
         if self.gated:
             ups, h = self.up.forward(p, x)
             act, act_saved = ops.swiglu_forward(*ups)
-        elif ops.cpu_fusions_apply(x):  # b_fc added inside GELU's tiles (one pass fewer)
-            ups, h = self.up.forward(p, x, with_bias=False)
-            act, act_saved = ops.gelu_forward(ups[0], p["b_fc"])
-        else:
-            ups, h = self.up.forward(p, x)
-            act, act_saved = ops.gelu_forward(ups[0])
+        else:  # where the CPU fusions apply, b_fc is added inside GELU's tiles (one pass fewer)
+            in_tiles = ops.cpu_fusions_apply(x)
+            ups, h = self.up.forward(p, x, with_bias=not in_tiles)
+            act, act_saved = ops.gelu_forward(ups[0], p["b_fc"]) if in_tiles else ops.gelu_forward(ups[0])
         y, act = self.down.forward(p, act)
         return y, {"up": h, "activation": act_saved, "down": act}
 
