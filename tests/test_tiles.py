@@ -68,12 +68,12 @@ def test_tiled_attention_equals_the_whole_array_formula(tiny_tiles, bias):
             "causal-square": ops.causal_bias(t_q, t_k, np, np.float64), "band": band,
             "zeros": np.zeros((t_q, t_k)), "scalar": 0.0}[bias]
     (out, lse), saved = ops.attention_forward(q, k, v, mask)
-    (ref_out, ref_lse), ref_saved = ops._attention_forward_whole(q, k, v, mask)
+    (ref_out, ref_lse), ref_saved = attention_core.whole_forward(q, k, v, mask)
     np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-14)
     np.testing.assert_array_equal(saved[3] == 0, ref_saved[3] == 0)
     np.testing.assert_allclose(saved[3], ref_saved[3], rtol=1e-12, atol=1e-15)
-    for grad, ref in zip(ops.attention_backward(saved, dout), ops._attention_backward_whole(ref_saved, dout)):
+    for grad, ref in zip(ops.attention_backward(saved, dout), attention_core.whole_backward(ref_saved, dout)):
         np.testing.assert_allclose(grad, ref, rtol=1e-11, atol=1e-13)
 
 

@@ -1,4 +1,6 @@
-"""The causal attention core on numpy: softmax(q k^T / sqrt(D) + bias) v and its backward, re-exported by ops.
+"""The causal attention core on numpy: softmax(q k^T / sqrt(D) + bias) v and its backward, re-exported by ops;
+and its whole-batch form (whole_forward / whole_backward: CuPy's path, and the reference the tests hold the blocked
+one to).
 
 The work is cut into blocks of QUERY_BLOCK query rows. For each block, one np.matmul runs over a 3-D stack of every
 (batch row, head) pair of a chunk of batch rows, so a step makes a few BLAS calls per block instead of one per pair
@@ -25,6 +27,7 @@ import math
 import numpy as np
 
 from mpitrain import tiles
+from mpitrain.backend import array_module
 
 QUERY_BLOCK = 128  # query rows per block (64 measured slower: more, smaller products)
 CHUNK_BYTES = 256 * 1024  # a chunk's block of scores (at least one batch row): measured, larger ones leave the cache
@@ -163,3 +166,44 @@ def _add_product(target, a, b, write: bool):
 def _sum_group(x):
     """(B, Hkv, G, ...) -> (B, Hkv, ...): the query heads of a group share their K/V head's gradient."""
     return x[:, :, 0] if x.shape[2] == 1 else x.sum(axis=2)
+
+
+def whole_forward(q, k, v, bias):
+    """attention_forward over the whole batch in one product per stage (CuPy's path; no key blocks skipped).
+    saved: (q, k, v, probs)."""
+    xp = array_module(q)
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    qg = q.reshape(b, hkv, group * t, d)
+    scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*Tq, Tk)
+    scores *= 1.0 / math.sqrt(d)
+    scores = scores.reshape(b, hkv, group, t, -1)
+    scores += bias
+    row_max = scores.max(axis=-1, keepdims=True)
+    scores -= row_max
+    probs = xp.exp(scores, out=scores)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs /= row_sum
+    probs = probs.reshape(b, hkv, group * t, -1)
+    out = (probs @ v).reshape(b, h, t, d)
+    lse = (row_max + xp.log(row_sum)).reshape(b, h, t)
+    return (out, lse), (q, k, v, probs)
+
+
+def whole_backward(saved, dout):
+    """attention_backward of whole_forward's saved state."""
+    q, k, v, probs = saved
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    dout_g = dout.reshape(b, hkv, (h // hkv) * t, d)
+    dv = probs.swapaxes(-1, -2) @ dout_g  # sums over the query heads of each group
+    dprobs = dout_g @ v.swapaxes(-1, -2)
+    # softmax backward: ds = p * (dp - sum(dp * p))
+    dscores = dprobs
+    dscores -= (dprobs * probs).sum(axis=-1, keepdims=True)
+    dscores *= probs
+    dscores *= 1.0 / math.sqrt(d)
+    dq = (dscores @ k).reshape(b, h, t, d)
+    dk = dscores.swapaxes(-1, -2) @ q.reshape(b, hkv, -1, d)
+    return dq, dk, dv

@@ -410,53 +410,15 @@ def attention_forward(q, k, v, bias):
     rowsum(dO * O), and the key spans the blocks used).
 
     On numpy the work runs in layers/attention_core.py (blocks of query rows, one product per block over a stack
-    of heads, masked key blocks skipped); CuPy takes the whole batch in one product.
+    of heads, masked key blocks skipped); CuPy takes the whole batch in one product (attention_core.whole_forward).
     """
     if _xp(q) is not np:
-        return _attention_forward_whole(q, k, v, bias)
+        return attention_core.whole_forward(q, k, v, bias)
     return attention_core.attention_forward(q, k, v, bias)
-
-
-def _attention_forward_whole(q, k, v, bias):
-    xp = _xp(q)
-    b, h, t, d = q.shape
-    hkv = k.shape[1]
-    group = h // hkv
-    qg = q.reshape(b, hkv, group * t, d)
-    scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*Tq, Tk)
-    scores *= 1.0 / math.sqrt(d)
-    scores = scores.reshape(b, hkv, group, t, -1)
-    scores += bias
-    row_max = scores.max(axis=-1, keepdims=True)
-    scores -= row_max
-    probs = xp.exp(scores, out=scores)
-    row_sum = probs.sum(axis=-1, keepdims=True)
-    probs /= row_sum
-    probs = probs.reshape(b, hkv, group * t, -1)
-    out = (probs @ v).reshape(b, h, t, d)
-    lse = (row_max + xp.log(row_sum)).reshape(b, h, t)
-    return (out, lse), (q, k, v, probs)
 
 
 @computes_in_float32()
 def attention_backward(saved, dout):
     if _xp(saved[0]) is not np:
-        return _attention_backward_whole(saved, dout)
+        return attention_core.whole_backward(saved, dout)
     return attention_core.attention_backward(saved, dout)
-
-
-def _attention_backward_whole(saved, dout):
-    q, k, v, probs = saved
-    b, h, t, d = q.shape
-    hkv = k.shape[1]
-    dout_g = dout.reshape(b, hkv, (h // hkv) * t, d)
-    dv = probs.swapaxes(-1, -2) @ dout_g  # sums over the query heads of each group
-    dprobs = dout_g @ v.swapaxes(-1, -2)
-    # softmax backward: ds = p * (dp - sum(dp * p))
-    dscores = dprobs
-    dscores -= (dprobs * probs).sum(axis=-1, keepdims=True)
-    dscores *= probs
-    dscores *= 1.0 / math.sqrt(d)
-    dq = (dscores @ k).reshape(b, h, t, d)
-    dk = dscores.swapaxes(-1, -2) @ q.reshape(b, hkv, -1, d)
-    return dq, dk, dv
