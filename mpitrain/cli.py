@@ -368,6 +368,7 @@ def bench_step(config, overrides, steps, warmup, real_data):
                   "mfu": trainer.model.flops_per_token() * tokens_per_s / trainer.cluster_peak_flops,
                   "peak_flops": trainer.cluster_peak_flops, "model_flops_per_token": trainer.model.flops_per_token(),
                   "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS"),
+                  "thread_replicas": trainer.replicas,
                   "tp_comm_share": statistics.median(tp_seconds) / step_time,
                   "pipeline_bubble": statistics.median(bubbles) if None not in bubbles else None,
                   "comm_bytes_per_step": result.comm_bytes}

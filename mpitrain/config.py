@@ -20,6 +20,7 @@ from mpitrain.layout_checks import (
     validate_optimizer_layout,
     validate_pipeline,
     validate_tensor_parallel,
+    validate_thread_replicas,
 )
 from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
@@ -90,6 +91,7 @@ class TrainConfig:
     stop_at: int = 0  # save and exit (status 75, "resume me") after this step, mid-schedule; 0: run to the end
     init_from: str = ""  # a checkpoint or run dir: its weights only (any layout), fresh optimizer, from step 0
     collectives: str = "mpi"  # nccl: GPU groups through NCCL (comm/nccl.py); needs device = "cuda"
+    thread_replicas: int = 0  # split a micro-batch's rows over this many threads (parallel/replicas.py); 0: auto
 
 
 @dataclass
@@ -325,7 +327,7 @@ def validate(cfg: Config) -> None:
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
               "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
-              "memory.recompute_layers"]
+              "memory.recompute_layers", "train.thread_replicas"]
     for key in nonneg:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -341,6 +343,7 @@ def validate(cfg: Config) -> None:
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
     validate_moe(cfg)
+    validate_thread_replicas(cfg)
     _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
     _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
              f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")

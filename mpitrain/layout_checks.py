@@ -98,3 +98,24 @@ def validate_optimizer_layout(cfg: Config) -> None:
         _require(p.tp == 1, f"optim.name = 'adam8bit' with parallel.tp = {p.tp}: tensor-parallel pieces are strided "
                             f"in their tensors and would cut its quantization blocks (the run would not match one "
                             f"process); set parallel.tp = 1 {keep}")
+
+
+def thread_replica_blockers(cfg: Config) -> list[str]:
+    """What keeps a rank from splitting its micro-batches' rows over threads (mpitrain/parallel/replicas.py): layers
+    that communicate inside forward and backward (tp, cp, MoE's all-to-all and auxiliary losses), parameters gathered
+    per unit (ZeRO-3), a pipeline's sends between units, and arrays on a GPU (one stream already fills it)."""
+    from mpitrain.layers.moe_settings import MoeSettings
+    p = cfg.parallel
+    checks = [(cfg.train.device == "cpu", f"train.device = {cfg.train.device!r}"), (p.pp == 1, f"parallel.pp = {p.pp}"),
+              (p.tp == 1, f"parallel.tp = {p.tp}"), (p.cp == 1, f"parallel.cp = {p.cp}"),
+              (p.zero < 3, "parallel.zero = 3"), (not MoeSettings.of(cfg.model).experts, "model.moe")]
+    return [what for allowed, what in checks if not allowed]
+
+
+def validate_thread_replicas(cfg: Config) -> None:
+    """train.thread_replicas > 1 asks for replicas; refused with the reason where the layout has none."""
+    asked, blockers = cfg.train.thread_replicas, thread_replica_blockers(cfg)
+    _require(asked <= 1 or not blockers,
+             f"train.thread_replicas = {asked} with {', '.join(blockers)}: thread replicas run one whole pipeline "
+             f"stage on one CPU, without tensor, context or expert parallelism and without ZeRO-3; set "
+             f"train.thread_replicas = 0 (auto: replicas where the layout allows) or 1")

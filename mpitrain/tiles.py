@@ -42,6 +42,21 @@ def thread_count() -> int:
     return _threads_from("MPITRAIN_THREADS") or (_blas_threads() if blas_spin_is_short() else 1)
 
 
+_this_thread = threading.local()  # .inline: this thread's tiles run in it (a thread replica owns one core)
+
+
+@contextlib.contextmanager
+def inline():
+    """Inside, the calling thread runs its tiles itself, without the pool (mpitrain/parallel/replicas.py: each
+    replica thread has a core of its own already)."""
+    before = getattr(_this_thread, "inline", False)
+    _this_thread.inline = True
+    try:
+        yield
+    finally:
+        _this_thread.inline = before
+
+
 def blas_spin_is_short() -> bool:
     """Whether OpenBLAS runs with a short idle spin (mpitrain/__init__.py records the value in force)."""
     from mpitrain import OPENBLAS_THREAD_TIMEOUT_AT_LOAD as timeout
@@ -75,13 +90,13 @@ def parallel_for(n_items: int, work, threads: int | None = None) -> None:
     threads at once (and its idle threads spin), so each thread's small products are best left on its own core.
     Exceptions in a worker are raised here."""
     threads = min(thread_count() if threads is None else threads, n_items)
-    if threads <= 1:
+    if threads <= 1 or getattr(_this_thread, "inline", False):
         if n_items:
             work(0, n_items)
         return
     bounds = [n_items * i // threads for i in range(threads + 1)]
     pool = _executor(threads)
-    with _one_blas_thread():
+    with one_blas_thread():
         futures = [pool.submit(work, bounds[i], bounds[i + 1]) for i in range(1, threads)]
         work(bounds[0], bounds[1])  # the calling thread takes the first range
         for future in futures:
@@ -135,7 +150,7 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def _one_blas_thread():
+def one_blas_thread():
     """BLAS at one thread inside, restored when the last of any overlapping users leaves (the setting is the
     process's, so two threads entering at once must not restore each other's 1). The libraries' own setters (~1 us),
     not threadpoolctl.limit (~20 us, it re-reads every library's state): a step enters this a few hundred times."""

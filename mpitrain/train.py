@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
 from mpitrain.checkpoint.resume import trim_metrics
@@ -38,6 +39,7 @@ from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
 from mpitrain.parallel.expert import moe_step_metrics
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
+from mpitrain.parallel.replicas import ThreadReplicas, replica_count
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
@@ -126,7 +128,10 @@ class Trainer:
         program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
         seq_len = cfg.model.seq_len // p.cp  # a cp rank's two zig-zag chunks
         seq_len = seq_len // p.tp if p.sequence_parallel else seq_len
-        self.pipeline = PipelineExecutor(self.model, self.state, self.mesh.pp, program, self.accumulation,
+        # a rank with several cores splits its micro-batches' rows over thread replicas where the layout allows
+        self.replicas = replica_count(cfg, tiles.thread_count())
+        computing = ThreadReplicas(self.model, self.replicas) if self.replicas > 1 else self.model
+        self.pipeline = PipelineExecutor(computing, self.state, self.mesh.pp, program, self.accumulation,
                                          (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
         if p.zero == 3 and p.pp > 1 and world_rank == 0:
             print(f"warning: parallel.zero = 3 with parallel.pp = {p.pp} gathers every stage's parameters again for "
@@ -349,7 +354,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
         tensorboard = open_sink(cfg.logging.tensorboard, run_dir)  # profile/tensorboard_sink.py; None when off
         echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
              f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
-             f"rank per step, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+             f"rank per step" + (f" (rows split over {trainer.replicas} thread replicas)" if trainer.replicas > 1
+                                 else "") + f", {cfg.precision.compute} on {t.device}; run dir {run_dir}")
         echo(f"MFU against {trainer.peak_flops / 1e12:.3g} TFLOP/s per rank ({trainer.peak_source})")
         echo(trainer.mesh.describe_placement())
         p = cfg.parallel

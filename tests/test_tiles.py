@@ -250,7 +250,7 @@ def test_overlapping_one_blas_thread_sections_restore_the_first_setting(monkeypa
     restoring per section would leave it at 1 for good (B saved A's 1)."""
     blas = _FakeBlas(2)
     monkeypatch.setattr(tiles, "_blas_libraries", lambda: [blas])
-    first, second = tiles._one_blas_thread(), tiles._one_blas_thread()
+    first, second = tiles.one_blas_thread(), tiles.one_blas_thread()
     first.__enter__()
     second.__enter__()
     assert blas.num_threads == 1

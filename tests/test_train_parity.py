@@ -75,6 +75,17 @@ def test_data_parallel_matches_single_process(tmp_path, dataset, arch, micro_bat
         assert_same_run(single, train_run(dp, tmp_path / f"dp{dp}", dataset, *extra))
 
 
+@pytest.mark.parametrize("arch, dp_layout", [("gpt2", "parallel.bucket_mb=0.01"), ("llama", "parallel.zero=2")])
+def test_thread_replicas_give_the_one_thread_run(tmp_path, dataset, arch, dp_layout):
+    """train.thread_replicas splits each micro-batch's rows over threads (mpitrain/parallel/replicas.py): alone, and
+    under dp 2's reductions overlapped with backward (all-reduce in small buckets; ZeRO-2's reduce-scatter), the
+    run is the one-thread run."""
+    extra = [f"model.arch={arch}"] + (["model.n_kv_head=2"] if arch == "llama" else [])
+    single = train_run(1, tmp_path / "one", dataset, *extra, "train.thread_replicas=1")
+    assert_same_run(single, train_run(1, tmp_path / "three", dataset, *extra, "train.thread_replicas=3"))
+    assert_same_run(single, train_run(2, tmp_path / "dp2", dataset, *extra, "train.thread_replicas=2", dp_layout))
+
+
 def test_small_buckets_and_no_overlap_give_the_same_run(tmp_path, dataset):
     reference = train_run(2, tmp_path / "a", dataset, "parallel.bucket_mb=0.01")
     assert_same_run(reference, train_run(2, tmp_path / "b", dataset, "parallel.overlap=false"))

@@ -260,6 +260,11 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     if lean:
         state["optimizer"], formulas["optimizer"] = lean
         formulas["state"] = "params + grads + optimizer rows"
+    replicas = cfg.train.thread_replicas  # > 1: each thread replica but the first adds into its own gradients
+    if replicas > 1:
+        state["grads"] += (replicas - 1) * sum(layout.size for layout in trainable) * itemsize
+        formulas["grads"] += f" + {replicas - 1} x e*Psi (train.thread_replicas = {replicas}: replicas' own)"
+        formulas["state"] += f" + {replicas - 1} x e (thread replicas' gradients)"
     stage = "the first" if pp_rank == 0 else "the last" if pp_rank == p.pp - 1 else f"pipeline rank {pp_rank}'s"
     in_flight = "one micro-batch" if p.pp == 1 else f"{stage} stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"

@@ -99,10 +99,14 @@ class Breakdown:
         self._since = now
 
     def push(self, part: str) -> None:
+        if threading.get_ident() != self._thread:
+            return  # another thread's work (a thread replica's dW) runs beside this one's, which the clock charges
         self._charge()
         self._stack.append(part)
 
     def pop(self) -> None:
+        if threading.get_ident() != self._thread:
+            return
         self._charge()
         self._stack.pop()
 
