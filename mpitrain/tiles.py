@@ -15,7 +15,8 @@ product OpenBLAS's idle threads otherwise spin for ~0.1 s on the very cores the 
 0.46 s). OpenBLAS reads the variable when numpy loads it: in a program that imported numpy first, mpitrain has OpenBLAS
 re-read it and restart its threads (restart_openblas_threads); where that is not possible the pool stays off by
 default (with the long spin, one op at a time: GELU 0.87x, layer norm 0.94x with the pool against without).
-CuPy arrays are never tiled: the callers hand them to one call.
+CuPy arrays are never tiled: the callers hand them to one call. A rank that runs thread replicas
+(mpitrain/parallel/replicas.py) has each replica thread run its own tiles (`inline`): each owns a core already.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class ThreadReplicas:
         """The model's backward of each replica's saved state; the others' gradients are added to the state's
         gradients (replica 0's) unit by unit. Returns None: a replicated model is the whole pipeline."""
         assert deferred is None, "thread replicas run without a pipeline (no zb1p W pass)"
-        workers = [_WorkerGrads(grads) for grads in self.grads[:len(saved) - 1]]
+        workers = [_WorkerGrads(state, grads) for grads in self.grads[:len(saved) - 1]]
         leader = _Leader(state, workers)
 
         def run(k):
@@ -108,11 +108,10 @@ class _WorkerGrads:
     """What a replica other than 0 gives the model as its state: the shared parameters through the real state
     (acquire), its own gradient buffer, and a signal per unit whose gradients are complete."""
 
-    def __init__(self, grads: FlatBuffer):
-        self.grads, self.error = grads, False
+    def __init__(self, state, grads: FlatBuffer):
+        self.state, self.grads, self.error = state, grads, False
         self.done: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
-        self.params = None  # set by the leader: the real state
 
     def event(self, unit: int) -> threading.Event:
         """Set when this replica's gradients of `unit` are complete, or when it has failed (it never will be)."""
@@ -123,7 +122,7 @@ class _WorkerGrads:
             return event
 
     def acquire(self, unit: int, phase: str) -> dict:
-        return self.params.acquire(unit, phase)
+        return self.state.acquire(unit, phase)
 
     def release(self, unit: int, phase: str) -> None:
         pass  # replica 0 releases: parameters that need no gathering have nothing to free
@@ -147,8 +146,6 @@ class _Leader:
 
     def __init__(self, state, workers: list[_WorkerGrads]):
         self.state, self.workers = state, workers
-        for worker in workers:
-            worker.params = state
 
     def acquire(self, unit: int, phase: str) -> dict:
         return self.state.acquire(unit, phase)
