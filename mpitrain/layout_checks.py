@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mpitrain.errors import ConfigError
+from mpitrain.layers.moe_settings import MoeSettings
 
 if TYPE_CHECKING:
     from mpitrain.config import Config
@@ -104,7 +105,6 @@ def thread_replica_blockers(cfg: Config) -> list[str]:
     """What keeps a rank from splitting its micro-batches' rows over threads (mpitrain/parallel/replicas.py): layers
     that communicate inside forward and backward (tp, cp, MoE's all-to-all and auxiliary losses), parameters gathered
     per unit (ZeRO-3), a pipeline's sends between units, and arrays on a GPU (one stream already fills it)."""
-    from mpitrain.layers.moe_settings import MoeSettings
     p = cfg.parallel
     checks = [(cfg.train.device == "cpu", f"train.device = {cfg.train.device!r}"), (p.pp == 1, f"parallel.pp = {p.pp}"),
               (p.tp == 1, f"parallel.tp = {p.tp}"), (p.cp == 1, f"parallel.cp = {p.cp}"),

@@ -50,7 +50,6 @@ class ThreadReplicas:
 
     def __init__(self, model, replicas: int):
         self.model, self.replicas = model, replicas
-        self.chunks, self.layouts, self.tied_unit = model.chunks, model.layouts, model.tied_unit
         xp, dtype = model.backend.xp, model.backend.dtype
         trainable, _ = split_frozen(model.layouts)  # frozen tensors (LoRA's base) get no gradient, as in the state
         self.grads = [FlatBuffer.allocate(trainable, xp, dtype) for _ in range(replicas - 1)]

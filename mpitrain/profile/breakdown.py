@@ -98,14 +98,19 @@ class Breakdown:
             self._carried[part] = self._carried.get(part, 0.0) + now - self._since
         self._since = now
 
+    def _elsewhere(self) -> bool:
+        """Called from another thread than the step's: its work (a thread replica's dW, a checkpoint writer's wait)
+        runs beside the step's own, which the clock already charges."""
+        return threading.get_ident() != self._thread
+
     def push(self, part: str) -> None:
-        if threading.get_ident() != self._thread:
-            return  # another thread's work (a thread replica's dW) runs beside this one's, which the clock charges
+        if self._elsewhere():
+            return
         self._charge()
         self._stack.append(part)
 
     def pop(self) -> None:
-        if threading.get_ident() != self._thread:
+        if self._elsewhere():
             return
         self._charge()
         self._stack.pop()
@@ -131,7 +136,7 @@ class Breakdown:
 
     # -- the ProgressRecord's listener interface
     def begin_wait(self, operation) -> None:
-        if threading.get_ident() != self._thread:
+        if self._elsewhere():
             return
         top = self._stack[-1]
         if top == "pipeline_bubble" or not self.in_step:
@@ -147,9 +152,7 @@ class Breakdown:
             time.sleep(delay)  # the injected delay (tests): inside the wait, as a slow transfer would be
 
     def end_wait(self) -> None:
-        if threading.get_ident() != self._thread:
-            return
-        self.pop()
+        self.pop()  # nothing from another thread (pop checks, as begin_wait did)
 
     # -- steps
     def start_step(self) -> float:
