@@ -146,14 +146,8 @@ class _Leader:
     def __init__(self, state, workers: list[_WorkerGrads]):
         self.state, self.workers = state, workers
 
-    def acquire(self, unit: int, phase: str) -> dict:
-        return self.state.acquire(unit, phase)
-
-    def release(self, unit: int, phase: str) -> None:
-        self.state.release(unit, phase)
-
-    def grad_views(self, unit: int) -> dict:
-        return self.state.grad_views(unit)
+    def __getattr__(self, name):  # acquire, release, grad_views, ...: the state's own
+        return getattr(self.state, name)
 
     def unit_done(self, unit: int) -> None:
         views = self.state.grad_views(unit)
