@@ -1,5 +1,5 @@
-"""resilience/jsonl.py: appended records come back in order; a torn or foreign line is skipped, not fatal."""
-from mpitrain.resilience.jsonl import append_record, read_records
+"""profile/jsonl.py: appended records come back in order; a torn or foreign line is skipped, not fatal."""
+from mpitrain.profile.jsonl import append_record, read_records
 
 
 def test_appended_records_read_back_in_order_and_a_torn_line_is_skipped(tmp_path):

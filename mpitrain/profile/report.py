@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mpitrain.errors import MpitrainError
 from mpitrain.profile.breakdown import COMM_PREFIX, ordered_parts
-from mpitrain.resilience.jsonl import read_records
+from mpitrain.profile.jsonl import read_records
 
 PANEL_TITLES = ("Loss", "Throughput and MFU", "Time breakdown per step (mean over ranks)",
                 "Bytes sent per step (rank 0)", "Pipeline timeline")

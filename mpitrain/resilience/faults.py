@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitrain.errors import ConfigError
-from mpitrain.resilience.jsonl import append_record, read_records
+from mpitrain.profile.jsonl import append_record, read_records
 
 KINDS = ("kill", "hang", "nan", "slow", "flip")
 ONE_SHOT = ("kill", "hang", "nan", "flip")  # strike once and are recorded; slow lasts

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from mpitrain.resilience.jsonl import append_record
+from mpitrain.profile.jsonl import append_record
 
 FAULTS_FILE = "faults.jsonl"
 

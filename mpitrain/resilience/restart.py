@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitrain.resilience.jsonl import read_records
+from mpitrain.profile.jsonl import read_records
 
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
 POLL_SECONDS = 0.25
