@@ -10,7 +10,7 @@ In one run it measures
      included, all threads, at the config's batch and at twice that batch (plain eager attention: --eager);
   4. mpitrain 1 rank x 1 thread (global batch = micro batch) and 2 ranks x 1 thread under mpiexec (global batch =
      2 x micro batch, i.e. the same work per rank);
-and prints three ratios of tokens/s with their targets (issue 13):
+and prints three ratios of tokens/s with their targets:
   mpitrain 1 rank x all threads / torch SDPA all threads, same batch               >= 1.0
   mpitrain 2 ranks x 1 thread / torch SDPA all threads, both at twice the batch   >= 1.15
   DP scaling: mpitrain 2 ranks x 1 thread / 1 rank x 1 thread                     >= 1.9

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The device check of the GPU path (issue 14), in one run of under 8 minutes on one H200. Run it through
+"""The device check of the GPU path, in one run of under 8 minutes on one H200. Run it through
 benchmarks/gpu_check.sh (which installs nothing from the network and puts the log under $OUT when set).
 
 Stages, each under its own time limit (a stage that fails is reported and the next one runs):
@@ -37,7 +37,7 @@ MODELS = {  # gpt2 shapes, vocabulary 50304, 1024 tokens per sequence
     "1.3B": {"model.n_layer": 24, "model.d_model": 2048, "model.n_head": 16, "train.micro_batch": 4},
 }
 BENCH_LIMIT_S = {"125M": 100, "350M": 120, "1.3B": 180}
-MFU_GOAL = 0.35  # issue 14: the ~1B bf16 run; 45%+ is the aim
+MFU_GOAL = 0.35  # the ~1B bf16 run must reach it; 45%+ is the aim
 DEADLINE = time.monotonic() + BUDGET_S
 
 

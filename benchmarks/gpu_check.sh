@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path's device check (issue 14): one script, under 8 minutes on one H200. From the repository root:
+# The GPU path's device check: one script, under 8 minutes on one H200. From the repository root:
 #     bash benchmarks/gpu_check.sh            (the log also goes to $OUT/gpu_check.log when $OUT is set)
 # It installs nothing from the network: the machine's python3 must have CuPy (cupy-cuda12x/13x), NCCL, mpi4py,
 # h5py, click and ml-dtypes. Without an MPI library or mpiexec there, carry the mpich wheel in .gpu_wheels/

@@ -1,8 +1,8 @@
 """Run a few MPI ranks from a test: `run_mpi(4, ["-m", "mpitrain.cli", ...])` or `run_python_mpi(4, code)`.
 
-Ranks run as a separate `mpiexec` job with MPICH's yield settings and one BLAS thread each (design decision 10), so
-many ranks share a few cores without spinning. A job that outlives its timeout is killed with all its ranks and the
-test fails showing what the ranks printed.
+Ranks run as a separate `mpiexec` job with MPICH's yield settings and one BLAS thread each, so many ranks share a
+few cores without spinning (docs/architecture.md, Backends). A job that outlives its timeout is killed with all its
+ranks and the test fails showing what the ranks printed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""NCCL communicators end with the process (issue 14): NcclGroup.close() destroys and abort() aborts every
+"""NCCL communicators end with the process: NcclGroup.close() destroys and abort() aborts every
 communicator of a group (its main one and its point-to-point lanes), the watchdog aborts them all before MPI Abort,
 and a group still open at exit is destroyed by the exit hook. Run through the host stand-in of cupy.cuda.nccl on 2
 ranks, whose communicators record what ended them."""

@@ -15,7 +15,7 @@ Each test submits a 2-task job and interrupts it once it is under way:
 - the real trainer with an injected fault (MPITRAIN_FAULT): a killed rank (the script restarts the attempt inside the
   allocation), and a stopped rank of a job on two nodes (the watchdog names its node in faults.jsonl, the restart
   runs on the other node only);
-- two nodes (issue 18): the README's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
+- two nodes: the README's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
   process, the refusal of a tp group spanning nodes, and a node lost mid-run (its slurmd and ranks SIGKILLed; the
   script finds it gone, restarts on the other node with dp 1, and the losses equal the uninterrupted run's).
 Two srun tasks on one node used to fail now and then in MPICH's MPI_Init ("Out of memory" in

@@ -16,7 +16,7 @@ from mpitrain.errors import MpitrainError
 from mpitrain.launcher import find_mpiexec
 
 RESULT_PREFIX = "LAB-RESULT "
-# MPICH's yield settings and one BLAS thread per rank: several ranks share a few cores (design decision 10).
+# MPICH's yield settings and one BLAS thread per rank: several ranks share a few cores (docs/architecture.md, Backends).
 OVERSUBSCRIBED = {"MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the labs read configs/*.toml from there
