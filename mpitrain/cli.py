@@ -156,8 +156,8 @@ def ckpt():
 @_user_errors
 def ckpt_inspect(path):
     """Step, layout, tensors and sizes of a checkpoint (or the newest one of a run)."""
+    from mpitrain.checkpoint.resume import resolve_checkpoint
     from mpitrain.checkpoint.store import Checkpoint
-    from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     index = checkpoint.index
     layout = ", ".join(f"{k}={v}" for k, v in index["layout"].items())
@@ -173,8 +173,8 @@ def ckpt_inspect(path):
 @_user_errors
 def ckpt_verify(path):
     """Checksums of every shard, and every tensor covered exactly once."""
+    from mpitrain.checkpoint.resume import resolve_checkpoint
     from mpitrain.checkpoint.store import Checkpoint
-    from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     checkpoint.verify_files()
     checkpoint.verify_coverage()
@@ -195,8 +195,8 @@ def ckpt_verify(path):
 def ckpt_export(path, out, optimizer, merge_lora, out_format, dtype):
     """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/), or with
     --format hf a Hugging Face folder OUT."""
+    from mpitrain.checkpoint.resume import resolve_checkpoint
     from mpitrain.checkpoint.store import Checkpoint
-    from mpitrain.generate import resolve_checkpoint
     checkpoint = Checkpoint.open(resolve_checkpoint(path))
     checkpoint.verify_files()
     if out_format == "hf":  # mpitrain/checkpoint/hf.py; LoRA adapters are always merged

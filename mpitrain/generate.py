@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
 import numpy as np
 
 from mpitrain.backend import make_backend
-from mpitrain.checkpoint.resume import choose_checkpoint
-from mpitrain.checkpoint.store import STEP_DIR, Checkpoint, CheckpointError, committed_checkpoints
+from mpitrain.checkpoint.resume import verified_checkpoint
 from mpitrain.config import config_from_dict
 from mpitrain.data.tokenizer import tokenizer_from_description
 from mpitrain.layers.kv_cache import KVCache
@@ -85,36 +83,9 @@ class CachedDecoder:
         return backend.to_host(logits)[0].astype(np.float64)
 
 
-def resolve_checkpoint(path) -> Path:
-    """A checkpoint directory from: itself, a checkpoints directory (its newest committed), or a run directory."""
-    path = Path(path)
-    for candidate in (path, path / "checkpoints"):
-        if (candidate / "COMMITTED").is_file():
-            return candidate
-        committed = committed_checkpoints(candidate)
-        if committed:
-            return committed[-1]
-    raise CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
-                          f"directory)")
-
-
-def verified_checkpoint(path, echo=print) -> Checkpoint:
-    """A checkpoint whose shard files match their checksums. A step_* directory must itself be whole (else one line
-    naming the bad file); for a run directory or its checkpoints/, the newest whole one, falling back past broken ones
-    with a line each, as `train --resume auto` does (the same code)."""
-    path = Path(path)
-    if STEP_DIR.match(path.name) or (path / "COMMITTED").is_file():
-        return Checkpoint.open(choose_checkpoint(path.parent, str(path), echo))
-    for directory in (path, path / "checkpoints"):
-        if committed_checkpoints(directory):
-            return Checkpoint.open(choose_checkpoint(directory, "auto", echo))
-    raise CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
-                          f"directory)")
-
-
 def load_checkpoint_model(path, device: str = "cpu", echo=print):
     """(model, state, tokenizer or None, config): the whole model in one process (tp = 1), from any layout, from a
-    verified checkpoint (see verified_checkpoint; echo: where fallback lines go)."""
+    verified checkpoint (see checkpoint/resume.verified_checkpoint; echo: where fallback lines go)."""
     checkpoint = verified_checkpoint(path, echo)
     cfg = config_from_dict(tomllib.loads(checkpoint.index["config"]), str(checkpoint.path / "index.json"))
     backend = make_backend(device, cfg.precision.compute)

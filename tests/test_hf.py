@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from mpitrain.checkpoint.resume import resolve_checkpoint
 from mpitrain.checkpoint.store import Checkpoint
-from mpitrain.generate import load_checkpoint_model, resolve_checkpoint
+from mpitrain.generate import load_checkpoint_model
 from tests.mpi_helpers import describe, run_mpi
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need the test extra "

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
+from mpitrain.checkpoint.resume import resolve_checkpoint
 from mpitrain.checkpoint.store import Checkpoint
-from mpitrain.generate import resolve_checkpoint
 from mpitrain.optim.loss_scale import DynamicLossScale
 from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
 from tests.test_train_parity import dataset  # noqa: F401 (fixture)

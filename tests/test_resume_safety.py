@@ -11,10 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from mpitrain.checkpoint.resume import choose_checkpoint, model_mismatch, set_aside_newer, trim_metrics
+from mpitrain.checkpoint.resume import (
+    choose_checkpoint,
+    model_mismatch,
+    set_aside_newer,
+    trim_metrics,
+    verified_checkpoint,
+)
 from mpitrain.checkpoint.store import Checkpoint, CheckpointError, clean, commit, committed_checkpoints
 from mpitrain.config import Config, ModelConfig, to_toml
-from mpitrain.generate import verified_checkpoint
 from tests.mpi_helpers import REPO_ROOT, describe
 from tests.test_checkpoint import PREEMPTED, train
 from tests.test_train_parity import dataset  # noqa: F401 (fixture)

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from mpitrain.checkpoint.resume import resolve_checkpoint
 from mpitrain.checkpoint.store import Checkpoint
 from mpitrain.data.prepare import prepare_dataset
-from mpitrain.generate import resolve_checkpoint
 from tests.mpi_helpers import describe, run_mpi
 
 RTOL = 1e-10

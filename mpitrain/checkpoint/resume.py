@@ -1,6 +1,8 @@
 """Deciding what a run continues from, without MPI: the manager runs these on rank 0 and `generate` in its one process.
 
 - `choose_checkpoint`: the newest committed checkpoint whose files verify, falling back past broken ones.
+- `resolve_checkpoint`, `verified_checkpoint`: the checkpoint a path names (a run directory, its checkpoints/ or a
+  step_* directory), as `generate`, `train.init_from` and the `ckpt` commands are given it.
 - `set_aside_newer`: checkpoints beyond the step a run continues from are moved out of the way, never deleted.
 - `model_mismatch`: the model architecture keys of a checkpoint's config against the run's.
 - `writable_problem`: can this process create files in the checkpoint directory (asked at start-up, not at step N).
@@ -49,6 +51,36 @@ def choose_checkpoint(directory: Path, spec: str, echo=print) -> Path | None:
         raise CheckpointError(f"every committed checkpoint in {directory} is broken: {'; '.join(broken)}; repair or "
                               f"move them out of {directory} to start afresh")
     return None
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory from: itself, a checkpoints directory (its newest committed), or a run directory."""
+    path = Path(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "COMMITTED").is_file():
+            return candidate
+        committed = committed_checkpoints(candidate)
+        if committed:
+            return committed[-1]
+    raise _nothing_at(path)
+
+
+def _nothing_at(path: Path) -> CheckpointError:
+    return CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
+                           f"directory)")
+
+
+def verified_checkpoint(path, echo=print) -> Checkpoint:
+    """A checkpoint whose shard files match their checksums. A step_* directory must itself be whole (else one line
+    naming the bad file); for a run directory or its checkpoints/, the newest whole one, falling back past broken ones
+    with a line each, as `train --resume auto` does (the same code)."""
+    path = Path(path)
+    if STEP_DIR.match(path.name) or (path / "COMMITTED").is_file():
+        return Checkpoint.open(choose_checkpoint(path.parent, str(path), echo))
+    for directory in (path, path / "checkpoints"):
+        if committed_checkpoints(directory):
+            return Checkpoint.open(choose_checkpoint(directory, "auto", echo))
+    raise _nothing_at(path)
 
 
 def set_aside_newer(directory: Path, step: int, kept: Path | None, echo=print) -> Path | None:

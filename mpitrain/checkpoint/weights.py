@@ -8,7 +8,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpitrain.checkpoint.resume import model_mismatch
+from mpitrain.checkpoint.hf import HFWeights, is_hf_folder
+from mpitrain.checkpoint.resume import model_mismatch, resolve_checkpoint
 from mpitrain.checkpoint.store import Checkpoint, CheckpointError
 from mpitrain.config import config_from_dict, to_toml
 from mpitrain.errors import ConfigError
@@ -24,8 +25,6 @@ def load_weights(manager, path: str) -> str:
     of a Hugging Face folder (checkpoint/hf.py), into this run's state; optimizer state stays fresh and the run starts
     at step 0. LoRA adapters a base checkpoint lacks keep their initial values (b = 0: the run starts as the base
     model). Returns the checkpoint's path, with what an HF import adapted."""
-    from mpitrain.checkpoint.hf import HFWeights, is_hf_folder
-    from mpitrain.generate import resolve_checkpoint  # generate imports the model: keep this module light
     if not Path(path).exists():
         raise ConfigError(f"config key train.init_from = {path!r}: no such checkpoint or run directory")
     if is_hf_folder(path):
