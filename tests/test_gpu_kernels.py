@@ -41,7 +41,8 @@ def test_softmax_and_cross_entropy_references_agree_with_torch():
 
 
 def test_adamw_reference_is_the_optimizers_update():
-    from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+    from mpitrain.optim.adamw import AdamW, AdamWHyper
+    from mpitrain.state.strategy import Segment
     rng = np.random.default_rng(1)
     params, grads = rng.standard_normal(50), rng.standard_normal(50)
     hyper = AdamWHyper(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

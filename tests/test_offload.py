@@ -11,9 +11,10 @@ import pytest
 from mpitrain.backend import make_backend
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+from mpitrain.optim.adamw import AdamW, AdamWHyper
 from mpitrain.plan.memory import memory_report
 from mpitrain.state.offload import Offloaded, OnDevice, make_placement, memmap_allocator
+from mpitrain.state.strategy import Segment
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_precision import run
 from tests.test_train_parity import dataset, final_params, train_run  # noqa: F401 (fixture)

@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment, clip_scale
+from mpitrain.optim.adamw import AdamW, AdamWHyper, clip_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
+from mpitrain.state.strategy import Segment
 
 STEPS = 20
 

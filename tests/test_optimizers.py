@@ -8,10 +8,11 @@ import pytest
 from mpitrain.optim import quant4
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import BLOCK, Adam8bit, quantization_map
-from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+from mpitrain.optim.adamw import AdamW, AdamWHyper
 from mpitrain.optim.factory import segment_matrices, segment_tensors
 from mpitrain.optim.sgd import SGD
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
+from mpitrain.state.strategy import Segment
 from tests.test_checkpoint import PREEMPTED, losses, small_epochs, train  # noqa: F401 (fixture)
 
 STEPS = 8

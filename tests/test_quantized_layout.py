@@ -14,9 +14,10 @@ import pytest
 from mpitrain.errors import ConfigError
 from mpitrain.optim import blocks
 from mpitrain.optim.adam8bit import BLOCK, Adam8bit
-from mpitrain.optim.adamw import AdamWHyper, Segment
+from mpitrain.optim.adamw import AdamWHyper
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout, intersect
+from mpitrain.state.strategy import Segment
 from tests.test_train_parity import assert_same_run, run_training
 
 # tensors a little over and under a block, and small ones, so that shard boundaries fall inside blocks

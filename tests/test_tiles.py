@@ -16,7 +16,8 @@ import mpitrain
 from mpitrain import tiles
 from mpitrain.layers import attention_core, ops
 from mpitrain.layers.attention import head_view, merge_heads
-from mpitrain.optim.adamw import AdamW, AdamWHyper, Segment
+from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.state.strategy import Segment
 from tests import test_ops
 
 

@@ -1,8 +1,9 @@
 """AdamW over flat segments, with decoupled weight decay on chosen ranges, and global gradient-norm clipping.
 
-The optimizer never sees tensors: it updates `Segment`s, each a 1-D parameter view with its gradient view and the
-ranges inside it that get weight decay. Plain data parallelism hands it one segment (the whole flat buffer); ZeRO
-hands it one per unit (this rank's shard of each unit). Its moments are one flat array over all segments.
+The optimizer never sees tensors: it updates `Segment`s (state/strategy.py), each a 1-D parameter view with its
+gradient view and the ranges inside it that get weight decay. Plain data parallelism hands it one segment (the whole
+flat buffer); ZeRO hands it one per unit (this rank's shard of each unit). Its moments are one flat array over all
+segments.
 """
 from __future__ import annotations
 
@@ -14,13 +15,7 @@ import numpy as np
 from mpitrain import tiles
 from mpitrain.backend import array_module
 from mpitrain.state.offload import OnDevice
-
-
-@dataclass
-class Segment:
-    params: object  # 1-D view, updated in place
-    grads: object  # 1-D view of the same length
-    decay_ranges: list[tuple[int, int]]  # [start, end) within this segment
+from mpitrain.state.strategy import Segment
 
 
 @dataclass

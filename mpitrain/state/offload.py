@@ -24,6 +24,7 @@ import numpy as np
 
 from mpitrain.errors import ConfigError
 from mpitrain.state.params import intersect
+from mpitrain.state.strategy import Segment
 
 KINDS = ("none", "host", "disk")
 
@@ -79,7 +80,6 @@ class Offloaded(OnDevice):
         """Chunks of every segment: (a Segment over resident copies, the moments' resident chunks); after the caller
         updated them, the copies of off-device arrays are written back. Device arrays (the parameters when they are
         their own master) are handed out as views and updated in place."""
-        from mpitrain.optim.adamw import Segment
         tasks = [(i, a, min(a + self.chunk_elements, end - start))
                  for i, (start, end) in enumerate(bounds) for a in range(0, end - start, self.chunk_elements)]
 

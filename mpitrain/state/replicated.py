@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from functools import partial
 
-from mpitrain.optim.adamw import Segment
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer
-from mpitrain.state.strategy import StateStrategy, norm_ranges, squared_sum
+from mpitrain.state.strategy import Segment, StateStrategy, norm_ranges, squared_sum
 
 
 def initialise(buffer: FlatBuffer, seed: int, backend) -> None:

@@ -10,8 +10,19 @@ Everything a state does per tensor comes from the tensor's `ParamSpec` (state/pa
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass
+class Segment:
+    """A piece of the master weights the optimizer updates: a 1-D parameter view, its gradient view and the ranges
+    inside it that get weight decay. Plain data parallelism hands the optimizer one (the whole flat buffer), ZeRO one
+    per part (this rank's shard of it)."""
+    params: object  # 1-D view, updated in place
+    grads: object  # 1-D view of the same length
+    decay_ranges: list[tuple[int, int]]  # [start, end) within this segment
 
 
 class StateStrategy(abc.ABC):
@@ -56,8 +67,8 @@ class StateStrategy(abc.ABC):
         """(geometry, (start, end) in it, values): the reduced gradient of `unit` this rank holds after finish()."""
 
     @abc.abstractmethod
-    def optimizer_segments(self) -> list:
-        """optim.adamw.Segment's over the master weights this rank updates, with their reduced gradients."""
+    def optimizer_segments(self) -> list[Segment]:
+        """Segments over the master weights this rank updates, with their reduced gradients."""
 
     @abc.abstractmethod
     def after_step(self) -> None:

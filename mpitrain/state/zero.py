@@ -31,11 +31,10 @@ import math
 import numpy as np
 
 from mpitrain.backend import wire_view
-from mpitrain.optim.adamw import Segment
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
-from mpitrain.state.strategy import StateStrategy, add_up, norm_ranges, squared_sum
+from mpitrain.state.strategy import Segment, StateStrategy, add_up, norm_ranges, squared_sum
 
 
 class FullParams:
