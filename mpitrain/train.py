@@ -37,12 +37,12 @@ from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
 from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
-from mpitrain.parallel.expert import moe_step_metrics
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
+from mpitrain.profile.moe_metrics import moe_step_metrics
 from mpitrain.profile.tensorboard_sink import open_sink
 from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.advice import AdviceReporter
@@ -176,7 +176,8 @@ class Trainer:
         dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
         loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro), dloss)
-        self.moe_metrics, aux_sum = moe_step_metrics(self.model, self.mesh, self.tokens_per_step)  # model.moe
+        aux = self.model.pop_aux_losses()  # model.moe
+        self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, self.tokens_per_step)
         loss_sum += aux_sum  # MoE auxiliary losses are part of the loss (their gradients already are)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)

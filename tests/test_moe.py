@@ -8,10 +8,10 @@ import pytest
 
 from mpitrain.config import ModelConfig, load_config, resolve_layout
 from mpitrain.errors import ConfigError
+from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.moe import MoE, inactive_params
 from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.layers.tensor_parallel import TensorParallel
-from mpitrain.parallel.expert import ExpertParallel
 
 
 def make_layer(arch="gpt2", experts=4, top_k=2, capacity_factor=0.0, seed=0):
@@ -88,7 +88,7 @@ def test_capacity_keeps_first_choices_first_and_caps_every_expert():
 
 
 def test_expert_exchange_permutations_are_inverse():
-    from mpitrain.parallel.expert import Routing
+    from mpitrain.layers.expert_parallel import Routing
     received = np.array([[2, 0, 1], [0, 3, 1]])  # [sender, local expert], one empty block
     routing = Routing(sent=None, received=received)
     assert sorted(routing.to_expert_major) == list(range(7))
@@ -150,7 +150,7 @@ from mpitrain.config import ModelConfig
 from mpitrain.layers.moe import MoE
 from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.layers.tensor_parallel import TensorParallel
-from mpitrain.parallel.expert import ExpertParallel
+from mpitrain.layers.expert_parallel import ExpertParallel
 
 mesh = Mesh(MPI.COMM_WORLD, dp=2, ep=2)
 cfg = ModelConfig(d_model=8, n_head=2, d_ff=12, moe={"experts": 4, "top_k": 2, "aux_loss": 0.1, "z_loss": 0.1})

@@ -15,14 +15,14 @@ N * (aux_loss * balance + z_loss * z), i.e. their micro-batch means enter the me
                                      1 when routing is uniform; gradient through P only (f counts are constant)
     z       = mean over tokens of logsumexp(logits)^2     keeps the router's logits small
 
-Parallelism. Expert parallelism (mpitrain/parallel/expert.py): this rank holds E/ep consecutive experts and routes
-its own tokens to the ranks that hold their experts with all-to-all(v), forward and backward. Tensor parallelism:
-the input enters the tp region as for the dense MLP (replicated or gathered along the sequence), every tp rank
-routes the same tokens the same way (the router is replicated), each expert is split like the dense MLP (up/gate by
-output columns, down by input rows: experts' (E, C, F/t) and (E, F/t, C) pieces) and the combined output leaves the
-region with the MLP's all-reduce (or reduce-scatter). The pick weights' gradient needs the full expert output, so
-its (picks,) partial sums are all-reduced over tp. The router's input gradient is the same on every tp rank: only
-tp rank 0 adds it before the region's gradient reduction.
+Parallelism. Expert parallelism (mpitrain/layers/expert_parallel.py): this rank holds E/ep consecutive experts and
+routes its own tokens to the ranks that hold their experts with all-to-all(v), forward and backward. Tensor
+parallelism: the input enters the tp region as for the dense MLP (replicated or gathered along the sequence), every
+tp rank routes the same tokens the same way (the router is replicated), each expert is split like the dense MLP
+(up/gate by output columns, down by input rows: experts' (E, C, F/t) and (E, F/t, C) pieces) and the combined output
+leaves the region with the MLP's all-reduce (or reduce-scatter). The pick weights' gradient needs the full expert
+output, so its (picks,) partial sums are all-reduced over tp. The router's input gradient is the same on every tp
+rank: only tp rank 0 adds it before the region's gradient reduction.
 
 Gradients: the router is reduced over dp like every other tensor; experts over expert_dp (ParamSpec.reduce_over)
 when ep > 1, and their gradient norm is summed over ep too (each ep rank holds other experts).
@@ -35,9 +35,9 @@ import numpy as np
 
 from mpitrain.backend import array_module, to_host
 from mpitrain.layers import ops
+from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.mlp import MLP
 from mpitrain.layers.moe_settings import MoeSettings
-from mpitrain.parallel.expert import ExpertParallel
 from mpitrain.state.params import ParamSpec
 
 

@@ -31,14 +31,15 @@ from dataclasses import replace
 
 import numpy as np
 
+from mpitrain.backend import make_backend
 from mpitrain.config import ModelConfig
 from mpitrain.layers import ops
+from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.lora import apply_lora, with_frozen_sinks
 from mpitrain.layers.moe import MoeSettings, inactive_params
 from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
-from mpitrain.parallel.expert import ExpertParallel
 from mpitrain.state.params import UnitLayout
 
 
@@ -239,6 +240,12 @@ class GPT:
         aux, self.aux_losses = self.aux_losses, {}
         return aux
 
+    @property
+    def moe_layers(self) -> int:
+        """MoE blocks of the whole model, on every pipeline rank alike (the metrics average over them)."""
+        moe = MoeSettings.of(self.cfg)
+        return sum(moe.is_moe_block(i) for i in range(self.cfg.n_layer))
+
     def last_logits(self, state, tokens):
         """Logits of the last position (generation; a whole tp = 1 model, see Head.logits)."""
         ctx = self.context(tokens.shape[1])
@@ -274,3 +281,13 @@ class GPT:
                 x = unit.decode(p, x, ctx, cache.layers[i - 1])
             self._release(state, i, "forward")
         return x
+
+
+def moe_note(cfg) -> str:
+    """What `mpitrain memory` adds to its params row for MoE: experts per rank and active parameters per token."""
+    moe, m = MoeSettings.of(cfg.model), cfg.model
+    if not moe.experts:
+        return ""
+    total = GPT(m, make_backend("cpu", "float32")).n_params  # the whole model's count (layouts only, no arrays)
+    return (f"; MoE: {moe.experts // cfg.parallel.ep} of {moe.experts} experts per MoE block on each rank, a token "
+            f"uses {moe.top_k}: {total - inactive_params(m):,} active of {total:,} parameters")

@@ -32,8 +32,8 @@ from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
 from mpitrain.layers.moe import rank_experts
 from mpitrain.layers.moe_settings import MoeSettings
+from mpitrain.model.gpt import moe_note
 from mpitrain.optim.footprint import optimizer_row
-from mpitrain.parallel.expert import moe_note
 from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 
 from mpitrain.backend import array_module, to_host, wire_view
-from mpitrain.layers.moe_settings import MoeSettings
 
 
 class ExpertParallel:
@@ -92,44 +91,3 @@ def _starts(counts) -> np.ndarray:
     """Start of each block when the blocks of a 2-D count table are laid out row by row."""
     flat = counts.reshape(-1)
     return (np.cumsum(flat) - flat).reshape(counts.shape)
-
-
-def moe_step_metrics(model, mesh, tokens: int) -> tuple[dict, float]:
-    """(metrics, this rank's auxiliary loss sum) of a training step's MoE layers (model.pop_aux_losses()).
-
-    The loss sum is what the trainer adds to its cross-entropy sum (summed over dp and pp like it). The metrics are
-    the same on every rank: moe_aux_loss (the auxiliary losses' share of the mean loss), moe_balance and moe_z_loss
-    (their means over MoE layers and micro-batches; balance 1 = uniform), and on world rank 0 `expert_shares`, each
-    MoE block's share of the picks per expert. Nothing (and no communication) without MoE layers on any rank."""
-    aux = model.pop_aux_losses()
-    moe = MoeSettings.of(model.cfg)
-    layers = sum(moe.is_moe_block(i) for i in range(model.cfg.n_layer))  # of the whole model, on every rank
-    if not layers:
-        return {}, 0.0
-    totals = [aux.get(key, 0.0) for key in ("weighted", "balance", "z")]
-    totals = [mesh.pp.all_reduce_scalar(mesh.dp.all_reduce_scalar(value)) for value in totals]
-    metrics = {"moe_aux_loss": totals[0] / tokens, "moe_balance": totals[1] / (tokens * layers),
-               "moe_z_loss": totals[2] / (tokens * layers)}
-    mine = aux.get("routed", {}) if mesh.tp.rank == 0 else {}  # tp ranks route alike: count them once
-    gathered = mesh.world.gather_object(mine)
-    if gathered is not None:
-        routed: dict = {}
-        for part in gathered:
-            for layer, counts in part.items():
-                routed[layer] = routed.get(layer, 0) + np.asarray(counts)
-        metrics["expert_shares"] = {str(layer): (counts / counts.sum()).round(6).tolist()
-                                    for layer, counts in sorted(routed.items())}
-    return metrics, aux.get("weighted", 0.0)
-
-
-def moe_note(cfg) -> str:
-    """What `mpitrain memory` adds to its params row for MoE: experts per rank and active parameters per token."""
-    moe, m = MoeSettings.of(cfg.model), cfg.model
-    if not moe.experts:
-        return ""
-    from mpitrain.backend import make_backend
-    from mpitrain.layers.moe import inactive_params
-    from mpitrain.model.gpt import GPT  # the whole model's count (layouts only, no arrays)
-    total = GPT(m, make_backend("cpu", "float32")).n_params
-    return (f"; MoE: {moe.experts // cfg.parallel.ep} of {moe.experts} experts per MoE block on each rank, a token "
-            f"uses {moe.top_k}: {total - inactive_params(m):,} active of {total:,} parameters")
