@@ -6,6 +6,8 @@ from pathlib import Path
 import click
 
 from mpitrain.errors import MpitrainError
+from mpitrain.lab import LABS
+from mpitrain.lab.runner import run_lab
 
 
 @click.command("lab")
@@ -14,13 +16,9 @@ from mpitrain.errors import MpitrainError
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Write the lab's plot here.")
 def lab_command(name, quick, png_path):
     """Reproduce a claim of the chapter on this machine: NAME is a lab, or `list`."""
-    from mpitrain.lab import LABS, NOT_BUILT
-    from mpitrain.lab.runner import run_lab
     if name == "list":
         for lab in LABS.values():
             click.echo(f"{lab.NAME:10s} {lab.TITLE}")
-        if NOT_BUILT:
-            click.echo(f"(not built yet: {', '.join(NOT_BUILT)})")
         return
     if name not in LABS:
         raise click.ClickException(f"no lab '{name}'; labs: {', '.join(LABS)} (mpitrain lab list)")

@@ -4,6 +4,7 @@ weights buffer a forward pass reads, for the same model.
 """
 from __future__ import annotations
 
+from mpitrain.config import load_config, resolve_layout
 from mpitrain.lab.runner import Row
 
 NAME = "memory"
@@ -21,7 +22,6 @@ def ranks(quick: bool) -> int:
 def job(world, quick: bool):
     from mpitrain.backend import make_backend
     from mpitrain.comm.mesh import Mesh
-    from mpitrain.config import load_config, resolve_layout
     from mpitrain.model.gpt import GPT
     from mpitrain.optim.adamw import AdamW, AdamWHyper
     from mpitrain.state.inference import InferenceState

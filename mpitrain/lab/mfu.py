@@ -11,8 +11,10 @@ matmul peak) and what became largest next.
 """
 from __future__ import annotations
 
+from mpitrain.config import load_config
 from mpitrain.lab.runner import Row
 from mpitrain.profile.breakdown import COMPUTE_PARTS
+from mpitrain.profile.flops import measure_matmul_peak
 
 NAME = "mfu"
 TITLE = "Measure first: the step breakdown, overlap off -> on, then 4x micro-batches per step"
@@ -37,8 +39,6 @@ def job(world, quick: bool):
     from mpi4py import MPI
 
     from mpitrain.backend import make_backend
-    from mpitrain.config import load_config
-    from mpitrain.profile.flops import measure_matmul_peak
     from mpitrain.train import Trainer
     # one peak for every setting, the best either rank saw: each Trainer's own short measurement, taken while the
     # other rank computes, can come out low (an MFU over 100%) and differ between settings

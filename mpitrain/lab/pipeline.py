@@ -6,7 +6,12 @@ step is shown beside it (and plotted), never checked.
 """
 from __future__ import annotations
 
+from mpitrain.config import load_config
 from mpitrain.lab.runner import Row
+from mpitrain.parallel.schedule import theoretical_bubble
+from mpitrain.parallel.schedule_analysis import bubble_fraction
+from mpitrain.profile.timeline import bubble_fraction as wall_bubble
+from mpitrain.profile.timeline import merge_events, replay
 
 NAME = "pipeline"
 TITLE = "Pipeline bubble vs micro-batches, and activations held by GPipe vs 1F1B"
@@ -27,10 +32,6 @@ def micro_batches(quick: bool) -> tuple[int, ...]:
 
 
 def job(world, quick: bool):
-    from mpitrain.config import load_config
-    from mpitrain.parallel.schedule_analysis import bubble_fraction
-    from mpitrain.profile.timeline import bubble_fraction as wall_bubble
-    from mpitrain.profile.timeline import merge_events, replay
     from mpitrain.train import Trainer
     p, runs = world.size, []
     for kind in KINDS:
@@ -56,7 +57,6 @@ def job(world, quick: bool):
 
 
 def rows(result: dict) -> list[Row]:
-    from mpitrain.parallel.schedule import theoretical_bubble
     p, out = result["p"], []
     formulas = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)",
                 "zb1p": "(p-1)/(3m+p-1)"}
@@ -78,7 +78,6 @@ def rows(result: dict) -> list[Row]:
 
 
 def plot(result: dict, axes) -> None:
-    from mpitrain.parallel.schedule import theoretical_bubble
     p = result["p"]
     colours = dict(zip(KINDS, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
     for kind in KINDS:

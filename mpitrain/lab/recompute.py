@@ -7,7 +7,11 @@ Times (forward + backward, best of a few, the modes taking turns) are shown, not
 """
 from __future__ import annotations
 
+import time
+
+from mpitrain.config import load_config
 from mpitrain.lab.runner import Row
+from mpitrain.profile.flops import recomputed_flops_per_token
 
 NAME = "recompute"
 TITLE = "Recomputation: activation bytes and step time, none / selective / full"
@@ -24,16 +28,12 @@ def ranks(quick: bool) -> int:
 
 
 def job(world, quick: bool):
-    import time
-
     import numpy as np
 
     from mpitrain.backend import make_backend, nbytes_of
-    from mpitrain.config import load_config
     from mpitrain.layers.recompute import apply_recompute
     from mpitrain.model.gpt import GPT
     from mpitrain.plan.memory import activation_bytes
-    from mpitrain.profile.flops import recomputed_flops_per_token
     from mpitrain.state.replicated import ReplicatedState
     runs = {}
     for mode in MODES:

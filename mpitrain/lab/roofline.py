@@ -23,8 +23,12 @@ used (layers/kv_cache.py), the arrays the training forward really saved, the sta
 from __future__ import annotations
 
 import math
+import time
 
+from mpitrain.config import load_config
 from mpitrain.lab.runner import Row
+from mpitrain.layers.kv_cache import KVCache
+from mpitrain.profile.flops import block_matmul_weights, measure_matmul_peak
 
 NAME = "roofline"
 TITLE = "Roofline: decode (batch 1, KV cache) is memory-bound, training compute-bound"
@@ -45,7 +49,6 @@ def ranks(quick: bool) -> int:
 
 
 def _config(quick: bool):
-    from mpitrain.config import load_config
     return load_config("configs/bench-small.toml", ["precision.compute=float32", "data.synthetic=true"] + (
         ["model.n_layer=2", "model.seq_len=128", "train.micro_batch=4"] if quick else []))
 
@@ -64,7 +67,6 @@ def job(world, quick: bool):
     from mpitrain.backend import make_backend
     from mpitrain.model.gpt import GPT
     from mpitrain.profile.comm_bench import memcpy_bandwidth
-    from mpitrain.profile.flops import block_matmul_weights, measure_matmul_peak
     from mpitrain.state.inference import InferenceState
     from mpitrain.state.replicated import ReplicatedState
 
@@ -91,8 +93,6 @@ def job(world, quick: bool):
 
 def _training(model, state, tokens, repeats: int) -> dict:
     """Forward + backward of one micro-batch, the best of `repeats` (the first allocates)."""
-    import time
-
     import numpy as np
 
     from mpitrain.backend import nbytes_of
@@ -112,11 +112,8 @@ def _training(model, state, tokens, repeats: int) -> dict:
 def _decode(model, state, prompt: list[int], steps: int) -> dict:
     """Batch 1: the prompt prefilled, then `steps` single-token decodes timed; the faster of two runs (a busy moment
     only slows), with what the cache counted during its decodes."""
-    import time
-
     import numpy as np
 
-    from mpitrain.layers.kv_cache import KVCache
     best = None
     for _ in range(2):
         cache = KVCache.for_model(model.cfg, 1, model.backend)
@@ -137,8 +134,6 @@ def _decode(model, state, prompt: list[int], steps: int) -> dict:
 
 def _generation(model, state, prompt: list[int], steps: int) -> dict:
     """Tokens/s of the same greedy generation with and without the cache (prompt + steps within the window)."""
-    import time
-
     import numpy as np
 
     from mpitrain.generate import generate_ids

@@ -8,6 +8,9 @@ the same formula's bytes take over NVLink (in a node) vs InfiniBand (across node
 """
 from __future__ import annotations
 
+import time
+
+from mpitrain.config import ModelConfig
 from mpitrain.lab.runner import Row
 
 NAME = "tensor"
@@ -29,13 +32,10 @@ def shape(quick: bool) -> tuple[int, int, int]:
 
 
 def job(world, quick: bool):
-    import time
-
     import numpy as np
 
     from mpitrain.backend import make_backend
     from mpitrain.comm.group import Group
-    from mpitrain.config import ModelConfig
     from mpitrain.model.gpt import GPT
     from mpitrain.state.params import FlatBuffer, initial_unit_flat
     b, s, h = shape(quick)

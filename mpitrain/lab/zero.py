@@ -5,6 +5,7 @@ moments; building the state is enough). Traffic is what the comm groups' byte co
 """
 from __future__ import annotations
 
+from mpitrain.config import load_config, resolve_layout
 from mpitrain.lab.runner import Row
 
 NAME = "zero"
@@ -24,7 +25,6 @@ def ranks(quick: bool) -> int:
 
 
 def _config(quick: bool, n: int, stage: int, compute: str):
-    from mpitrain.config import load_config
     return load_config("configs/tiny.toml" if quick else "configs/bench-small.toml", [
         "data.synthetic=true", f"parallel.zero={stage}", "train.micro_batch=1", f"train.global_batch={n}",
         f"precision.compute={compute}", "logging.peak_flops=1e9"])
@@ -33,7 +33,6 @@ def _config(quick: bool, n: int, stage: int, compute: str):
 def job(world, quick: bool):
     from mpitrain.backend import make_backend
     from mpitrain.comm.mesh import Mesh
-    from mpitrain.config import resolve_layout
     from mpitrain.model.gpt import GPT
     from mpitrain.optim.adamw import AdamW, AdamWHyper
     from mpitrain.train import Trainer, make_state

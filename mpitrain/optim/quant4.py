@@ -15,14 +15,10 @@ Requantizing a restored block rounds to nearest (it is done once).
 """
 from __future__ import annotations
 
-from mpitrain.optim.blocks import block_values, blocks_spanned, padded_blocks
+from mpitrain.optim.blocks import block_values, padded_blocks
 
 BLOCK = 128
 LEVELS = 7  # codes -7..7
-
-
-def blocks_of(n: int, first: int = 0) -> int:
-    return blocks_spanned(n, first % BLOCK, BLOCK)
 
 
 def packed_size(n: int) -> int:
