@@ -1,7 +1,8 @@
 """The array backend: numpy on CPUs, CuPy on NVIDIA GPUs, behind one name, `xp`.
 
 Model and parallel code receive a `Backend` and call `backend.xp`, never numpy directly, so the GPU path is the same
-code. Host-side work (data loading, checkpoints, logging) uses numpy and moves arrays with `to_host`/`from_host`.
+code; the ops pick their fused CuPy kernels themselves (mpitrain/kernels/dispatch.py). Host-side work (data loading,
+checkpoints, logging) uses numpy and moves arrays with `to_host`/`from_host`.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class Backend:
         return self.optimizer_dtype != self.dtype
 
     def empty(self, shape, dtype=None, host: bool = True):
-        """A buffer to receive into. host: where MPI groups need it (MPI never sees GPU memory, design 5); device
-        groups (NCCL) will ask for host=False."""
+        """A buffer to receive into. host: where MPI groups need it (MPI never sees GPU memory: it is not assumed
+        CUDA-aware, so GPU arrays cross it through the host; docs/architecture.md, Backends); device groups (NCCL)
+        will ask for host=False."""
         return (np if host else self.xp).empty(shape, dtype=dtype or self.dtype)
 
     def to_host(self, array) -> np.ndarray:
@@ -109,8 +111,6 @@ def make_backend(device: str = "cpu", compute: str = "float32", local_rank: int 
             raise ConfigError("device = 'cuda' needs CuPy: pip install 'mpitrain[cuda12]' (or cuda13)") from exc
         n_devices = cupy.cuda.runtime.getDeviceCount()
         cupy.cuda.Device(local_rank % n_devices).use()  # one GPU per rank on a node; shared GPUs only in tests
-        from mpitrain.kernels import install
-        install()  # ops and AdamW dispatch CuPy arrays to the fused kernels (mpitrain/kernels)
         return Backend("cuda", cupy, dtype, master_dtype)
     raise ConfigError(f"device = {device!r} is not allowed; allowed: 'cpu', 'cuda'")
 

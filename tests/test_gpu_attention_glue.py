@@ -120,16 +120,16 @@ def test_gpu_gemm_attention_matches_the_numpy_ops(dtype):
 
 
 def test_numpy_attention_keeps_the_ops_code():
-    from mpitrain.kernels.dispatch import _gemm_attention
+    from mpitrain.kernels.dispatch import gpu_twin_for_gemm_dtypes
 
     def kernel(*args):
         raise AssertionError("a numpy array reached the cuBLAS attention")
 
     rng = np.random.default_rng(4)
     q, k, v = _qkv(rng, 1, 2, 2, 4, 4)
-    forward = _gemm_attention(ops.attention_forward, kernel)
+    forward = gpu_twin_for_gemm_dtypes(kernel)(ops.attention_forward)
     (out, _), saved = forward(q, k, v, ops.causal_bias(4, 4, np, np.float64))
-    _gemm_attention(ops.attention_backward, kernel)(saved, np.ones_like(out))
+    gpu_twin_for_gemm_dtypes(kernel)(ops.attention_backward)(saved, np.ones_like(out))
 
 
 def test_context_parallelism_is_accepted_on_cuda():

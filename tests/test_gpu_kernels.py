@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpitrain.kernels import cupy_status, reference
-from mpitrain.kernels.dispatch import _dispatching, _native_when_low_precision
+from mpitrain.kernels.dispatch import gpu_twin, gpu_twin_in_low_precision
 from mpitrain.layers import ops
 
 GPU_USABLE, GPU_REASON = cupy_status()
@@ -59,12 +59,12 @@ def test_numpy_arrays_never_reach_a_fused_kernel():
     def kernel(*args):
         raise AssertionError("a numpy array reached the fused kernel")
 
-    wrapped = _dispatching("gelu_forward", ops.gelu_forward, kernel)
+    wrapped = gpu_twin(kernel)(ops.gelu_forward)
     x = np.linspace(-3, 3, 12).reshape(3, 4)
     np.testing.assert_array_equal(wrapped(x)[0], ops.gelu_forward(x)[0])
     bf16 = x.astype(ml_dtypes.bfloat16)
     assert wrapped(bf16)[0].dtype == bf16.dtype
-    native = _native_when_low_precision(ops.linear_forward, kernel)
+    native = gpu_twin_in_low_precision(kernel)(ops.linear_forward)
     w = np.ones((4, 2), ml_dtypes.bfloat16)
     np.testing.assert_array_equal(native(bf16, w)[0], ops.linear_forward(bf16, w)[0])
 
@@ -147,13 +147,13 @@ def test_softmax_cross_entropy_and_adamw_kernels(cp, dtype):
 @needs_gpu
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (False, True), (True, False)])
 def test_bf16_batched_gemm_accumulates_in_fp32(cp, transpose_a, transpose_b):
-    from mpitrain.kernels import fused
+    from mpitrain.kernels import attention
     rng = np.random.default_rng(5)
     a = rng.standard_normal((3, 64, 96) if not transpose_a else (3, 96, 64)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((3, 96, 80) if not transpose_b else (3, 80, 96)).astype(ml_dtypes.bfloat16)
     a32, b32 = a.astype(np.float32), b.astype(np.float32)
     want = (a32.transpose(0, 2, 1) if transpose_a else a32) @ (b32.transpose(0, 2, 1) if transpose_b else b32)
-    got = fused.batched_matmul(cp.asarray(a), cp.asarray(b), transpose_a, transpose_b).get().astype(np.float32)
+    got = attention.batched_matmul(cp.asarray(a), cp.asarray(b), transpose_a, transpose_b).get().astype(np.float32)
     # fp32 accumulation: only the final rounding to bf16 (8 bits of mantissa) remains
     assert np.max(np.abs(got - want)) <= 2 ** -7 * np.max(np.abs(want))
     assert math.isfinite(float(got.sum()))
@@ -175,9 +175,7 @@ def test_bf16_linears_run_in_bf16_and_match_fp32_to_bf16_rounding(cp):
 
 
 @needs_gpu
-def test_installed_ops_give_the_numpy_results_on_cupy_arrays(cp):
-    from mpitrain.kernels import install
-    assert install()
+def test_ops_give_the_numpy_results_on_cupy_arrays(cp):
     x = np.random.default_rng(6).standard_normal((4, 32))
     w = np.ones(32)
     for name, args in (("gelu_forward", (x,)), ("rmsnorm_forward", (x, w, 1e-5))):

@@ -1,11 +1,12 @@
 """Attention's batched products on the GPU through cuBLAS strided-batched GEMM (fp32 accumulation), the twins of
-ops.attention_forward / ops.attention_backward that dispatch.install() routes CuPy arrays to.
+ops.attention_forward / ops.attention_backward for CuPy arrays (chosen where those ops are defined, with
+kernels/dispatch.py's gpu_twin_for_gemm_dtypes).
 
 CuPy 14's batched matmul fails on bf16 and silently upcasts fp16, so q k^T, p v and the backward's four products go
-through `gemmStridedBatchedEx` in the data's own dtype. The scores and their gradient come out of cuBLAS in fp32 and
-the softmax runs in fp32; the probabilities are rounded to the data dtype once, for the p v product and for what is
-saved (the same memory as the numpy ops' cast rule keeps). The T x T scores are still materialised: a flash-style
-kernel that never holds them is NOT built yet.
+through `gemmStridedBatchedEx` in the data's own dtype (`batched_matmul`). The scores and their gradient come out of
+cuBLAS in fp32 and the softmax runs in fp32; the probabilities are rounded to the data dtype once, for the p v product
+and for what is saved (the same memory as the numpy ops' cast rule keeps). The T x T scores are still materialised: a
+flash-style kernel that never holds them is NOT built yet.
 
 The glue is written over an injected `matmul` so it runs on CPU too: `gemm_strided_batched_args` is the pure
 function that turns row-major shapes into cuBLAS's column-major arguments, and the tests check it, and these two
@@ -115,9 +116,39 @@ def attention_backward(saved, dout, matmul):
     return dq, dk, dv.reshape(v.shape)
 
 
+# ---- bf16 / fp16 / fp32 batched GEMM through cuBLAS ----------------------------------------------------------------
+CUDA_DTYPES = {"bfloat16": 14, "float16": 2, "float32": 0}
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+def batched_matmul(a, b, transpose_a: bool = False, transpose_b: bool = False, out=None, out_dtype=None):
+    """out[i] = op(a[i]) @ op(b[i]) for 3-D row-major CuPy a, b of bf16/fp16/fp32, accumulated in fp32 on tensor
+    cores; out in `out_dtype` (default a's dtype; fp32 for attention's scores). The column-major arguments come from
+    gemm_strided_batched_args, which the CPU tests check against np.matmul."""
+    import cupy as cp
+    from cupy.cuda import cublas
+    a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
+    if a.dtype != b.dtype:
+        raise ValueError(f"batched_matmul: operands of one dtype, got {a.dtype} and {b.dtype}")
+    g = gemm_strided_batched_args(a.shape, b.shape, transpose_a, transpose_b)
+    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+    out = cp.empty(g.out_shape, out_dtype) if out is None else out
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    code = CUDA_DTYPES[np.dtype(a.dtype).name]
+    cublas.gemmStridedBatchedEx(
+        handle, g.transa, g.transb, g.m, g.n, g.k, one.ctypes.data,
+        b.data.ptr, code, g.lda, g.stride_a,
+        a.data.ptr, code, g.ldb, g.stride_b,
+        zero.ctypes.data, out.data.ptr, CUDA_DTYPES[out_dtype.name], g.ldc, g.stride_c, g.batch,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    return out
+
+
 def gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):
-    from mpitrain.kernels import fused
-    return fused.batched_matmul(a, b, transpose_a, transpose_b, out_dtype=out_dtype)
+    return batched_matmul(a, b, transpose_a, transpose_b, out_dtype=out_dtype)
 
 
 def gpu_attention_forward(q, k, v, bias):

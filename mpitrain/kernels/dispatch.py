@@ -1,8 +1,15 @@
-"""Route the ops to the fused kernels for CuPy arrays, without touching the ops' code: `install()` wraps the
-functions of mpitrain/layers/ops.py that have a fused twin (the layers call them as `ops.name`) and AdamW's
-per-segment update. numpy arrays keep going to the originals, so CPU runs and tests are unchanged. Low-precision
-arrays are cast to float32 around the kernels by the same rule as the numpy ops (layers/precision.py), except in
-the linears: bf16/fp16 CuPy linears run as GEMMs in their own dtype (tensor cores, fp32 accumulation in cuBLAS).
+"""Which code runs an op: its own (numpy or CuPy) code, or a fused twin in mpitrain/kernels for CuPy arrays.
+
+The ops of mpitrain/layers/ops.py name their twins where they are defined, with the decorators below (see
+docs/architecture.md, Backends). numpy arrays always run the op's own code, so CPU runs and tests never reach a
+kernel; nothing here imports CuPy, which kernels/fused.py and kernels/attention.py load at a kernel's first use.
+
+    gpu_twin                    CuPy arrays of any dtype; bf16/fp16 are cast to float32 around the kernel by the
+                                same rule as the numpy ops (layers/precision.py), the accumulators kept in theirs
+    gpu_twin_in_low_precision   bf16/fp16 CuPy arrays, in their own dtype: the linears' GEMMs on tensor cores
+                                (cuBLAS accumulates in fp32); fp32/fp64 CuPy linears keep the op's code
+    gpu_twin_for_gemm_dtypes    bf16/fp16/fp32 CuPy arrays: attention's strided-batched GEMMs (float64 keeps the
+                                op's code, CuPy's matmul)
 """
 
 from __future__ import annotations
@@ -14,15 +21,7 @@ import numpy as np
 from mpitrain.backend import array_module
 from mpitrain.layers.precision import computes_in_float32, low_precision_dtype
 
-# Linears whose bf16/fp16 CuPy arrays skip the cast rule (native GEMMs); fp32/fp64 ones keep the ops' code.
-NATIVE_LOW_PRECISION_OPS = ("linear_forward", "linear_input_grad", "add_weight_grad", "add_bias_grad")
-# Attention's batched products: cuBLAS strided-batched GEMM for CuPy bf16/fp16/fp32 (float64 keeps CuPy's matmul).
-ATTENTION_OPS = ("attention_forward", "attention_backward")
 GEMM_DTYPES = frozenset({"bfloat16", "float16", "float32"})
-# op -> the arguments it adds into (kept in their dtype by the cast rule, as ops.py declares them)
-FUSED_OPS = {"layernorm_forward": (), "layernorm_backward": ("dw", "db"), "rmsnorm_forward": (),
-             "rmsnorm_backward": ("dw",), "gelu_forward": (), "gelu_backward": (), "swiglu_forward": (),
-             "swiglu_backward": (), "rope_forward": (), "rope_backward": ()}
 
 
 def cupy_status() -> tuple[bool, str]:
@@ -47,76 +46,30 @@ def _first_array(args):
     return None
 
 
-def _route(original, twin, use_twin, call=None):
-    """`original` for numpy arrays; `call` (default: `twin`) for CuPy arrays that `use_twin(first, args)` accepts.
-    The wrapper keeps `twin` as `fused_twin`, which also marks an op as already installed."""
-    call = call or twin
+def _route(original, twin, use_twin):
+    """`original` for numpy arrays; `twin` for CuPy arrays that `use_twin(first array, args)` accepts."""
 
     @functools.wraps(original)
     def op(*args, **kwargs):
         first = _first_array(args)
         if first is not None and array_module(first) is not np and use_twin(first, args):
-            return call(*args, **kwargs)
+            return twin(*args, **kwargs)
         return original(*args, **kwargs)
 
-    op.fused_twin = twin
     return op
 
 
-def _dispatching(name: str, original, fused_function, accumulators=()):
-    return _route(original, fused_function, lambda first, args: True,
-                  call=computes_in_float32(*accumulators)(fused_function))
+def gpu_twin(twin, accumulators=()):
+    """Decorator of an op: CuPy arrays go to `twin` under the cast rule; `accumulators` name the twin's arguments
+    that it adds into (kept in their dtype, as the op's own computes_in_float32 declares them)."""
+    return lambda original: _route(original, computes_in_float32(*accumulators)(twin), lambda first, args: True)
 
 
-def _native_when_low_precision(original, native_function):
-    return _route(original, native_function, lambda first, args: low_precision_dtype(args) is not None)
+def gpu_twin_in_low_precision(twin):
+    """Decorator of a linear op: bf16/fp16 CuPy arrays go to `twin` in their own dtype."""
+    return lambda original: _route(original, twin, lambda first, args: low_precision_dtype(args) is not None)
 
 
-def _gemm_attention(original, gemm_function):
-    return _route(original, gemm_function, lambda first, args: np.dtype(first.dtype).name in GEMM_DTYPES)
-
-
-def install() -> bool:
-    """Make ops.* and AdamW dispatch CuPy arrays to the fused kernels (idempotent). False if CuPy is unusable."""
-    usable, _ = cupy_status()
-    if not usable:
-        return False
-    from mpitrain.kernels import attention, fused
-    from mpitrain.layers import ops
-    from mpitrain.optim.adamw import AdamW
-    for name, accumulators in FUSED_OPS.items():
-        current = getattr(ops, name)
-        if not hasattr(current, "fused_twin"):
-            setattr(ops, name, _dispatching(name, current, getattr(fused, name), accumulators))
-    for name in NATIVE_LOW_PRECISION_OPS:
-        current = getattr(ops, name)
-        if not hasattr(current, "fused_twin"):
-            setattr(ops, name, _native_when_low_precision(current, getattr(fused, name)))
-    for name in ATTENTION_OPS:
-        current = getattr(ops, name)
-        if not hasattr(current, "fused_twin"):
-            setattr(ops, name, _gemm_attention(current, getattr(attention, f"gpu_{name}")))
-    if hasattr(AdamW, "_update") and not hasattr(AdamW._update, "fused_twin"):
-        AdamW._update = _fused_adamw(AdamW._update)
-    return True
-
-
-def _fused_adamw(original):
-    """AdamW._update with one fused kernel for the moments and the step (decay first, as the reference does)."""
-    from mpitrain.kernels import fused
-
-    @functools.wraps(original)
-    def update(self, segment, m, v, lr, grad_scale):
-        p = segment.params
-        if array_module(p) is np or p.dtype != m.dtype:
-            return original(self, segment, m, v, lr, grad_scale)
-        h = self.hyper
-        if h.weight_decay and lr:
-            for start, end in segment.decay_ranges:
-                p[start:end] *= 1.0 - lr * h.weight_decay
-        fused.adamw_update(p, segment.grads, m, v, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                           step=self.steps_taken, grad_scale=grad_scale)
-        return None
-
-    update.fused_twin = fused.adamw_update
-    return update
+def gpu_twin_for_gemm_dtypes(twin):
+    """Decorator of an attention op: bf16/fp16/fp32 CuPy arrays go to `twin`."""
+    return lambda original: _route(original, twin, lambda first, args: np.dtype(first.dtype).name in GEMM_DTYPES)

@@ -1,6 +1,6 @@
 """The kernels. Elementwise ops are CuPy ElementwiseKernels (one pass, no temporaries); row ops (norms, softmax,
-cross-entropy) are one thread block per row reducing in registers and shared memory; the bf16 batched GEMM calls
-cuBLAS's strided-batched GEMM with fp32 compute (CuPy 14's batched matmul fails on bf16 and upcasts fp16).
+cross-entropy) are one thread block per row reducing in registers and shared memory; the linears are 2-D GEMMs in
+the compute dtype (attention's batched GEMMs are in kernels/attention.py).
 Each function takes and returns CuPy arrays of float32 or float64 (low precision is cast around them by
 layers/precision.py's rule, as for the numpy ops) and matches its reference in mpitrain/layers/ops.py or
 kernels/reference.py. Kernels compile at first use and CuPy caches them on disk.
@@ -271,7 +271,10 @@ def _elementwise():
     }
 
 
-def gelu_forward(x):
+def gelu_forward(x, bias=None):
+    """ops.gelu_forward's contract: GELU of x + bias, saving the pre-activation."""
+    if bias is not None:
+        x = x + bias
     return _elementwise()["gelu_forward"](x), x
 
 
@@ -340,36 +343,3 @@ def add_weight_grad(dw, x, dy) -> None:
 
 def add_bias_grad(db, dy) -> None:
     db += _rows(dy).sum(axis=0, dtype=np.float32)
-
-
-# ---- bf16 / fp16 batched GEMM through cuBLAS ---------------------------------------------------------------------
-CUDA_DTYPES = {"bfloat16": 14, "float16": 2, "float32": 0}
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_GEMM_DEFAULT = -1
-
-
-def batched_matmul(a, b, transpose_a: bool = False, transpose_b: bool = False, out=None, out_dtype=None):
-    """out[i] = op(a[i]) @ op(b[i]) for 3-D row-major a, b of bf16/fp16/fp32, accumulated in fp32 on tensor cores;
-    out in `out_dtype` (default a's dtype; fp32 for attention's scores). The column-major arguments come from
-    kernels.attention.gemm_strided_batched_args, which the CPU tests check against np.matmul."""
-    cp = _cupy()
-    from cupy.cuda import cublas
-
-    from mpitrain.kernels.attention import gemm_strided_batched_args
-    a, b = cp.ascontiguousarray(a), cp.ascontiguousarray(b)
-    if a.dtype != b.dtype:
-        raise ValueError(f"batched_matmul: operands of one dtype, got {a.dtype} and {b.dtype}")
-    g = gemm_strided_batched_args(a.shape, b.shape, transpose_a, transpose_b)
-    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
-    out = cp.empty(g.out_shape, out_dtype) if out is None else out
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    code = CUDA_DTYPES[np.dtype(a.dtype).name]
-    cublas.gemmStridedBatchedEx(
-        handle, g.transa, g.transb, g.m, g.n, g.k, one.ctypes.data,
-        b.data.ptr, code, g.lda, g.stride_a,
-        a.data.ptr, code, g.ldb, g.stride_b,
-        zero.ctypes.data, out.data.ptr, CUDA_DTYPES[out_dtype.name], g.ldc, g.stride_c, g.batch,
-        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    return out

@@ -19,6 +19,9 @@ import numpy as np
 
 from mpitrain import tiles
 from mpitrain.backend import array_module as _xp
+from mpitrain.kernels import attention as gpu_attention
+from mpitrain.kernels import fused
+from mpitrain.kernels.dispatch import gpu_twin, gpu_twin_for_gemm_dtypes, gpu_twin_in_low_precision
 from mpitrain.layers import attention_core
 from mpitrain.layers.precision import computes_in_float32, low_precision_dtype
 
@@ -30,6 +33,7 @@ def _rows(x):
 
 
 # ----------------------------------------------------------------------------- linear
+@gpu_twin_in_low_precision(fused.linear_forward)
 @computes_in_float32()
 def linear_forward(x, w, b=None):
     y = _rows(x) @ w
@@ -58,6 +62,7 @@ def side_by_side(arrays):
     return np.lib.stride_tricks.as_strided(first, (*first.shape[:-1], width), first.strides, writeable=False)
 
 
+@gpu_twin_in_low_precision(fused.linear_input_grad)
 @computes_in_float32()
 def linear_input_grad(weights, output_grads):
     """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up)."""
@@ -71,6 +76,7 @@ def linear_input_grad(weights, output_grads):
     return dx.reshape(*output_grads[0].shape[:-1], weights[0].shape[0])
 
 
+@gpu_twin_in_low_precision(fused.add_weight_grad)
 @computes_in_float32("dw")
 def add_weight_grad(dw, x, dy) -> None:
     dw += _rows(x).T @ _rows(dy)
@@ -90,6 +96,7 @@ def add_weight_grads_side_by_side(dws, x, dy) -> None:
         start += dw.shape[1]
 
 
+@gpu_twin_in_low_precision(fused.add_bias_grad)
 @computes_in_float32("db")
 def add_bias_grad(db, dy) -> None:
     db += _rows(dy).sum(axis=0)
@@ -153,11 +160,13 @@ def _norm_forward(x, w, b, eps, centre: bool):
     return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(*x.shape[:-1], 1))
 
 
+@gpu_twin(fused.layernorm_forward)
 @computes_in_float32()
 def layernorm_forward(x, w, b, eps):
     return _norm_forward(x, w, b, eps, centre=True)
 
 
+@gpu_twin(fused.rmsnorm_forward)
 @computes_in_float32()
 def rmsnorm_forward(x, w, eps):
     return _norm_forward(x, w, None, eps, centre=False)
@@ -204,6 +213,7 @@ def _norm_backward(xp, xhat, rstd, w, dy, dw, db, centre: bool, residual=None):
     return dx.reshape(dy.shape)
 
 
+@gpu_twin(fused.layernorm_backward, accumulators=("dw", "db"))
 @computes_in_float32("dw", "db")
 def layernorm_backward(saved, w, dy, dw, db, residual=None):
     """dx (+ residual, the gradient arriving by the residual branch: one pass fewer than adding it after)."""
@@ -211,6 +221,7 @@ def layernorm_backward(saved, w, dy, dw, db, residual=None):
     return _norm_backward(_xp(dy), xhat, rstd, w, dy, dw, db, True, residual)
 
 
+@gpu_twin(fused.rmsnorm_backward, accumulators=("dw",))
 @computes_in_float32("dw")
 def rmsnorm_backward(saved, w, dy, dw, residual=None):
     xhat, rstd = saved
@@ -240,6 +251,7 @@ def cpu_fusions_apply(x) -> bool:
     return _xp(x) is np and low_precision_dtype((x,)) is None
 
 
+@gpu_twin(fused.gelu_forward)
 @computes_in_float32()
 def gelu_forward(x, bias=None):
     """GELU, tanh approximation (GPT-2). Saves only x; the exp is recomputed in backward (memory over speed).
@@ -264,6 +276,7 @@ def gelu_forward(x, bias=None):
     return y.reshape(x.shape), x
 
 
+@gpu_twin(fused.gelu_backward)
 @computes_in_float32()
 def gelu_backward(x, dy):
     xp = _xp(x)
@@ -335,6 +348,7 @@ def gelu_backward_from_output(x, y, dy, db=None):
     return dx.reshape(x.shape)
 
 
+@gpu_twin(fused.swiglu_forward)
 @computes_in_float32()
 def swiglu_forward(gate, up):
     """silu(gate) * up (llama's MLP). Saves both inputs."""
@@ -343,6 +357,7 @@ def swiglu_forward(gate, up):
     return gate * sig * up, (gate, up)
 
 
+@gpu_twin(fused.swiglu_backward)
 @computes_in_float32()
 def swiglu_backward(saved, dy):
     gate, up = saved
@@ -368,6 +383,7 @@ def rope_tables(positions, head_dim, theta, xp, dtype):
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 
+@gpu_twin(fused.rope_forward)
 @computes_in_float32()
 def rope_forward(x, cos, sin):
     """Rotate the two halves of each head (x: (B, H, T, D)); the 'rotate half' convention of Llama in HF."""
@@ -379,6 +395,7 @@ def rope_forward(x, cos, sin):
     return y
 
 
+@gpu_twin(fused.rope_backward)
 @computes_in_float32()
 def rope_backward(dy, cos, sin):
     """The rotation's transpose: rotate by -angle."""
@@ -398,6 +415,7 @@ def causal_bias(t_q, t_k, xp, dtype, offset=0):
     return xp.where(k <= q, 0.0, -xp.inf).astype(dtype)
 
 
+@gpu_twin_for_gemm_dtypes(gpu_attention.gpu_attention_forward)
 @computes_in_float32()
 def attention_forward(q, k, v, bias):
     """((out, lse), saved): softmax(q k^T / sqrt(D) + bias) v with grouped-query heads, and each query row's
@@ -417,6 +435,7 @@ def attention_forward(q, k, v, bias):
     return attention_core.attention_forward(q, k, v, bias)
 
 
+@gpu_twin_for_gemm_dtypes(gpu_attention.gpu_attention_backward)
 @computes_in_float32()
 def attention_backward(saved, dout):
     if _xp(saved[0]) is not np:

@@ -14,6 +14,7 @@ import numpy as np
 
 from mpitrain import tiles
 from mpitrain.backend import array_module
+from mpitrain.kernels import fused
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.strategy import Segment
 
@@ -72,6 +73,10 @@ class AdamW:
             shrink = 1.0 - lr * h.weight_decay  # decoupled: p <- p (1 - lr wd), before the Adam update (as torch)
             for start, end in segment.decay_ranges:
                 p[start:end] *= shrink
+        if xp is not np and p.dtype == m.dtype:  # CuPy: the moments and the step in one fused kernel
+            fused.adamw_update(p, g, m, v, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=t,
+                               grad_scale=grad_scale)
+            return
         step_size, bias_root = lr / (1.0 - h.beta1 ** t), math.sqrt(1.0 - h.beta2 ** t)
 
         def update(_, start, stop):  # one cache-sized chunk: its temporaries never leave the cache
