@@ -12,7 +12,7 @@ from mpitrain.optim.adamw import AdamW, AdamWHyper
 from mpitrain.optim.factory import segment_matrices, segment_tensors
 from mpitrain.optim.sgd import SGD
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
-from mpitrain.state.strategy import Segment
+from mpitrain.state.strategy import Segment, ShardLayout
 from tests.test_checkpoint import PREEMPTED, losses, small_epochs, train  # noqa: F401 (fixture)
 
 STEPS = 8
@@ -93,9 +93,9 @@ def test_adafactor_matches_reference_math(beta1):
     params, grads, gradients = _problem(layout)
     start = params.data.copy()
     segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
-    layout_dict = {"geometry": params, "segment_windows": [(0, params.size)]}
-    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
-    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1, beta1=beta1, tensors=whole)
+    shard_layout = ShardLayout(params, [(0, params.size)])
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(shard_layout)]
+    optimizer = Adafactor([segment], segment_matrices(shard_layout), weight_decay=0.1, beta1=beta1, tensors=whole)
     assert [m[2:] for m in optimizer.matrices[0]] == [(5, 7), (7, 3)]  # both matrices factored, whole in the segment
     assert len(optimizer.clip_ranges[0]) == 4  # every tensor clipped on its own
     _run(optimizer, grads, gradients)
@@ -125,9 +125,9 @@ def test_adafactor_with_int4_momentum_matches_reference_math():
     params, grads, gradients = _problem(layout, seed=2)
     start = params.data.copy()
     segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
-    layout_dict = {"geometry": params, "segment_windows": [(0, params.size)]}
-    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
-    optimizer = Adafactor([segment], segment_matrices(layout_dict), weight_decay=0.1, tensors=whole, momentum="int4")
+    shard_layout = ShardLayout(params, [(0, params.size)])
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(shard_layout)]
+    optimizer = Adafactor([segment], segment_matrices(shard_layout), weight_decay=0.1, tensors=whole, momentum="int4")
     assert optimizer.m is None and optimizer.m_codes[0].size == 370 and optimizer.m_scales[0].size == 6
     _run(optimizer, grads, gradients)
     expected = reference_adafactor(start, gradients, _tensors(layout), 0.1, 0.5,
@@ -169,9 +169,9 @@ def test_adafactor_on_a_cut_matrix_falls_back_to_unfactored():
     segments = [Segment(params.data[a:b], grads.data[a:b], [(max(x, a) - a, min(y, b) - a) for x, y in decay
                                                             if min(y, b) > max(x, a)])
                 for a, b in ((0, cut), (cut, params.size))]
-    layout_dict = {"geometry": params, "segment_windows": [(0, cut), (cut, params.size)]}
-    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(layout_dict)]
-    optimizer = Adafactor(segments, segment_matrices(layout_dict), weight_decay=0.1, tensors=whole)
+    shard_layout = ShardLayout(params, [(0, cut), (cut, params.size)])
+    whole = [[(a, b) for a, b, _ in found] for found in segment_tensors(shard_layout)]
+    optimizer = Adafactor(segments, segment_matrices(shard_layout), weight_decay=0.1, tensors=whole)
     assert optimizer.matrices == [[], [(35 - cut, 56 - cut, 7, 3)]]
     _run(optimizer, grads, gradients)
     tensors = _tensors(layout)
@@ -301,7 +301,7 @@ def test_optimizer_state_bytes_per_parameter():
     grads = FlatBuffer.allocate([layout], np, np.float32)
     n = params.size
     segment = Segment(params.data, grads.data, [])
-    matrices = segment_matrices({"geometry": params, "segment_windows": [(0, n)]})
+    matrices = segment_matrices(ShardLayout(params, [(0, n)]))
     per_parameter = {
         "adamw": AdamW([segment], AdamWHyper()).state_nbytes() / n,
         "adafactor": Adafactor([segment], matrices).state_nbytes() / n,
@@ -336,10 +336,8 @@ def _trained(kind, sizes, seed):
         windows.append((offset, offset + n))
         offset += n
     make = {"adam8bit": lambda: Adam8bit(segments, AdamWHyper()),
-            "adafactor": lambda: Adafactor(segments, segment_matrices({"geometry": geometry,
-                                                                       "segment_windows": windows})),
-            "adafactor-int4": lambda: Adafactor(segments, segment_matrices({"geometry": geometry,
-                                                                            "segment_windows": windows}),
+            "adafactor": lambda: Adafactor(segments, segment_matrices(ShardLayout(geometry, windows))),
+            "adafactor-int4": lambda: Adafactor(segments, segment_matrices(ShardLayout(geometry, windows)),
                                                 momentum="int4"),
             "sgd": lambda: SGD(segments)}[kind]
     optimizer = make()

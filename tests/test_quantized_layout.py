@@ -17,7 +17,7 @@ from mpitrain.optim.adam8bit import BLOCK, Adam8bit
 from mpitrain.optim.adamw import AdamWHyper
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout, intersect
-from mpitrain.state.strategy import Segment
+from mpitrain.state.strategy import Segment, ShardLayout
 from tests.test_train_parity import assert_same_run, run_training
 
 # tensors a little over and under a block, and small ones, so that shard boundaries fall inside blocks
@@ -62,7 +62,7 @@ def _run(n_ranks: int, gradients):
             windows = [(a + r * (b - a) // n_ranks, a + (r + 1) * (b - a) // n_ranks)
                        for a, b in (geometry.unit_range(u) for u in range(len(LAYOUTS)))]
             groups = [ThreadGroup(shared, r)] * len(LAYOUTS)
-        layout = {"geometry": geometry, "segment_windows": windows, "segment_groups": groups}
+        layout = ShardLayout(geometry, windows, segment_groups=groups)
         runs = blocks.segment_runs(layout, BLOCK)
         segments = [Segment(params[a:b], grads[a:b], intersect(decayed, a, b)) for a, b in windows]
         optimizer = Adam8bit(segments, AdamWHyper(weight_decay=0.1), runs=runs,
@@ -113,7 +113,7 @@ def test_a_single_process_quantizes_each_tensor_on_its_own():
     """Block k of a tensor is its elements [k B, (k + 1) B): the 4480-element matrix has 3 blocks, the 100-element
     bias 1, even where they share one segment."""
     geometry = FlatBuffer.geometry(LAYOUTS)
-    runs = blocks.segment_runs({"geometry": geometry, "segment_windows": [(0, geometry.size)]}, BLOCK)
+    runs = blocks.segment_runs(ShardLayout(geometry, [(0, geometry.size)]), BLOCK)
     assert [len(run.block_range(BLOCK)) for run in runs[0]] == [3, 1, 1, 2, 1]
     assert [(run.start, run.end, run.first) for run in runs[0][:2]] == [(0, 4480, 0), (4480, 5980, 0)]
 
@@ -123,7 +123,7 @@ def _state_with(spec):
     geometry = FlatBuffer.geometry([layout])
     grads = np.zeros(geometry.size)
     return SimpleNamespace(optimizer_segments=lambda: [Segment(np.zeros(geometry.size), grads, [])], sharded=False,
-                           checkpoint_layout=lambda: {"geometry": geometry, "segment_windows": [(0, geometry.size)]})
+                           checkpoint_layout=lambda: ShardLayout(geometry, [(0, geometry.size)]))
 
 
 def test_pieces_that_would_quantize_per_rank_are_refused_naming_the_keys():
@@ -152,7 +152,7 @@ def test_adafactor_int4_momentum_is_the_same_on_a_pipeline_stage():
     results = []
     for windows in ([(0, geometry.size)], [geometry.unit_range(0), geometry.unit_range(1)]):
         params, grads = np.linspace(1, 2, geometry.size), np.zeros(geometry.size)
-        layout = {"geometry": geometry, "segment_windows": windows}
+        layout = ShardLayout(geometry, windows)
         optimizer = Adafactor([Segment(params[a:b], grads[a:b], []) for a, b in windows], segment_matrices(layout),
                               tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],
                               momentum="int4", runs=blocks.segment_runs(layout, 128, "adafactor"))

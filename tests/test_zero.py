@@ -159,7 +159,7 @@ for stage in (0, 1, 2, 3):
     out[stage] = {"names": sorted(names), "moments": int(optimizer.exp_avg.size), "grads": state.memory()["grads"],
                   "frozen_same": all(np.array_equal(before[u]["base"], after[u]["base"]) for u in (0, 1)),
                   "trained": all(not np.array_equal(before[u]["w"], after[u]["w"]) for u in (0, 1)),
-                  "checkpointed": state.checkpoint_layout()["frozen"].size}
+                  "checkpointed": state.checkpoint_layout().frozen.size}
 if group.rank == 0:
     print("RESULTS " + json.dumps(out))
 """

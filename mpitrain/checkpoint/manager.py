@@ -69,16 +69,16 @@ class CheckpointManager:
         # a tied copy (gpt2's embedding on the last pipeline stage) is read back from the first stage's tensors
         load_only = getattr(trainer.model, "tied_copies", ())
         experts = (mesh.expert_dp.size, mesh.expert_dp.rank)  # model.moe under parallel.ep > 1
-        held = held_pieces("param", layout["geometry"], layout["param_windows"], layout["params_dp_replicated"],
+        held = held_pieces("param", layout.geometry, layout.param_windows, layout.params_dp_replicated,
                            dp, tp, load_only, experts)
-        if "frozen" in layout:  # trainable = False tensors, whole on every rank (mpitrain/state/frozen.py)
-            held += held_pieces("param", layout["frozen"], [(0, layout["frozen"].size, layout["frozen"].data, 0)],
+        if layout.frozen is not None:  # trainable = False tensors, whole on every rank (mpitrain/state/frozen.py)
+            held += held_pieces("param", layout.frozen, [(0, layout.frozen.size, layout.frozen.data, 0)],
                                 True, dp, tp, load_only)
         optimizer = trainer.optimizer
         for kind, moments in optimizer.checkpoint_arrays().items():  # element-wise, e.g. exp_avg, exp_avg_sq
-            windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout["segment_windows"],
+            windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout.segment_windows,
                                                                               optimizer.bounds)]
-            held += held_pieces(kind, layout["geometry"], windows, layout["moments_dp_replicated"], dp, tp, load_only,
+            held += held_pieces(kind, layout.geometry, windows, layout.moments_dp_replicated, dp, tp, load_only,
                                 experts)
         return held
 

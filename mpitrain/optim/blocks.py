@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.errors import ConfigError
+from mpitrain.state.strategy import ShardLayout
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,12 @@ def _piece(spec, block: int, name: str) -> tuple[int, int]:
     return first, stop
 
 
-def segment_specs(layout: dict):
+def segment_specs(layout: ShardLayout):
     """Per optimizer segment, its window (g0, g1) and the tensors overlapping it as (unit layout, spec, offset of the
     tensor in the flat buffer); `layout` is state.checkpoint_layout() (its segment_windows follow the segments'
     order). The one walk behind segment_runs and factory.segment_tensors."""
-    geometry = layout["geometry"]
-    for g0, g1 in layout["segment_windows"]:
+    geometry = layout.geometry
+    for g0, g1 in layout.segment_windows:
         found = []
         for unit, unit_layout in enumerate(geometry.layouts):
             offset = geometry.offsets[unit]
@@ -96,7 +97,7 @@ def segment_specs(layout: dict):
         yield g0, g1, found
 
 
-def segment_runs(layout: dict, block: int, name: str = "adam8bit") -> list[list[Run]]:
+def segment_runs(layout: ShardLayout, block: int, name: str = "adam8bit") -> list[list[Run]]:
     """Per optimizer segment, the runs of tensors it holds."""
     out = []
     for g0, g1, found in segment_specs(layout):
@@ -138,14 +139,13 @@ def block_values(expanded, lead: int, block: int, xp):
     return values if bool((xp.repeat(values, np.diff(edges).tolist()) == expanded).all()) else None
 
 
-def segment_cuts(layout: dict, runs: list[list[Run]], block: int) -> list[tuple[object, int, list[Cut]]]:
+def segment_cuts(layout: ShardLayout, runs: list[list[Run]], block: int) -> list[tuple[object, int, list[Cut]]]:
     """(group, exchange vector length, cuts) per group that shards segments (the layout's `segment_groups`: ZeRO's;
     none without it). Slots: one per shard boundary of each segment's part (N - 1 of them), segments in order."""
-    groups = layout.get("segment_groups")
-    if not groups:
+    if not layout.segment_groups:
         return []
-    geometry, exchanges, blocks = layout["geometry"], {}, 0
-    for segment, ((g0, g1), group, held) in enumerate(zip(layout["segment_windows"], groups, runs)):
+    geometry, exchanges, blocks = layout.geometry, {}, 0
+    for segment, ((g0, g1), group, held) in enumerate(zip(layout.segment_windows, layout.segment_groups, runs)):
         if group is not None and group.size > 1 and g1 > g0:
             entry = exchanges.setdefault(id(group), [group, 0, []])
             offset = g0 - _part_start(geometry, g0)  # the segment's start in its part

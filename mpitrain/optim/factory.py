@@ -7,24 +7,24 @@ quantization blocks are each tensor's own (optim/blocks.py), so its run is the s
 """
 from __future__ import annotations
 
+from mpitrain.config_rules import OPTIMIZERS
 from mpitrain.errors import ConfigError
 from mpitrain.optim import adam8bit, blocks, quant4
 from mpitrain.optim.adafactor import Adafactor
 from mpitrain.optim.adam8bit import Adam8bit
 from mpitrain.optim.adamw import AdamW, AdamWHyper
 from mpitrain.optim.sgd import SGD
+from mpitrain.state.strategy import ShardLayout
 
-OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")
 
-
-def segment_tensors(layout: dict) -> list[list[tuple[int, int, tuple[int, ...]]]]:
+def segment_tensors(layout: ShardLayout) -> list[list[tuple[int, int, tuple[int, ...]]]]:
     """Per optimizer segment, the tensors (this rank's block of them) that lie wholly inside it, as (start, end,
     shape) in segment coordinates; `layout` is state.checkpoint_layout()."""
     return [[(offset - g0, offset - g0 + spec.size, tuple(spec.shape)) for _, spec, offset in found
              if g0 <= offset and offset + spec.size <= g1] for g0, g1, found in blocks.segment_specs(layout)]
 
 
-def segment_matrices(layout: dict) -> list[list[tuple[int, int, int, int]]]:
+def segment_matrices(layout: ShardLayout) -> list[list[tuple[int, int, int, int]]]:
     """segment_tensors' 2-D ones, as (start, end, rows, cols): those Adafactor factors."""
     return [[(a, b, *shape) for a, b, shape in found if len(shape) == 2] for found in segment_tensors(layout)]
 

@@ -10,6 +10,7 @@ from mpitrain.optim.adam8bit import BLOCK
 from mpitrain.optim.blocks import block_count, segment_runs
 from mpitrain.optim.factory import segment_matrices
 from mpitrain.state.params import FlatBuffer
+from mpitrain.state.strategy import ShardLayout
 
 
 def segment_windows(layouts, zero: int, dp: int) -> tuple[FlatBuffer, list[tuple[int, int]]]:
@@ -30,17 +31,17 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
     if name == "sgd":
         return itemsize * sum(sizes) if momentum else 0
     if name == "adam8bit":  # codes for every element (padding too), scales for each tensor's blocks it overlaps
-        runs = segment_runs({"geometry": geometry, "segment_windows": windows}, BLOCK)
+        runs = segment_runs(ShardLayout(geometry, windows), BLOCK)
         return 2 * sum(sizes) + 2 * itemsize * sum(block_count(held, BLOCK) for held in runs)
     if name == "adafactor":
-        matrices = segment_matrices({"geometry": geometry, "segment_windows": windows})
+        matrices = segment_matrices(ShardLayout(geometry, windows))
         factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
         statistics = sum(rows + cols for mats in matrices for _, _, rows, cols in mats)
         second_moment = itemsize * (statistics + sum(sizes) - factored)
         if not adafactor_beta1:
             return second_moment
         if adafactor_momentum == "int4":  # packed codes per segment, scales for each tensor's blocks
-            runs = segment_runs({"geometry": geometry, "segment_windows": windows}, quant4.BLOCK, name)
+            runs = segment_runs(ShardLayout(geometry, windows), quant4.BLOCK, name)
             return second_moment + sum(quant4.packed_size(n) + itemsize * block_count(held, quant4.BLOCK)
                                        for n, held in zip(sizes, runs))
         return second_moment + itemsize * sum(sizes)

@@ -70,21 +70,21 @@ def replicated_arrays(state, optimizer) -> dict[str, list]:
     declares it for checkpoints (which write a replicated tensor once): the parameter windows when they are
     replicated, the optimizer's state when it is (see the module table), each cut to the tensors of its group."""
     layout = state.checkpoint_layout()
-    geometry = layout["geometry"]
+    geometry = layout.geometry
     names = sorted({spec.reduce_over for unit in geometry.layouts for spec in unit.specs})
     if len(names) == 1:  # one group holds everything: the arrays whole (also state that is not element-wise)
-        arrays = [window[2] for window in layout["param_windows"]] if layout["params_dp_replicated"] else []
-        return {names[0]: arrays + (optimizer.state_arrays() if layout["moments_dp_replicated"] else [])}
+        arrays = [window[2] for window in layout.param_windows] if layout.params_dp_replicated else []
+        return {names[0]: arrays + (optimizer.state_arrays() if layout.moments_dp_replicated else [])}
     by_name = {}
     for name in names:
         ranges = geometry.ranges(lambda spec, name=name: spec.reduce_over == name)
         arrays = []
-        if layout["params_dp_replicated"]:
-            arrays += [array[offset + a:offset + b] for start, end, array, offset in layout["param_windows"]
+        if layout.params_dp_replicated:
+            arrays += [array[offset + a:offset + b] for start, end, array, offset in layout.param_windows
                        for a, b in intersect(ranges, start, end)]
-        if layout["moments_dp_replicated"]:
-            arrays += [piece for array in elementwise(optimizer, layout["segment_windows"])
-                       for piece in cut(array, ranges, layout["segment_windows"])]
+        if layout.moments_dp_replicated:
+            arrays += [piece for array in elementwise(optimizer, layout.segment_windows)
+                       for piece in cut(array, ranges, layout.segment_windows)]
         by_name[name] = arrays
     return by_name
 

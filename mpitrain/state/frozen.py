@@ -2,13 +2,15 @@
 
 They are held whole on every rank in the compute dtype and handed to the model with the unit's trainable tensors;
 they get no gradient buffer, no master copy, no optimizer state and no reduction: the wrapped strategy only ever sees
-the trainable tensors. Checkpoints save them once (`checkpoint_layout()["frozen"]`).
+the trainable tensors. Checkpoints save them once (`ShardLayout.frozen`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mpitrain.state.params import FlatBuffer, UnitLayout
 from mpitrain.state.replicated import initialise
-from mpitrain.state.strategy import StateStrategy
+from mpitrain.state.strategy import ShardLayout, StateStrategy
 
 
 def split_frozen(layouts: list[UnitLayout]) -> tuple[list[UnitLayout], list[UnitLayout] | None]:
@@ -59,8 +61,8 @@ class WithFrozen(StateStrategy):
     def after_step(self) -> None:
         self.inner.after_step()
 
-    def checkpoint_layout(self) -> dict:
-        return {**self.inner.checkpoint_layout(), "frozen": self.frozen}
+    def checkpoint_layout(self) -> ShardLayout:
+        return replace(self.inner.checkpoint_layout(), frozen=self.frozen)
 
     def after_restore(self) -> None:
         self.inner.after_restore()

@@ -17,7 +17,7 @@ from functools import partial
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer
-from mpitrain.state.strategy import Segment, StateStrategy, norm_ranges, squared_sum
+from mpitrain.state.strategy import Segment, ShardLayout, StateStrategy, norm_ranges, squared_sum
 
 
 def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
@@ -143,10 +143,8 @@ class ReplicatedState(StateStrategy):
         if self.params is not self.master:
             self.params.data[...] = self.master.data  # rounded to the compute dtype
 
-    def checkpoint_layout(self) -> dict:
-        return {"geometry": self.master, "param_windows": [(0, self.master.size, self.master.data, 0)],
-                "params_dp_replicated": True, "segment_windows": [(0, self.master.size)],
-                "moments_dp_replicated": True}
+    def checkpoint_layout(self) -> ShardLayout:
+        return ShardLayout(self.master, [(0, self.master.size)], [(0, self.master.size, self.master.data, 0)])
 
     def after_restore(self) -> None:
         self.after_step()

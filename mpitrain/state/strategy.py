@@ -10,9 +10,11 @@ Everything a state does per tensor comes from the tensor's `ParamSpec` (state/pa
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from mpitrain.state.params import FlatBuffer
 
 
 @dataclass
@@ -23,6 +25,22 @@ class Segment:
     params: object  # 1-D view, updated in place
     grads: object  # 1-D view of the same length
     decay_ranges: list[tuple[int, int]]  # [start, end) within this segment
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's master weights and optimizer state sit in the flat geometry of the trainable tensors: what
+    checkpoints save and restore (checkpoint/pieces.py), what the lean optimizers cut into quantization blocks
+    (optim/blocks.py) and what the replica check compares (resilience/sdc.py). The optimizer's code needs only the
+    geometry and the segment windows."""
+    geometry: FlatBuffer  # padding included (ZeRO: one part per unit and reduction group)
+    segment_windows: list[tuple[int, int]]  # [start, end) in `geometry` of each optimizer segment, in their order
+    # (start, end, array, offset in array) of the master weights this rank holds, in geometry coordinates
+    param_windows: list[tuple[int, int, object, int]] = field(default_factory=list)
+    params_dp_replicated: bool = True  # every rank of the reduction group holds the same param windows...
+    moments_dp_replicated: bool = True  # ... and the same optimizer state
+    segment_groups: list | None = None  # the group that shards each segment (ZeRO); None: none is sharded
+    frozen: FlatBuffer | None = None  # the trainable = False tensors, whole on every rank: saved once
 
 
 class StateStrategy(abc.ABC):
@@ -75,8 +93,8 @@ class StateStrategy(abc.ABC):
         """The master weights were updated: refresh the compute-dtype parameters (and gather them where sharded)."""
 
     @abc.abstractmethod
-    def checkpoint_layout(self) -> dict:
-        """Where this rank's master weights sit in the flat geometry (see mpitrain/checkpoint/pieces.py)."""
+    def checkpoint_layout(self) -> ShardLayout:
+        """Where this rank's master weights and optimizer state sit in the flat geometry."""
 
     @abc.abstractmethod
     def after_restore(self) -> None:

@@ -34,7 +34,7 @@ from mpitrain.backend import wire_view
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
-from mpitrain.state.strategy import Segment, StateStrategy, add_up, norm_ranges, squared_sum
+from mpitrain.state.strategy import Segment, ShardLayout, StateStrategy, add_up, norm_ranges, squared_sum
 
 
 class FullParams:
@@ -344,16 +344,16 @@ class ZeroState(StateStrategy):
                 self.params.shard(part)[...] = self.master_shard(part)  # rounded to the compute dtype
         self.params.publish()
 
-    def checkpoint_layout(self) -> dict:
-        """Where this rank's master weights sit in the padded flat geometry (see mpitrain/checkpoint/pieces.py)."""
+    def checkpoint_layout(self) -> ShardLayout:
+        """Master weights and moments by part: this rank's window of each (the parameters whole under stages 1-2
+        when they are their own master)."""
         parts = range(len(self.parts))
         if self.master is None:
             windows, replicated = self.params.held()
         else:
             windows, replicated = [(*self.window(p), self.master, self.shard_offsets[p]) for p in parts], False
-        return {"geometry": self.geometry, "param_windows": windows, "params_dp_replicated": replicated,
-                "segment_windows": [self.window(p) for p in parts], "moments_dp_replicated": False,
-                "segment_groups": [self.group_of(p) for p in parts]}  # what shards each (optim/blocks.py)
+        return ShardLayout(self.geometry, [self.window(p) for p in parts], windows, params_dp_replicated=replicated,
+                           moments_dp_replicated=False, segment_groups=[self.group_of(p) for p in parts])
 
     def after_restore(self) -> None:
         """Derive the compute-dtype parameters from the loaded masters; nothing gathered may outlive them."""
