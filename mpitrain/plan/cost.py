@@ -146,62 +146,127 @@ def ring(link: Link, op: str, nbytes: float, n: int, times: float = 1.0) -> floa
     return times * link.seconds(factor * nbytes, steps)
 
 
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank of a layout does in a step: the quantities the parts of the estimate share."""
+    element_bytes: int  # of the compute dtype
+    world: int
+    micro_batches: int
+    tokens: int  # of the global batch
+    rows: int  # of a micro-batch's GEMMs on one rank (its tokens, T / cp of each row)
+    layer_counts: list  # blocks per pipeline chunk
+    layers: int  # blocks on one pipeline rank
+    moe: MoeSettings
+    moe_layers: int  # of this pipeline rank's blocks
+    units: int  # the rank's blocks, and the embedding and head (one each on the first and last stage)
+    tp_per_layer: int  # tp collectives per block and micro-batch: 2 gathers + 2 scatters, forward and backward
+
+    @classmethod
+    def of(cls, cfg: Config, compute: str) -> RankWork:
+        m_cfg, p, t = cfg.model, cfg.parallel, cfg.train
+        layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
+        layers = sum(layer_counts) // p.pp
+        moe = MoeSettings.of(m_cfg)
+        return cls(element_bytes=np.dtype(COMPUTE_DTYPES[compute]).itemsize, world=p.dp * p.tp * p.pp * p.cp,
+                   micro_batches=t.global_batch // (p.dp * t.micro_batch), tokens=t.global_batch * m_cfg.seq_len,
+                   rows=t.micro_batch * m_cfg.seq_len // p.cp, layer_counts=layer_counts, layers=layers, moe=moe,
+                   moe_layers=sum(moe.is_moe_block(i) for i in range(layers)),
+                   units=layers + (2 if p.pp == 1 else 1),
+                   tp_per_layer=12 if cfg.memory.recompute == "full" else 8)
+
+
 def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
     """Memory per rank and step time, by part, of `layout` on `cluster` (module docstring)."""
     cfg = layout_config(base, layout, cluster.compute)
-    m_cfg, p, t = cfg.model, cfg.parallel, cfg.train
-    e = np.dtype(COMPUTE_DTYPES[cluster.compute]).itemsize
-    world = p.dp * p.tp * p.pp * p.cp
-    psi = rank_param_count(cfg)
+    p, work = cfg.parallel, RankWork.of(cfg, cluster.compute)
+    shape = _model_numbers(cfg, rank_model(cfg))
+    memory = rank_memory(cfg, cluster, work.element_bytes, shape["largest_unit"])
+    compute = compute_seconds(cfg, cluster, work, shape["flops_per_token"])
+    comm, crosses = communication_seconds(cfg, cluster, work)
+    zero_micro, reduce_exposed, gather_params = gradient_sync_seconds(cfg, cluster, work, compute["micro"],
+                                                                      memory["transient"])
+    optimizer = optimizer_seconds(cfg, cluster)
+    skew = rank_skew_seconds(cfg, cluster, work, compute["micro"])
+
+    m = work.micro_batches
+    micro = compute["micro"] + comm["tp"] + comm["cp_ring"] + comm["ep_all_to_all"] + comm["pp_send"] + zero_micro
+    bubble = theoretical_bubble(p.schedule, p.pp, m, p.virtual_stages) if p.pp > 1 else 0.0
+    # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
+    pipeline = m * micro * (1 + bubble / (1 - bubble) / cluster.contention)
+    step = pipeline + reduce_exposed + gather_params + optimizer + skew + cluster.step_overhead_s
+    parts = {"matmul": compute["matmul"], "elementwise": compute["elementwise"],
+             "overhead": compute["overhead"] + cluster.step_overhead_s, "tp": m * comm["tp"],
+             "cp_ring": m * comm["cp_ring"], "ep_all_to_all": m * comm["ep_all_to_all"],
+             "pp_send": m * comm["pp_send"], "zero_exposed": m * zero_micro + gather_params,
+             "dp_reduce": reduce_exposed, "bubble": pipeline - m * micro, "optimizer": optimizer, "rank_skew": skew}
+    return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": work.world, "micro_batches": m,
+            "memory": memory, "fits": memory["total"] <= cluster.usable_bytes, "step_s": step, "parts": parts,
+            "tokens_per_s": work.tokens / step,
+            "mfu": shape["flops_per_token"] * work.tokens / step / (work.world * cluster.peak_flops),
+            "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+
+
+def rank_memory(cfg: Config, cluster: Cluster, element_bytes: int, largest_unit: int) -> dict:
+    """Bytes per rank: what the fullest pipeline stage holds, and the transient buffers beside it."""
+    p = cfg.parallel
     transient = p.bucket_mb * 2**20 * 2  # a bucket being reduced and the next one filling
-    model = rank_model(cfg)
-    shape = _model_numbers(cfg, model)
     if p.zero == 3:  # the unit being computed and the prefetched next one, gathered whole
-        transient += 2 * shape["largest_unit"] * e
+        transient += 2 * largest_unit * element_bytes
     stages = stage_memory(cfg)
-    memory = stages["first"]
     held = max(stage["total"] for stage in stages.values())  # the fullest stage decides what fits
     total = held + transient
+    return {"held": held, "transient": transient, "total": total, "rows": stages["first"]["bytes"],
+            "headroom": cluster.usable_bytes - total,
+            "stages": {name: stage["total"] for name, stage in stages.items()}}
 
-    micro_batches = t.global_batch // (p.dp * t.micro_batch)
-    tokens = t.global_batch * m_cfg.seq_len
-    model_flops = shape["flops_per_token"]
-    layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
-    hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, layer_counts, cfg.memory.recompute)
+
+def compute_seconds(cfg: Config, cluster: Cluster, work: RankWork, model_flops: float) -> dict:
+    """Seconds of one rank's step in matmuls, elementwise traffic and fixed per-unit overhead; "micro": their sum
+    per micro-batch."""
+    m_cfg, p, moe = cfg.model, cfg.parallel, work.moe
+    hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, work.layer_counts, cfg.memory.recompute)
     if p.cp > 1:  # ring attention's backward recomputes each pair's scores, S = Q K^T, from the saved lse
-        hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(layer_counts)
-    rows = t.micro_batch * m_cfg.seq_len // p.cp
-    thin = gemm_shape_factor(rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
-    matmul = hardware_flops * tokens / world / (cluster.peak_flops * cluster.matmul_efficiency_at(rows) * thin)
-    # elementwise traffic does not shrink with recomputation: Korthikanti et al. 2022's activation bytes per layer
-    # and token at 2-byte elements (34 d + 5 heads T), split over tp (and T over cp), read and written a few times
-    per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
-    layers = sum(layer_counts) // p.pp  # blocks on one pipeline rank
-    moe = MoeSettings.of(m_cfg)
-    moe_layers = sum(moe.is_moe_block(i) for i in range(layers))  # of this pipeline rank's blocks
-    # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
-    # (and under cp the ring's backward its probabilities, P = exp(S - lse))
-    scores = 5 * m_cfg.n_head * m_cfg.seq_len / p.cp
-    again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
-             scores * (p.cp > 1)) / p.tp * e / 2
-    routed_rows = MOE_ROW_PASSES * moe.top_k * m_cfg.d_model * e * moe_layers  # per token; every tp rank routes all
-    elementwise = (ELEMENTWISE_PASSES * per_token * layers + ELEMENTWISE_PASSES / 2 * again * layers + routed_rows) * \
-        tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
+        hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(work.layer_counts)
+    thin = gemm_shape_factor(work.rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
+    matmul = hardware_flops * work.tokens / work.world / (cluster.peak_flops * cluster.matmul_efficiency_at(work.rows)
+                                                          * thin)
     if moe.experts and p.ep > 1:  # the experts' matmuls at the busiest ep rank's load
         load = min(moe.capacity_factor or DROPLESS_EXPERT_LOAD, p.ep)
         expert_flops = 6 * moe.top_k * (3 if m_cfg.arch == "llama" else 2) * m_cfg.d_model * m_cfg.ff_dim * \
             sum(moe.is_moe_block(i) for i in range(m_cfg.n_layer))  # per token, whole model
         matmul += (load - 1) * matmul * expert_flops / hardware_flops
-    # the embedding and head are units too (one each on the first and last stage); a recomputed forward costs
-    # a third of a unit's forward and backward again
-    units = layers + (2 if p.pp == 1 else 1)
-    overhead = cluster.unit_overhead_s * units * micro_batches * (4 / 3 if cfg.memory.recompute == "full" else 1)
-    compute_micro = (matmul + elementwise + overhead) / micro_batches
+    elementwise = elementwise_seconds(cfg, cluster, work)
+    # a recomputed forward costs a third of a unit's forward and backward again
+    overhead = cluster.unit_overhead_s * work.units * work.micro_batches * \
+        (4 / 3 if cfg.memory.recompute == "full" else 1)
+    return {"matmul": matmul, "elementwise": elementwise, "overhead": overhead,
+            "micro": (matmul + elementwise + overhead) / work.micro_batches}
 
+
+def elementwise_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
+    """Elementwise traffic at HBM bandwidth; it does not shrink with recomputation."""
+    m_cfg, p, e = cfg.model, cfg.parallel, work.element_bytes
+    # Korthikanti et al. 2022's activation bytes per layer and token at 2-byte elements (34 d + 5 heads T), split
+    # over tp (and T over cp), read and written a few times
+    per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
+    # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
+    # (and under cp the ring's backward its probabilities, P = exp(S - lse))
+    scores = 5 * m_cfg.n_head * m_cfg.seq_len / p.cp
+    again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
+             scores * (p.cp > 1)) / p.tp * e / 2
+    # per token; every tp rank routes all
+    routed_rows = MOE_ROW_PASSES * work.moe.top_k * m_cfg.d_model * e * work.moe_layers
+    return (ELEMENTWISE_PASSES * per_token * work.layers + ELEMENTWISE_PASSES / 2 * again * work.layers +
+            routed_rows) * work.tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
+
+
+def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tuple[dict, dict]:
+    """Seconds per micro-batch of the collectives on the critical path ({"tp", "cp_ring", "ep_all_to_all",
+    "pp_send"}), and which groups cross nodes ({"tp", "cp", "ep", "dp", "pp"})."""
+    m_cfg, p, t, e, layers = cfg.model, cfg.parallel, cfg.train, work.element_bytes, work.layers
     activation = t.micro_batch * (m_cfg.seq_len // p.cp) * m_cfg.d_model * e  # one micro-batch's (b, T/c, d)
     tp_link, tp_crosses = group_link(cluster, p.tp, 1)
-    per_layer = 12 if cfg.memory.recompute == "full" else 8  # 2 gathers + 2 scatters, forward and backward
-    tp_micro = ring(tp_link, "all_gather", activation, p.tp, per_layer * layers)
+    tp_micro = ring(tp_link, "all_gather", activation, p.tp, work.tp_per_layer * layers)
 
     cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
     cp_micro = 0.0
@@ -209,69 +274,70 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
         kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
         kv_full = 2 * t.micro_batch * m_cfg.seq_len * kv_width * e
         ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
-        attention_s = layers * 12 * rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
-                                                                                  cluster.matmul_efficiency)
+        attention_s = layers * 12 * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
+                                                                                       cluster.matmul_efficiency)
         cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
 
     ep_link, ep_crosses = group_link(cluster, p.ep, p.tp * p.cp)
     ep_micro = 0.0
-    if moe.experts and p.ep > 1:
-        routed = rows * moe.top_k * m_cfg.d_model * e
-        ep_micro = 4 * moe_layers * ep_link.seconds((p.ep - 1) / p.ep * routed, p.ep - 1)
+    if work.moe.experts and p.ep > 1:
+        routed = work.rows * work.moe.top_k * m_cfg.d_model * e
+        ep_micro = 4 * work.moe_layers * ep_link.seconds((p.ep - 1) / p.ep * routed, p.ep - 1)
 
     pp_link, pp_crosses = group_link(cluster, p.pp, p.tp * p.cp * p.dp)
     message = activation / (p.tp if p.sequence_parallel else 1)
     pp_micro = 2 * p.virtual_stages * pp_link.seconds(message, 1) if p.pp > 1 else 0.0
 
     dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
+    crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
+    return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
+
+
+def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float,
+                          transient: float) -> tuple[float, float, float]:
+    """(ZeRO's exposed gathers and reduce-scatters per micro-batch, the step's exposed gradient reduction, ZeRO-1/2's
+    parameter all-gather), in seconds."""
+    p, e = cfg.parallel, work.element_bytes
     reduced = reduction_rings(cfg, cluster)
     grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
     grad_bytes = max(grad_bytes, e)
     hidden_micro = cluster.comm_overlap * compute_micro * 2 / 3  # what a micro-batch's backward can hide
-    zero3_micro = 0.0
+    zero_micro = 0.0
     if p.zero == 3:  # gathered in forward and again in backward, hidden behind the compute they precede
         gathers = reduced("all_gather", e, 2)
-        zero3_micro = max(0.0, gathers - cluster.comm_overlap * compute_micro)
+        zero_micro = max(0.0, gathers - cluster.comm_overlap * compute_micro)
     if p.zero in (2, 3):  # reduce-scatter every micro-batch, behind that micro-batch's backward
         reduce_micro = reduced("reduce_scatter", grad_bytes)
-        zero3_micro += max(0.0, reduce_micro - hidden_micro)
+        zero_micro += max(0.0, reduce_micro - hidden_micro)
         reduce_exposed = min(reduce_micro, hidden_micro) * 0.05  # the last bucket
     else:
         reduce_s = reduced("all_reduce" if p.zero == 0 else "reduce_scatter", grad_bytes)
         reduce_exposed = max(0.0, reduce_s - hidden_micro) + \
-            cluster.comm_overlap * reduce_s * min(1.0, transient / max(psi * e, 1))  # the last bucket
+            cluster.comm_overlap * reduce_s * min(1.0, transient / max(rank_param_count(cfg) * e, 1))  # last bucket
     gather_params = reduced("all_gather", e) if p.zero in (1, 2) else 0.0
+    return zero_micro, reduce_exposed, gather_params
 
+
+def optimizer_seconds(cfg: Config, cluster: Cluster) -> float:
+    """Adam's passes over this rank's shard of the state (over PCIe, both ways, when offloaded)."""
+    p = cfg.parallel
     shard = sum(count / (ranks if p.zero >= 1 else 1) for count, ranks in reduction_shares(cfg))
-    optimizer = shard * ADAM_BYTES_PER_PARAM / cluster.optimizer_bytes_per_s
     if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
-        optimizer = shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
+        return shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
+    return shard * ADAM_BYTES_PER_PARAM / cluster.optimizer_bytes_per_s
 
-    # synchronizations per micro-batch (module docstring), and one per step: the gradient reduction
-    syncs_micro = per_layer * layers * (p.tp > 1) + 3 * layers * (p.cp - 1) + 4 * moe_layers * (p.ep > 1) + \
-        {3: 3 * units, 2: units}.get(p.zero, 0) * (p.dp * p.cp > 1) + 2 * p.virtual_stages * (p.pp > 1)
-    compute = micro_batches * compute_micro
-    skew = cluster.skew_at(compute / (micro_batches * syncs_micro + 1)) * compute if world > 1 else 0.0
 
-    micro = compute_micro + tp_micro + cp_micro + ep_micro + pp_micro + zero3_micro
-    bubble = theoretical_bubble(p.schedule, p.pp, micro_batches, p.virtual_stages) if p.pp > 1 else 0.0
-    # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
-    pipeline = micro_batches * micro * (1 + bubble / (1 - bubble) / cluster.contention)
-    step = pipeline + reduce_exposed + gather_params + optimizer + skew + cluster.step_overhead_s
-    parts = {"matmul": matmul, "elementwise": elementwise, "overhead": overhead + cluster.step_overhead_s,
-             "tp": micro_batches * tp_micro,
-             "cp_ring": micro_batches * cp_micro, "ep_all_to_all": micro_batches * ep_micro,
-             "pp_send": micro_batches * pp_micro, "zero_exposed": micro_batches * zero3_micro + gather_params,
-             "dp_reduce": reduce_exposed, "bubble": pipeline - micro_batches * micro, "optimizer": optimizer,
-             "rank_skew": skew}
-    crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
-    return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": world, "micro_batches": micro_batches,
-            "memory": {"held": held, "transient": transient, "total": total, "rows": memory["bytes"],
-                       "headroom": cluster.usable_bytes - total,
-                       "stages": {name: stage["total"] for name, stage in stages.items()}},
-            "fits": total <= cluster.usable_bytes, "step_s": step, "parts": parts,
-            "tokens_per_s": tokens / step, "mfu": model_flops * tokens / step / (world * cluster.peak_flops),
-            "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+def rank_skew_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float) -> float:
+    """What waiting on the slower rank at each synchronization adds to the step (module docstring)."""
+    p, layers = cfg.parallel, work.layers
+    if work.world <= 1:
+        return 0.0
+    # synchronizations per micro-batch, and one per step: the gradient reduction
+    syncs_micro = work.tp_per_layer * layers * (p.tp > 1) + 3 * layers * (p.cp - 1) + \
+        4 * work.moe_layers * (p.ep > 1) + {3: 3 * work.units, 2: work.units}.get(p.zero, 0) * (p.dp * p.cp > 1) + \
+        2 * p.virtual_stages * (p.pp > 1)
+    compute = work.micro_batches * compute_micro
+    return cluster.skew_at(compute / (work.micro_batches * syncs_micro + 1)) * compute
 
 
 def reduction_rings(cfg: Config, cluster: Cluster):
