@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from mpitrain.config_rules import positive_degree
 from mpitrain.errors import MpitrainError
 from mpitrain.lab.command import lab_command
 from mpitrain.launcher import find_mpiexec, rank_environment, run_locations, warn_unset_threads
@@ -104,8 +105,7 @@ def train(config, overrides, run_dir, resume):
 @_user_errors
 def launch(n_ranks, max_restarts, config, train_args):
     """Run `mpitrain train CONFIG ...` on N local ranks through mpiexec, with BLAS threads set per rank."""
-    if n_ranks < 1:
-        raise MpitrainError(f"-n must be >= 1, got {n_ranks}")
+    positive_degree("-n", n_ranks, MpitrainError)
     if max_restarts < 0:
         raise MpitrainError(f"--max-restarts must be >= 0, got {max_restarts}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

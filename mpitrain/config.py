@@ -12,17 +12,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mpitrain.config_moe import validate_moe
+from mpitrain.config_rules import OPTIMIZERS, SCHEDULE_KINDS, positive_degree, require
 from mpitrain.errors import ConfigError
-from mpitrain.layers.moe_settings import validate_moe
 from mpitrain.layout_checks import (
-    _require,
     validate_context_parallel,
     validate_optimizer_layout,
     validate_pipeline,
     validate_tensor_parallel,
     validate_thread_replicas,
 )
-from mpitrain.parallel.schedule import SCHEDULE_KINDS
 
 
 @dataclass
@@ -38,7 +37,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    moe: dict = field(default_factory=dict)  # {experts, top_k, capacity_factor, aux_loss, z_loss, every}: layers/moe.py
+    moe: dict = field(default_factory=dict)  # {experts, top_k, capacity_factor, aux_loss, z_loss, every}: config_moe.py
 
     @property
     def kv_heads(self) -> int:
@@ -159,7 +158,7 @@ class FaultConfig:
 
 @dataclass
 class MemoryConfig:
-    """Memory savers (issue 11): each key says what it trades for memory."""
+    """Memory savers: each key says what it trades for memory."""
     offload: str = "none"  # none | host | disk: fp32 master weights and Adam moments off the device (state/offload.py)
     offload_dir: str = ""  # memory.offload = disk: one set of memory-mapped files per rank; "": RUN_DIR/offload
     offload_chunk_mb: float = 16.0  # offloaded state streams through the device in chunks of this size per array
@@ -202,8 +201,7 @@ ALLOWED = {
     "memory.recompute": ("none", "selective", "full"),
     "parallel.schedule": SCHEDULE_KINDS,
 }
-# Degrees that exist in the mesh but whose layers land in later issues: refuse them loudly instead of ignoring them.
-NOT_YET: dict = {}
+DEGREES = ("parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.cp", "parallel.ep")  # dp = 0: auto
 
 
 def _key(field_name: str) -> str:
@@ -302,26 +300,25 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 def validate(cfg: Config) -> None:
     """Checks that need no MPI: run on every rank before any collective, so a bad config never hangs a job.
 
-    Range checks are written `_require(value > 0)`, i.e. "refuse unless provably in range", so that NaN (for which
+    Range checks are written `require(value > 0)`, i.e. "refuse unless provably in range", so that NaN (for which
     every comparison is False) is refused by them too; infinities are refused first, for every float key."""
     _require_finite_floats(cfg)
     for key, allowed in ALLOWED.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        _require(value in allowed,
-                 f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
-    for key, what in NOT_YET.items():
-        value = getattr(cfg.parallel, key.split(".")[1])
-        _require(value == 1, f"config key {key} = {value}: {what} is not implemented yet; use {key} = 1")
+        require(value in allowed,
+                f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+    for key in DEGREES:
+        positive_degree(f"config key {key}", getattr(cfg.parallel, key.split(".")[1]))
     positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
-                "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "parallel.pp",
-                "parallel.virtual_stages", "model.rope_theta", "model.norm_eps", "precision.loss_scale_window",
-                "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps", "memory.offload_chunk_mb"]
+                "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "model.rope_theta", "model.norm_eps",
+                "precision.loss_scale_window", "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps",
+                "memory.offload_chunk_mb"]
     for key in positive:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        _require(value > 0, f"config key {key} must be > 0, got {value}")
+        require(value > 0, f"config key {key} must be > 0, got {value}")
     nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "parallel.microbatches", "train.eval_every",
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
@@ -331,34 +328,34 @@ def validate(cfg: Config) -> None:
     for key in nonneg:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        _require(value >= 0, f"config key {key} must be >= 0, got {value}")
+        require(value >= 0, f"config key {key} must be >= 0, got {value}")
     m = cfg.model
-    _require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
-    _require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
-    _require(m.n_head % m.kv_heads == 0,
-             f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
-    _require(m.arch == "llama" or m.kv_heads == m.n_head,
-             "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
+    require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
+    require(m.n_head % m.kv_heads == 0,
+            f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
+    require(m.arch == "llama" or m.kv_heads == m.n_head,
+            "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
     validate_moe(cfg)
     validate_thread_replicas(cfg)
-    _require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
-    _require(cfg.optim.name in ("adamw", "adafactor", "adam8bit", "sgd"),
-             f"config key optim.name = {cfg.optim.name!r}: expected adamw, adafactor, adam8bit or sgd")
-    _require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
-    _require(0 <= cfg.optim.adafactor_beta1 < 1,
-             f"config key optim.adafactor_beta1 = {cfg.optim.adafactor_beta1} must be in [0, 1)")
-    _require(cfg.optim.adafactor_momentum in ("int4", "full"),
-             f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
-    _require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
-    _require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
-    _require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
-             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
-             "by this factor), or 0 to turn straggler reports off")
-    _require(cfg.data.synthetic or cfg.data.path.strip() != "",
-             "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
+    require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
+    require(cfg.optim.name in OPTIMIZERS, f"config key optim.name = {cfg.optim.name!r}: expected "
+                                          f"{', '.join(OPTIMIZERS[:-1])} or {OPTIMIZERS[-1]}")
+    require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
+    require(0 <= cfg.optim.adafactor_beta1 < 1,
+            f"config key optim.adafactor_beta1 = {cfg.optim.adafactor_beta1} must be in [0, 1)")
+    require(cfg.optim.adafactor_momentum in ("int4", "full"),
+            f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
+    require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
+    require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+    require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
+            f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
+            "by this factor), or 0 to turn straggler reports off")
+    require(cfg.data.synthetic or cfg.data.path.strip() != "",
+            "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
 
 
 def _require_finite_floats(cfg: Config) -> None:
@@ -368,8 +365,8 @@ def _require_finite_floats(cfg: Config) -> None:
         for f in fields(section):
             value = getattr(section, f.name)
             if isinstance(value, float):
-                _require(math.isfinite(value), f"config key {section_name}.{_key(f.name)} = {value} must be a "
-                                               "finite number")
+                require(math.isfinite(value), f"config key {section_name}.{_key(f.name)} = {value} must be a "
+                                              "finite number")
 
 
 def resolve_layout(cfg: Config, world_size: int) -> None:
@@ -377,24 +374,24 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
     p = cfg.parallel
     others = p.tp * p.pp * p.cp
     if p.dp == 0:
-        _require(world_size % others == 0,
-                 f"world size {world_size} is not divisible by parallel.tp*pp*cp = {others}")
+        require(world_size % others == 0,
+                f"world size {world_size} is not divisible by parallel.tp*pp*cp = {others}")
         p.dp = world_size // others
     t = cfg.train
     per_step = p.dp * t.micro_batch
-    _require(t.global_batch % per_step == 0,
-             f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
-             f"{p.dp} * {t.micro_batch} = {per_step}; pick a global batch that is a multiple of {per_step}")
+    require(t.global_batch % per_step == 0,
+            f"train.global_batch = {t.global_batch} is not divisible by parallel.dp * train.micro_batch = "
+            f"{p.dp} * {t.micro_batch} = {per_step}; pick a global batch that is a multiple of {per_step}")
     micro_batches = t.global_batch // per_step
-    _require(p.microbatches in (0, micro_batches),
-             f"parallel.microbatches = {p.microbatches} does not match train.global_batch / (parallel.dp * "
-             f"train.micro_batch) = {t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro_batches} (pipeline "
-             f"micro-batches are the accumulation micro-batches); set parallel.microbatches = 0 or change "
-             f"train.micro_batch")
-    _require(p.schedule != "interleaved" or p.virtual_stages == 1 or micro_batches % p.pp == 0,
-             f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
-             f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
-             f"train.global_batch or train.micro_batch")
+    require(p.microbatches in (0, micro_batches),
+            f"parallel.microbatches = {p.microbatches} does not match train.global_batch / (parallel.dp * "
+            f"train.micro_batch) = {t.global_batch} / ({p.dp} * {t.micro_batch}) = {micro_batches} (pipeline "
+            f"micro-batches are the accumulation micro-batches); set parallel.microbatches = 0 or change "
+            f"train.micro_batch")
+    require(p.schedule != "interleaved" or p.virtual_stages == 1 or micro_batches % p.pp == 0,
+            f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
+            f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
+            f"train.global_batch or train.micro_batch")
     validate_optimizer_layout(cfg)
 
 

@@ -1,80 +1,71 @@
 """Config checks of the parallel layout that need no MPI (tensor, context and pipeline splits): what each way of
 splitting requires of the model's shape, refused with the key to change. Called by config.validate; the optimizer's
-check needs dp, so config.resolve_layout calls it (the trainer before any collective, the planner per layout)."""
+check needs dp, so config.resolve_layout calls it (the trainer before any collective, the planner per layout).
+Each takes the run's Config; this module does not import config.py, which imports it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from mpitrain.errors import ConfigError
-from mpitrain.layers.moe_settings import MoeSettings
-
-if TYPE_CHECKING:
-    from mpitrain.config import Config
+from mpitrain.config_moe import MoeSettings
+from mpitrain.config_rules import positive_degree, require
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def validate_tensor_parallel(cfg: Config) -> None:
+def validate_tensor_parallel(cfg) -> None:
     """What tensor parallelism splits must split evenly (the vocabulary need not: it is padded)."""
     m, t = cfg.model, cfg.parallel.tp
-    _require(t >= 1, f"config key parallel.tp must be >= 1, got {t}")
+    positive_degree("config key parallel.tp", t)
     for key, value in (("model.n_head", m.n_head), ("model.d_model", m.d_model), ("model.d_ff (MLP width)", m.ff_dim)):
-        _require(value % t == 0, f"{key} = {value} is not divisible by parallel.tp = {t} (tensor parallelism splits "
+        require(value % t == 0, f"{key} = {value} is not divisible by parallel.tp = {t} (tensor parallelism splits "
                                  f"it across the tp ranks); choose parallel.tp dividing {value}")
-    _require(m.kv_heads % t == 0 or t % m.kv_heads == 0,
-             f"model.n_kv_head = {m.kv_heads} and parallel.tp = {t}: key/value heads are split across the tp ranks "
-             f"when n_kv_head is a multiple of tp and replicated when tp is a multiple of n_kv_head; choose one")
-    _require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
-             f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
-             f"splits the sequence across the tp ranks)")
+    require(m.kv_heads % t == 0 or t % m.kv_heads == 0,
+            f"model.n_kv_head = {m.kv_heads} and parallel.tp = {t}: key/value heads are split across the tp ranks "
+            f"when n_kv_head is a multiple of tp and replicated when tp is a multiple of n_kv_head; choose one")
+    require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
+            f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
+            f"splits the sequence across the tp ranks)")
 
 
-def validate_context_parallel(cfg: Config) -> None:
+def validate_context_parallel(cfg) -> None:
     """parallel.cp = c cuts each sequence into 2c equal chunks (zig-zag: mpitrain/parallel/context.py)."""
     p, m = cfg.parallel, cfg.model
-    _require(p.cp >= 1, f"config key parallel.cp must be >= 1, got {p.cp}")
+    positive_degree("config key parallel.cp", p.cp)
     if p.cp == 1:
         return
-    _require(m.seq_len % (2 * p.cp) == 0,
-             f"model.seq_len = {m.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (context parallelism "
-             f"cuts each sequence into 2 cp chunks); choose parallel.cp with 2 cp dividing {m.seq_len}")
-    _require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
-             f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
-             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
-    _require(cfg.memory.recompute != "selective",
-             "memory.recompute = 'selective' recomputes the one-process attention core; with parallel.cp > 1 use "
-             "memory.recompute = 'full' or 'none'")
+    require(m.seq_len % (2 * p.cp) == 0,
+            f"model.seq_len = {m.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (context parallelism "
+            f"cuts each sequence into 2 cp chunks); choose parallel.cp with 2 cp dividing {m.seq_len}")
+    require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
+            f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
+            f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
+    require(cfg.memory.recompute != "selective",
+            "memory.recompute = 'selective' recomputes the one-process attention core; with parallel.cp > 1 use "
+            "memory.recompute = 'full' or 'none'")
     # train.device = 'cuda' is allowed: the ring's buffers are the backend's arrays end to end (ring_attention.py
     # and ContextParallel use array_module) and travel on the cp group's NCCL lanes, or host-staged through MPI.
 
 
-def validate_pipeline(cfg: Config) -> None:
+def validate_pipeline(cfg) -> None:
     """What the pipeline split needs, before the world size is known (the micro-batch count is checked in
     resolve_layout, once dp is)."""
     p, layers = cfg.parallel, cfg.model.n_layer
     stages = p.pp * p.virtual_stages
-    _require(p.virtual_stages == 1 or p.schedule == "interleaved",
-             f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' (got "
-             f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
-    _require(layers >= stages,
-             f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "
-             f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}): every stage needs a layer; lower parallel.pp "
-             f"or parallel.virtual_stages")
+    require(p.virtual_stages == 1 or p.schedule == "interleaved",
+            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' (got "
+            f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
+    require(layers >= stages,
+            f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "
+            f"parallel.virtual_stages = {p.pp} * {p.virtual_stages}): every stage needs a layer; lower parallel.pp "
+            f"or parallel.virtual_stages")
     if p.stage_layers:
-        _require(len(p.stage_layers) == stages,
-                 f"parallel.stage_layers has {len(p.stage_layers)} entries but there are {stages} pipeline stages "
-                 f"(parallel.pp * parallel.virtual_stages); give one layer count per stage")
-        _require(min(p.stage_layers) >= 1,
-                 f"parallel.stage_layers = {p.stage_layers} leaves a stage without layers; every stage needs one")
-        _require(sum(p.stage_layers) == layers,
-                 f"parallel.stage_layers = {p.stage_layers} sums to {sum(p.stage_layers)}, not model.n_layer = "
-                 f"{layers}")
+        require(len(p.stage_layers) == stages,
+                f"parallel.stage_layers has {len(p.stage_layers)} entries but there are {stages} pipeline stages "
+                f"(parallel.pp * parallel.virtual_stages); give one layer count per stage")
+        require(min(p.stage_layers) >= 1,
+                f"parallel.stage_layers = {p.stage_layers} leaves a stage without layers; every stage needs one")
+        require(sum(p.stage_layers) == layers,
+                f"parallel.stage_layers = {p.stage_layers} sums to {sum(p.stage_layers)}, not model.n_layer = "
+                f"{layers}")
 
 
-def validate_optimizer_layout(cfg: Config) -> None:
+def validate_optimizer_layout(cfg) -> None:
     """The lean optimizers whose run would depend on the layout (the house rule: every layout is the one-process run
     in float64), refused with the keys to change. Adafactor factors, clips and (4-bit) quantizes whole tensors: a
     ZeRO shard over several ranks cuts them (float64: 2.5e-5 off the one-process loss after one step at dp 2), a tp
@@ -85,23 +76,23 @@ def validate_optimizer_layout(cfg: Config) -> None:
     o, p = cfg.optim, cfg.parallel
     keep = "or optim.name = adamw"
     if o.name == "adafactor":
-        _require(p.zero == 0 or p.dp * p.cp == 1,
-                 f"optim.name = 'adafactor' with parallel.zero >= 1 over {p.dp * p.cp} ranks: ZeRO shards cut tensors, "
-                 f"and Adafactor's factored statistics and update clipping need whole ones (the run would not match "
-                 f"one process); set parallel.zero = 0 {keep}")
-        _require(p.tp == 1, f"optim.name = 'adafactor' with parallel.tp = {p.tp}: each tp rank holds a block of every "
-                            f"matrix, so its factored statistics and clipping would be the block's, not the tensor's "
-                            f"(the run would not match one process); set parallel.tp = 1 {keep}")
-        _require(p.ep == 1, f"optim.name = 'adafactor' with parallel.ep = {p.ep}: update clipping per tensor would "
-                            f"see only this rank's experts (the run would not match one process); set parallel.ep = "
-                            f"1 {keep}")
+        require(p.zero == 0 or p.dp * p.cp == 1,
+                f"optim.name = 'adafactor' with parallel.zero >= 1 over {p.dp * p.cp} ranks: ZeRO shards cut tensors, "
+                f"and Adafactor's factored statistics and update clipping need whole ones (the run would not match "
+                f"one process); set parallel.zero = 0 {keep}")
+        require(p.tp == 1, f"optim.name = 'adafactor' with parallel.tp = {p.tp}: each tp rank holds a block of every "
+                           f"matrix, so its factored statistics and clipping would be the block's, not the tensor's "
+                           f"(the run would not match one process); set parallel.tp = 1 {keep}")
+        require(p.ep == 1, f"optim.name = 'adafactor' with parallel.ep = {p.ep}: update clipping per tensor would "
+                           f"see only this rank's experts (the run would not match one process); set parallel.ep = "
+                           f"1 {keep}")
     if o.name == "adam8bit":
-        _require(p.tp == 1, f"optim.name = 'adam8bit' with parallel.tp = {p.tp}: tensor-parallel pieces are strided "
-                            f"in their tensors and would cut its quantization blocks (the run would not match one "
-                            f"process); set parallel.tp = 1 {keep}")
+        require(p.tp == 1, f"optim.name = 'adam8bit' with parallel.tp = {p.tp}: tensor-parallel pieces are strided "
+                           f"in their tensors and would cut its quantization blocks (the run would not match one "
+                           f"process); set parallel.tp = 1 {keep}")
 
 
-def thread_replica_blockers(cfg: Config) -> list[str]:
+def thread_replica_blockers(cfg) -> list[str]:
     """What keeps a rank from splitting its micro-batches' rows over threads (mpitrain/parallel/replicas.py): layers
     that communicate inside forward and backward (tp, cp, MoE's all-to-all and auxiliary losses), parameters gathered
     per unit (ZeRO-3), a pipeline's sends between units, and arrays on a GPU (one stream already fills it)."""
@@ -112,10 +103,10 @@ def thread_replica_blockers(cfg: Config) -> list[str]:
     return [what for allowed, what in checks if not allowed]
 
 
-def validate_thread_replicas(cfg: Config) -> None:
+def validate_thread_replicas(cfg) -> None:
     """train.thread_replicas > 1 asks for replicas; refused with the reason where the layout has none."""
     asked, blockers = cfg.train.thread_replicas, thread_replica_blockers(cfg)
-    _require(asked <= 1 or not blockers,
-             f"train.thread_replicas = {asked} with {', '.join(blockers)}: thread replicas run one whole pipeline "
-             f"stage on one CPU, without tensor, context or expert parallelism and without ZeRO-3; set "
-             f"train.thread_replicas = 0 (auto: replicas where the layout allows) or 1")
+    require(asked <= 1 or not blockers,
+            f"train.thread_replicas = {asked} with {', '.join(blockers)}: thread replicas run one whole pipeline "
+            f"stage on one CPU, without tensor, context or expert parallelism and without ZeRO-3; set "
+            f"train.thread_replicas = 0 (auto: replicas where the layout allows) or 1")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from mpitrain.config import ModelConfig, load_config, resolve_layout
+from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.moe import MoE, inactive_params
-from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.layers.tensor_parallel import TensorParallel
 
 
@@ -148,7 +148,7 @@ from mpi4py import MPI
 from mpitrain.comm.mesh import Mesh
 from mpitrain.config import ModelConfig
 from mpitrain.layers.moe import MoE
-from mpitrain.layers.moe_settings import MoeSettings
+from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.layers.expert_parallel import ExpertParallel
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from mpitrain.comm.group import Group
 from mpitrain.comm.nodes import NodeLayout, discover_nodes
 from mpitrain.comm.operations import ProgressRecord
+from mpitrain.config_rules import positive_degree
 from mpitrain.errors import LayoutError
 
 GROUP_KINDS = ("world", "dp", "tp", "pp", "cp", "ep", "expert_dp", "dp_cp")
@@ -51,8 +52,7 @@ class Coordinates(NamedTuple):
 def validate_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Degrees:
     """Check the degrees against the world size before any collective; raise LayoutError naming what to change."""
     for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise LayoutError(f"parallel.{key} must be a positive integer, got {value!r}")
+        positive_degree(f"parallel.{key}", value, LayoutError)
     product = dp * tp * pp * cp
     if product != world_size:
         raise LayoutError(

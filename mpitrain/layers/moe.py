@@ -34,10 +34,10 @@ import math
 import numpy as np
 
 from mpitrain.backend import array_module, to_host
+from mpitrain.config_moe import MoeSettings
 from mpitrain.layers import ops
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.mlp import MLP
-from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.state.params import ParamSpec
 
 

@@ -33,10 +33,11 @@ import numpy as np
 
 from mpitrain.backend import make_backend
 from mpitrain.config import ModelConfig
+from mpitrain.config_moe import MoeSettings
 from mpitrain.layers import ops
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.lora import apply_lora, with_frozen_sinks
-from mpitrain.layers.moe import MoeSettings, inactive_params
+from mpitrain.layers.moe import inactive_params
 from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head

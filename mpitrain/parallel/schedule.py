@@ -46,9 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from mpitrain.config_rules import SCHEDULE_KINDS, positive_degree
 from mpitrain.errors import ConfigError
-
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")
 
 COMPUTE_OPS = ("forward", "backward", "backward_input", "backward_weight")
 COMM_OPS = ("recv_forward", "send_forward", "recv_backward", "send_backward")
@@ -254,8 +253,7 @@ def _check_args(kind: str, p: int, m: int, v: int) -> None:
     if kind not in SCHEDULE_KINDS:
         raise ScheduleArgumentError(f"parallel.schedule must be one of {', '.join(SCHEDULE_KINDS)}; got {kind!r}")
     for key, value in (("parallel.pp", p), ("parallel.microbatches", m), ("parallel.virtual_stages", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleArgumentError(f"{key} must be a positive integer, got {value!r}")
+        positive_degree(key, value, ScheduleArgumentError)
     if v > 1 and kind != "interleaved":
         raise ScheduleArgumentError(f"parallel.virtual_stages = {v} needs parallel.schedule = 'interleaved' "
                                     f"(got {kind!r}); set parallel.virtual_stages = 1 or change the schedule")

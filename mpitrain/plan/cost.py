@@ -49,8 +49,7 @@ from mpitrain.config import (
     validate_pipeline,
     validate_tensor_parallel,
 )
-from mpitrain.layers.moe import MoeSettings
-from mpitrain.layers.moe_settings import validate_moe
+from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.plan.clusters import Cluster, Link

@@ -30,8 +30,8 @@ import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.config import Config
+from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.moe import rank_experts
-from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.model.gpt import moe_note
 from mpitrain.optim.footprint import optimizer_row
 from mpitrain.state.frozen import split_frozen

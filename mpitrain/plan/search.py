@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 
 from mpitrain.config import Config, to_toml
+from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
-from mpitrain.layers.moe_settings import MoeSettings
 from mpitrain.plan.clusters import Cluster
 from mpitrain.plan.cost import Layout, estimate, layout_config
 

@@ -1,0 +1,23 @@
+"""What the config checks share (no MPI, no arrays): the names some keys take, and the two ways a value is refused,
+`require` for any condition and `positive_degree` for a parallel degree or a count of ranks."""
+from __future__ import annotations
+
+from mpitrain.errors import ConfigError
+
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")  # parallel.schedule (mpitrain/parallel/schedule.py)
+OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")  # optim.name (mpitrain/optim/factory.py)
+
+
+def require(cond: bool, message: str) -> None:
+    """Refuse unless `cond` holds: written as "refuse unless provably in range", so NaN (every comparison False)
+    is refused too."""
+    if not cond:
+        raise ConfigError(message)
+
+
+def positive_degree(key: str, value, error: type[Exception] = ConfigError) -> int:
+    """A parallel degree (or a number of ranks) is a positive integer; `error` names `key` otherwise. The callers
+    differ only in the error they raise (a config key, a layout, a schedule, a command-line flag)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise error(f"{key} must be a positive integer, got {value!r}")
+    return value
