@@ -24,7 +24,7 @@ import os
 import numpy as np
 
 from mpitrain.comm.group import Group
-from mpitrain.comm.nccl_group import NcclGroup
+from mpitrain.comm.nccl_group import NcclGroup, StagedRequest
 from mpitrain.comm.operations import Handle
 from mpitrain.errors import ConfigError
 
@@ -164,28 +164,6 @@ def make_group_factory(collectives: str, device: str, say=None):
     return make_group
 
 
-# ---- requests: what a staged Handle waits on ------------------------------------------------------------------
-class _StagedRequest:
-    """An MPI handle on host copies; the copies go back into the device buffers when it completes."""
-
-    def __init__(self, runtime, handle: Handle, copy_back):
-        self._runtime, self._handle, self._copy_back = runtime, handle, list(copy_back)
-
-    def Test(self) -> bool:
-        if self._handle.test():
-            self._finish()
-        return self._handle.done and not self._copy_back
-
-    def Wait(self) -> None:
-        self._handle.wait()
-        self._finish()
-
-    def _finish(self) -> None:
-        for target, source in self._copy_back:
-            self._runtime.copy_into(target, source)
-        self._copy_back = []
-
-
 def _is_array(value) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
@@ -213,7 +191,7 @@ class HostStagedGroup(Group):
                 copy_back.append((value, args[i]))
         result = getattr(Group, method)(self, *args, **kwargs)
         if isinstance(result, Handle):
-            return Handle(_StagedRequest(self.runtime, result, copy_back), ())
+            return Handle(StagedRequest(self.runtime, result, copy_back), ())
         for target, source in copy_back:
             self.runtime.copy_into(target, source)
         return result

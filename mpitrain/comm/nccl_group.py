@@ -36,6 +36,28 @@ def nccl_dtype(dtype, reducing: bool) -> tuple[int, int]:
 
 
 # ---- requests: what a Handle waits on ---------------------------------------------------------------------------
+class StagedRequest:
+    """An MPI handle on host copies; the copies go back into the device buffers when it completes (MPI point-to-point
+    without an NCCL lane here, every operation of nccl.py's HostStagedGroup)."""
+
+    def __init__(self, runtime, handle: Handle, copy_back):
+        self._runtime, self._handle, self._copy_back = runtime, handle, list(copy_back)
+
+    def Test(self) -> bool:
+        if self._handle.test():
+            self._finish()
+        return self._handle.done and not self._copy_back
+
+    def Wait(self) -> None:
+        self._handle.wait()
+        self._finish()
+
+    def _finish(self) -> None:
+        for target, source in self._copy_back:
+            self._runtime.copy_into(target, source)
+        self._copy_back = []
+
+
 class _EventRequest:
     """Completion of work queued on a stream: `event` recorded after it; host buffers copied back once done."""
 
@@ -301,8 +323,7 @@ class NcclGroup(Group):
         if handle is None:  # blocking recv into a device buffer
             self.runtime.copy_into(buf, host)
             return None
-        from mpitrain.comm.nccl import _StagedRequest
-        return Handle(_StagedRequest(self.runtime, handle, [(buf, host)]), ())
+        return Handle(StagedRequest(self.runtime, handle, [(buf, host)]), ())
 
 
 # ---- the end of a process: every live group's communicators destroyed (at exit) or aborted (by the watchdog) --------
