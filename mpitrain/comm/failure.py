@@ -1,4 +1,4 @@
-"""No silent hangs (design decision 9): an exception on any rank ends the whole job.
+"""No silent hangs (docs/architecture.md, Failure handling): an exception on any rank ends the whole job.
 
 If one rank raises while the others wait in a collective, they would wait forever. `abort_on_error` prints which
 rank failed and why, then calls `comm.Abort`, which makes mpiexec kill every rank.

@@ -1,4 +1,5 @@
-"""No silent hangs (design decision 9): a watchdog thread per rank aborts the job when an operation does not finish.
+"""No silent hangs (docs/architecture.md, Failure handling): a watchdog thread per rank aborts the job when an
+operation does not finish.
 
 Every second or so the thread publishes the rank's progress record (operations.py) as its heartbeat. When the
 operation this rank waits on is older than `fault.timeout_s`, it reads its peers' heartbeats twice, a few beats
