@@ -174,3 +174,46 @@ def test_frozen_tensors_get_no_gradient_no_optimizer_state_and_stay_put(compute)
         assert held["moments"] <= trainable // shards + 2 * (n - 1), (stage, held)  # padding: n-1 per unit
         assert held["grads"] <= (trainable // (n if stage in "23" else 1) + 2 * (n - 1)) * itemsize, (stage, held)
         assert held["checkpointed"] == frozen
+
+
+HELD_GRADS_JOB = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import nbytes_of
+from mpitrain.config import load_config
+from mpitrain.train import Trainer
+world = MPI.COMM_WORLD
+out = {}
+for lora in (False, True):
+    overrides = ["data.synthetic=true", "logging.peak_flops=1e9", "parallel.pp=2", "parallel.dp=2",
+                 "parallel.zero=3", "train.micro_batch=1", "train.global_batch=8"] + (LORA if lora else [])
+    trainer = Trainer(load_config("configs/tiny.toml", overrides), world)
+    zero, model, held = trainer.state, trainer.pipeline.model, []
+    zero = getattr(zero, "inner", zero)
+    backward = model.backward
+
+    def counting_backward(*args, **kwargs):
+        result = backward(*args, **kwargs)  # one chunk of one micro-batch: its units are done
+        held.append(zero.grads.nbytes + nbytes_of([buffer.data for buffer in zero.grads.in_backward.values()]))
+        return result
+
+    model.backward = counting_backward
+    trainer.train_step(0)
+    full = zero.geometry.size * np.dtype(zero.backend.dtype).itemsize  # the whole trainable gradient, what DP holds
+    out[str(lora)] = world.gather((held, zero.grads.nbytes, full, trainer.accumulation))
+if world.rank == 0:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_lora_under_zero3_and_pp_frees_each_micro_batch_gradient_as_zero3_does():
+    """Frozen tensors (LoRA's base) must not change how often a sharding state reduces: under ZeRO-3 every
+    micro-batch's gradient is reduce-scattered and freed as its backward ends, so a rank holds only its gradient
+    shard after each one, with LoRA as without it; never the whole gradient data parallelism keeps."""
+    from tests.test_lora import LORA
+    results = run_python_mpi_results(4, HELD_GRADS_JOB.replace("LORA if", f"{LORA!r} if"), timeout=180)
+    for lora, ranks in results.items():
+        for held, shard, full, micro_batches in ranks:
+            assert len(held) == micro_batches > 1, (lora, held)
+            assert held == [shard] * micro_batches and shard < full, (lora, held, shard, full)

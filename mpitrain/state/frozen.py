@@ -24,6 +24,7 @@ def split_frozen(layouts: list[UnitLayout]) -> tuple[list[UnitLayout], list[Unit
 class WithFrozen(StateStrategy):
     def __init__(self, inner: StateStrategy, frozen_layouts: list[UnitLayout], backend, seed: int | None):
         self.inner, self.group, self.sharded = inner, inner.group, inner.sharded
+        self.reduces_every_micro_batch = inner.reduces_every_micro_batch
         self.frozen = FlatBuffer.allocate(frozen_layouts, backend.xp, backend.dtype)
         if seed is not None:
             initialise(self.frozen, seed, backend)

@@ -58,6 +58,7 @@ class ReplicatedState(StateStrategy):
     `group` is the data-parallel group (None: a single process, e.g. generation)."""
 
     sharded = False
+    reduces_every_micro_batch = False  # the full gradient accumulates; the last micro-batch all-reduces it
 
     def __init__(self, layouts, backend, seed: int | None, group=None, bucket_bytes: int = 4 << 20,
                  overlap: bool = True, grad_reduce: str = "float32", placement=None, other_groups=None):

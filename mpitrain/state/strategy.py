@@ -46,6 +46,9 @@ class ShardLayout:
 class StateStrategy(abc.ABC):
     group: object  # the data-parallel group gradients are reduced over (None: a single process)
     sharded: bool  # gradients (and optimizer state) are split over `group`: scalar sums must be added up over it
+    # True: every micro-batch's gradients are reduced (and freed) as its backward finishes them, so `unit_done` must
+    # be called after each; False: they accumulate locally and only the last micro-batch's `unit_done` reduces
+    reduces_every_micro_batch: bool
 
     # -- what the model calls
     @abc.abstractmethod

@@ -270,6 +270,11 @@ class ZeroState(StateStrategy):
         start = (0 if local else self.geometry.unit_range(part)[0]) + self.group_of(part).rank * self.shard_sizes[part]
         return start, start + self.shard_sizes[part]
 
+    @property
+    def reduces_every_micro_batch(self) -> bool:
+        """Stages 2 and 3: each micro-batch's full gradient is reduce-scattered and freed (stage 1 keeps it)."""
+        return self.grads.every_micro_batch
+
     def master_shard(self, part: int):
         return self.params.shard(part) if self.master is None else self.shard_of(self.master, part)
 
