@@ -17,24 +17,22 @@ reduction, so that the communication overlaps the matmuls); with one (zero-bubbl
 fresh buffer after each reduce-scatter). Bias gradients are cheap and always taken at once.
 
 Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
-`with_bias=False` leaves a column-parallel linear's biases, their add and their gradient, to the caller (the gpt2
-MLP adds b_fc inside GELU's tiles, ops.cpu_fusions_apply).
 `adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms.
 """
 from __future__ import annotations
+
+import itertools
 
 from mpitrain.layers import ops
 from mpitrain.layers.tensor_parallel import TensorParallel
 
 
 def run_weight_grads(work, grads) -> None:
-    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). A tuple
-    of names: weights sharing x whose output gradients lie side by side in dy, one product for all."""
-    for name, x, dy in work:
-        if isinstance(name, tuple):
-            ops.add_weight_grads_side_by_side([grads[n] for n in name], x, dy)
-        else:
-            ops.add_weight_grad(grads[name], x, dy)
+    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). Items in
+    a row that share x go to the op together: one product for all where their dy lie side by side (Q/K/V)."""
+    for _, group in itertools.groupby(work, key=lambda item: id(item[1])):
+        group = list(group)
+        ops.add_weight_grads([grads[name] for name, _, _ in group], group[0][1], [dy for _, _, dy in group])
 
 
 def weight_grads(work, grads, deferred, tp) -> None:
@@ -53,34 +51,28 @@ class ColumnParallelLinear:
         self.biases = list(biases) if biases else [None] * len(self.weights)
         self.adapters: dict = {}
 
-    def forward(self, p, x, with_bias: bool = True):
+    def forward(self, p, x):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         h = self.tp.enter(x)
-        outputs = [ops.linear_forward(h, p[w], p[b] if b and with_bias else None)[0]
+        outputs = [ops.linear_forward(h, p[w], p[b] if b else None)[0]
                    for w, b in zip(self.weights, self.biases)]
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(p, h, y)
         return outputs, h
 
-    def backward(self, p, g, h, output_grads, deferred=None, with_bias: bool = True):
+    def backward(self, p, g, h, output_grads, deferred=None):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
-        # the attention core writes Q/K/V's gradients side by side: then one product for dx and one for the weights
-        combined = ops.side_by_side(output_grads) if ops.cpu_fusions_apply(h) else None
-        weights = [p[w] for w in self.weights]
-        dh = (ops.linear_input_grad_side_by_side(weights, combined) if combined is not None
-              else ops.linear_input_grad(weights, output_grads))
+        dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
         for w, dy in zip(self.weights, output_grads):
             if w in self.adapters:
                 dh += self.adapters[w].backward(p, g, h, dy, deferred)
         pending = self.tp.start_enter_backward(dh)
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
-                if bias and with_bias:
+                if bias:
                     ops.add_bias_grad(g[bias], dy)
-            work = ([(tuple(self.weights), h, combined)] if combined is not None
-                    else [(w, h, dy) for w, dy in zip(self.weights, output_grads)])
-            weight_grads(work, g, deferred, self.tp)
+            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:

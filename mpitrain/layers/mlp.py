@@ -25,32 +25,24 @@ class MLP:
         self.specs.append(split_spec(down, (f, c), 0, tp, "normal", out_std))
         if not self.gated:
             self.specs += [split_spec("b_fc", (f,), 0, tp, "zeros"), ParamSpec("b_proj", (c,), "zeros")]
-        self.up = ColumnParallelLinear(tp, c, ups, None if self.gated else ["b_fc"])
+        self.up = ColumnParallelLinear(tp, c, ups)  # gpt2's b_fc joins GELU (ops.gelu_forward)
         self.down = RowParallelLinear(tp, self.local_width, down, None if self.gated else "b_proj")
         self.partial_grads: list[str] = []
 
     def forward(self, p, x, ctx=None):
-        if self.gated:
-            ups, h = self.up.forward(p, x)
-            act, act_saved = ops.swiglu_forward(*ups)
-        else:  # where the CPU fusions apply, b_fc is added inside GELU's tiles (one pass fewer)
-            in_tiles = ops.cpu_fusions_apply(x)
-            ups, h = self.up.forward(p, x, with_bias=not in_tiles)
-            act, act_saved = ops.gelu_forward(ups[0], p["b_fc"]) if in_tiles else ops.gelu_forward(ups[0])
+        ups, h = self.up.forward(p, x)
+        act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0], p["b_fc"])
         y, act = self.down.forward(p, act)
         return y, {"up": h, "activation": act_saved, "down": act}
 
     def backward(self, p, g, s, dy, deferred=None):
         d_act = self.down.backward(p, g, s["down"], dy, deferred)
         if self.gated:
-            d_ups = ops.swiglu_backward(s["activation"], d_act)
-            return self.up.backward(p, g, s["up"], list(d_ups), deferred)
-        # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp; b_fc's gradient
-        # is summed in GELU's tiles when forward added it there
-        in_tiles = ops.cpu_fusions_apply(s["activation"])
-        db = g["b_fc"] if in_tiles and self.up.trainable else None
-        d_fc = ops.gelu_backward_from_output(s["activation"], s["down"], d_act, db)
-        return self.up.backward(p, g, s["up"], [d_fc], deferred, with_bias=not in_tiles)
+            d_ups = list(ops.swiglu_backward(s["activation"], d_act))
+        else:  # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp
+            db = g["b_fc"] if self.up.trainable else None
+            d_ups = [ops.gelu_backward_from_output(s["activation"], s["down"], d_act, db)]
+        return self.up.backward(p, g, s["up"], d_ups, deferred)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, the activation's input(s) and its output."""

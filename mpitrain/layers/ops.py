@@ -42,13 +42,19 @@ def linear_forward(x, w, b=None):
     return y.reshape(*x.shape[:-1], w.shape[1]), x
 
 
-def side_by_side(arrays):
-    """The one array of which `arrays` are consecutive column blocks, in order (numpy views of one buffer with the
-    same row strides: the gradients the attention core writes for Q/K/V), else None. The column-parallel linear's
-    backward then makes one product for dx and one for the weight gradients where it would make one per weight
-    (measured on the 2-core VM: QKV's backward 5% faster)."""
+@computes_in_float32()
+def _add_bias(x, b):
+    return x + b
+
+
+def _side_by_side(arrays):
+    """The one array of which `arrays` are consecutive column blocks, in order (float32/float64 numpy views of one
+    buffer with the same row strides: the gradients the attention core writes for Q/K/V), else None. Linears sharing
+    their input then make one product for the input gradient and one for the weight gradients, where they would make
+    one per weight. bf16/fp16 keep one fp32 op per linear (each stored value rounded once), CuPy its own kernels."""
     first = arrays[0]
-    if len(arrays) < 2 or _xp(first) is not np or first.base is None or first.strides[-1] != first.itemsize:
+    if (len(arrays) < 2 or _xp(first) is not np or low_precision_dtype((first,)) is not None or first.base is None
+            or first.strides[-1] != first.itemsize):
         return None
     pointer = first.__array_interface__["data"][0]
     for array in arrays:
@@ -65,7 +71,11 @@ def side_by_side(arrays):
 @gpu_twin_in_low_precision(fused.linear_input_grad)
 @computes_in_float32()
 def linear_input_grad(weights, output_grads):
-    """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up)."""
+    """sum_i dy_i w_i^T: the input gradient of linears that share one input (Q/K/V, gate/up); one product, with the
+    weights side by side, where the dy_i lie side by side in one buffer."""
+    combined = _side_by_side(output_grads)
+    if combined is not None:
+        weights, output_grads = [np.concatenate(weights, axis=1)], [combined]
     dx = None
     for w, dy in zip(weights, output_grads):
         part = _rows(dy) @ w.T
@@ -82,14 +92,15 @@ def add_weight_grad(dw, x, dy) -> None:
     dw += _rows(x).T @ _rows(dy)
 
 
-def linear_input_grad_side_by_side(weights, dy):
-    """linear_input_grad for dy = side_by_side(dy_i): one product, with the weights side by side."""
-    return linear_input_grad([np.concatenate(weights, axis=1)], [dy])
-
-
-def add_weight_grads_side_by_side(dws, x, dy) -> None:
-    """dws[i] += x^T dy_i for dy = side_by_side(dy_i): one product, its column blocks added to each dw."""
-    full = _rows(x).T @ _rows(dy)
+def add_weight_grads(dws, x, output_grads) -> None:
+    """dws[i] += x^T dy_i for linears that share the input x: one product where the dy_i lie side by side in one
+    buffer, its column blocks added to each dw; else one add_weight_grad per weight, in order."""
+    combined = _side_by_side(output_grads)
+    if combined is None:
+        for dw, dy in zip(dws, output_grads):
+            add_weight_grad(dw, x, dy)
+        return
+    full = _rows(x).T @ _rows(combined)
     start = 0
     for dw in dws:
         dw += full[:, start:start + dw.shape[1]]
@@ -243,21 +254,22 @@ def _quiet_overflow(xp):
     return np.errstate(over="ignore") if xp is np else contextlib.nullcontext()
 
 
-def cpu_fusions_apply(x) -> bool:
-    """Whether the CPU fusions apply to activations like x (float32/float64 numpy): the weight gradients of linears
-    sharing their input as one product (side_by_side), and GELU taking the preceding linear's bias (added, and its
-    gradient summed, inside the tiles: two passes fewer over the (tokens, ff) activations). bf16/fp16 keep one fp32
-    op per linear (each stored value rounded once, as before), CuPy its own kernels."""
-    return _xp(x) is np and low_precision_dtype((x,)) is None
-
-
 @gpu_twin(fused.gelu_forward)
-@computes_in_float32()
 def gelu_forward(x, bias=None):
-    """GELU, tanh approximation (GPT-2). Saves only x; the exp is recomputed in backward (memory over speed).
+    """GELU (tanh approximation, GPT-2) of x + bias. Saves only the pre-activation; the exp is recomputed in backward
+    (memory over speed).
 
-    bias (only where cpu_fusions_apply(x)): x is the preceding linear's product without its bias; the bias is
-    added in place, so x holds (and saves) the pre-activation as usual."""
+    bias: the preceding linear's, left out of its product. float32/float64 add it in place inside GELU's tiles, so
+    x, that linear's fresh output, becomes (and is saved as) the pre-activation: two passes fewer over the (tokens,
+    ff) activations; gelu_backward_from_output sums its gradient in its tiles likewise. bf16/fp16 add it first, an
+    op of its own (its output rounded once, as every op's)."""
+    if bias is not None and low_precision_dtype((x,)) is not None:
+        x, bias = _add_bias(x, bias), None
+    return _gelu_forward(x, bias)
+
+
+@computes_in_float32()
+def _gelu_forward(x, bias):
     xp = _xp(x)
     xr = _rows(x)
     y = xp.empty(xr.shape, x.dtype)
