@@ -77,7 +77,8 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep large freed blocks instead of returning them to the OS.
 
     Every forward/backward op makes temporaries of several MB; by default each comes fresh from the kernel as
-    zeroed pages (~30,000 page faults per step of the benchmark model), which costs ~15-20% of a CPU step.
+    zeroed pages, a page fault per page, a sizeable share of a CPU step (benchmarks/README.md, "Measurements
+    behind the CPU kernels").
     Returns False where the C library is not glibc (nothing changes there)."""
     import ctypes
     import ctypes.util

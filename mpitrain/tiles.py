@@ -10,11 +10,11 @@ its own rows, and per-tile partial sums (weight gradients of the norms) are adde
 The thread count is MPITRAIN_THREADS, else as many as BLAS was given (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, the
 cores the rank owns), so one rank per core runs no pool and one rank with N cores spreads its tiles over N threads.
 The pool pays only because mpitrain/__init__.py shortens OpenBLAS's spin-wait (OPENBLAS_THREAD_TIMEOUT): after each
-product OpenBLAS's idle threads otherwise spin for ~0.1 s on the very cores the tile threads need (measured on the
-2-core VM, 1 rank x 2 threads: pool with the default spin 0.58 s a step, no pool 0.54 s, pool with the short spin
-0.46 s). OpenBLAS reads the variable when numpy loads it: in a program that imported numpy first, mpitrain has OpenBLAS
+product OpenBLAS's idle threads otherwise spin for ~0.1 s on the very cores the tile threads need, and the pool then
+loses more than it gains (the measurements are in benchmarks/README.md, "Measurements behind the CPU kernels").
+OpenBLAS reads the variable when numpy loads it: in a program that imported numpy first, mpitrain has OpenBLAS
 re-read it and restart its threads (restart_openblas_threads); where that is not possible the pool stays off by
-default (with the long spin, one op at a time: GELU 0.87x, layer norm 0.94x with the pool against without).
+default.
 CuPy arrays are never tiled: the callers hand them to one call. A rank that runs thread replicas
 (mpitrain/parallel/replicas.py) has each replica thread run its own tiles (`inline`): each owns a core already.
 """
@@ -183,7 +183,3 @@ def for_each_tile(n_rows: int, rows_per_tile: int, work) -> None:
             work(tile, start, min(start + rows_per_tile, n_rows))
 
     parallel_for(n_tiles, run)
-
-
-def is_numpy(*arrays) -> bool:
-    return all(type(a).__module__.split(".")[0] == "numpy" for a in arrays)

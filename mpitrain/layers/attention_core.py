@@ -4,8 +4,8 @@ one to).
 
 The work is cut into blocks of QUERY_BLOCK query rows. For each block, one np.matmul runs over a 3-D stack of every
 (batch row, head) pair of a chunk of batch rows, so a step makes a few BLAS calls per block instead of one per pair
-and block, and the softmax's elementwise passes run over the whole stack at once (on the 2-core VM OpenBLAS is slow
-on the small (128 x 64)(64 x keys) products, and Python overhead per product was a large part of the time).
+and block, and the softmax's elementwise passes run over the whole stack at once (OpenBLAS is slow on small
+(128 x 64)(64 x keys) products, and Python's overhead per product adds up).
 
 A block skips the keys its bias masks for every row of the block (the causal future: about half of the work); those
 probabilities are exact zeros, and backward skips the same columns (the spans travel in the saved state). The bias

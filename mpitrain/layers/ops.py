@@ -1,14 +1,17 @@
 """Transformer operations as forward/backward pairs over `xp` arrays.
 
-Convention (design decision 1): `y, saved = op_forward(..., x)` returns the output and exactly what backward needs;
-`dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the given arrays in
-place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what `saved` holds.
-Linear weights are stored (in_features, out_features), so forward is `x @ w`. The ops that talk to other ranks when
-a layer is split (embedding, loss) live in mpitrain/layers/tensor_parallel.py, and the linears' collectives in
-mpitrain/layers/linear.py; with one rank they are the plain ops.
+Convention (docs/architecture.md, Layers): `y, saved = op_forward(..., x)` returns the output and exactly what
+backward needs; `dx = op_backward(saved, ..., dy)` returns the input gradient and ADDS parameter gradients into the
+given arrays in place (so micro-batches accumulate). Nothing is cached anywhere else: activation memory is what
+`saved` holds. Linear weights are stored (in_features, out_features), so forward is `x @ w`. The ops that talk to
+other ranks when a layer is split (embedding, loss) live in mpitrain/layers/tensor_parallel.py, and the linears'
+collectives in mpitrain/layers/linear.py; with one rank they are the plain ops.
 
 Every op computes in float32 when handed bfloat16/float16 arrays and rounds its outputs back (the one cast rule, in
-mpitrain/layers/precision.py); float32/float64 arrays pass through untouched.
+mpitrain/layers/precision.py); float32/float64 arrays pass through untouched. CuPy arrays go to the fused twin an op
+names in its `gpu_twin` decorator (mpitrain/kernels). The CPU fusions live inside the ops, so the layers have no CPU
+branch: GELU takes the preceding linear's bias into its tiles, and the linears sharing an input make one product
+where their output gradients lie side by side.
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ def add_bias_grad(db, dy) -> None:
 def scatter_add_rows(table, rows, values) -> None:
     """table[rows[i]] += values[i] for every i, a repeated row getting the sum (np.add.at's result). On numpy the
     values are sorted by row (stably: each row's sum runs in index order), summed per row by one reduceat and added
-    once per row: 3x faster than np.add.at for an embedding's (tokens, width) gradient."""
+    once per row: much faster than np.add.at for an embedding's (tokens, width) gradient."""
     xp = _xp(table)
     if xp is not np or rows.size == 0:
         xp.add.at(table, rows, values)

@@ -136,8 +136,8 @@ class TensorParallel:
         return gather_from_sp_forward(self, x) if self.sequence_parallel else copy_to_tp_forward(self, x)
 
     def start_enter_backward(self, dx) -> Pending:
-        """Gradient of `enter`, started without waiting (the non-blocking form of copy_to_tp_backward or
-        gather_from_sp_backward): all-reduce, or reduce-scatter to this rank's sequence chunk."""
+        """Gradient of `enter`, started without waiting (copy_to_tp's or gather_from_sp's backward in the table
+        above): all-reduce, or reduce-scatter to this rank's sequence chunk."""
         if self.sequence_parallel:
             return self.start_reduce_scatter_sequence(dx)
         return self.start_all_reduce(dx)
@@ -188,10 +188,6 @@ def copy_to_tp_forward(tp: TensorParallel, x):
     return x
 
 
-def copy_to_tp_backward(tp: TensorParallel, dx):
-    return tp.all_reduce(dx)
-
-
 def reduce_from_tp_forward(tp: TensorParallel, y):
     return tp.all_reduce(y)
 
@@ -202,10 +198,6 @@ def reduce_from_tp_backward(tp: TensorParallel, dy):
 
 def gather_from_sp_forward(tp: TensorParallel, x):
     return tp.gather_sequence(x)
-
-
-def gather_from_sp_backward(tp: TensorParallel, dy):
-    return tp.reduce_scatter_sequence(dy)
 
 
 def scatter_to_sp_forward(tp: TensorParallel, y):
