@@ -89,9 +89,9 @@ class MoE:
         self.partial_grads: list[str] = []
 
     # -- routing (every tp rank the same)
-    def _route(self, p, x2d):
+    def _route(self, params, x2d):
         xp, moe, n = array_module(x2d), self.moe, x2d.shape[0]
-        x_router, w_router = x2d, p["router"]
+        x_router, w_router = x2d, params["router"]
         if x2d.dtype.itemsize < 4:  # the router in float32 (Switch's selective precision): bf16 logits would tie
             x_router, w_router = x2d.astype(np.float32), w_router.astype(np.float32)
         logits = ops.linear_forward(x_router, w_router)[0]
@@ -119,14 +119,14 @@ class MoE:
         shares = routed / (n * moe.top_k)
         return probs, lse, picked, shares
 
-    def forward(self, p, x, ctx=None):
+    def forward(self, params, x, ctx=None):
         h = self.tp.enter(x)
         x2d = h.reshape(-1, self.d_model)
         n, xp = x2d.shape[0], array_module(x2d)
-        probs, lse, picked, shares = self._route(p, x2d)
+        probs, lse, picked, shares = self._route(params, x2d)
         routing = self.ep.route(np.bincount(picked["expert"], minlength=self.moe.experts))
         rows = self.ep.dispatch(x2d[picked["token"]], routing)
-        expert_out, expert_saved = self._experts_forward(p, rows, routing)
+        expert_out, expert_saved = self._experts_forward(params, rows, routing)
         out = self.ep.combine(expert_out, routing)  # (picks, C), partial over tp
         y = xp.zeros_like(x2d)
         for j in range(self.moe.top_k):  # one pick per token per rank j: plain fancy-index adds, fixed order
@@ -147,58 +147,59 @@ class MoE:
                  "experts": expert_saved, "out": out, "loss_scale": (ctx or {}).get("loss_scale")}
         return y, saved
 
-    def _experts_forward(self, p, rows, routing):
+    def _experts_forward(self, params, rows, routing):
         """Each of this rank's experts on its block of the expert-major rows (a block may be empty)."""
         xp = array_module(rows)
         outputs, saved, start = [], [], 0
         for e, count in enumerate(routing.per_local_expert):
             block = rows[start:start + int(count)]
             start += int(count)
-            ups = [ops.linear_forward(block, p[w][e])[0] for w in self.ups]
+            ups = [ops.linear_forward(block, params[w][e])[0] for w in self.ups]
             act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0])
-            outputs.append(ops.linear_forward(act, p[self.down][e])[0])
+            outputs.append(ops.linear_forward(act, params[self.down][e])[0])
             saved.append((block, act_saved, act))
         out = xp.concatenate(outputs) if outputs else rows[:0]
         return out, saved
 
-    def _experts_backward(self, p, g, saved, d_out, routing):
+    def _experts_backward(self, params, grads, experts_saved, d_out, routing):
         xp = array_module(d_out)
-        grads, start = [], 0
-        for e, (block, act_saved, act) in enumerate(saved):
+        d_rows, start = [], 0
+        for e, (block, act_saved, act) in enumerate(experts_saved):
             d_block = d_out[start:start + block.shape[0]]
             start += block.shape[0]
-            ops.add_weight_grad(g[self.down][e], act, d_block)
-            d_act = ops.linear_input_grad([p[self.down][e]], [d_block])
+            ops.add_weight_grad(grads[self.down][e], act, d_block)
+            d_act = ops.linear_input_grad([params[self.down][e]], [d_block])
             d_ups = ops.swiglu_backward(act_saved, d_act) if self.gated else [ops.gelu_backward(act_saved, d_act)]
             for w, d_up in zip(self.ups, d_ups):
-                ops.add_weight_grad(g[w][e], block, d_up)
-            grads.append(ops.linear_input_grad([p[w][e] for w in self.ups], list(d_ups)))
-        return xp.concatenate(grads) if grads else d_out[:0]
+                ops.add_weight_grad(grads[w][e], block, d_up)
+            d_rows.append(ops.linear_input_grad([params[w][e] for w in self.ups], list(d_ups)))
+        return xp.concatenate(d_rows) if d_rows else d_out[:0]
 
-    def backward(self, p, g, s, dy, deferred=None):
-        moe, picked, probs = self.moe, s["picked"], s["probs"]
+    def backward(self, params, grads, saved, dy, deferred=None):
+        moe, picked, probs = self.moe, saved["picked"], saved["probs"]
         xp = array_module(probs)
-        x2d = s["h"].reshape(-1, self.d_model)
+        x2d = saved["h"].reshape(-1, self.d_model)
         d_y = self.tp.exit_backward(dy).reshape(-1, self.d_model)
         d_token = d_y[picked["token"]]
-        d_gate = (d_token * s["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
+        d_gate = (d_token * saved["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
         self.tp.all_reduce(d_gate)
-        d_rows = self.ep.dispatch((picked["gate"][:, None] * d_token).astype(d_token.dtype), s["routing"])  # wire
-        d_in = self.ep.combine(self._experts_backward(p, g, s["experts"], d_rows, s["routing"]), s["routing"])
+        routing = saved["routing"]
+        d_rows = self.ep.dispatch((picked["gate"][:, None] * d_token).astype(d_token.dtype), routing)  # wire dtype
+        d_in = self.ep.combine(self._experts_backward(params, grads, saved["experts"], d_rows, routing), routing)
         dx = xp.zeros_like(x2d)
         for j in range(moe.top_k):
             mine = picked["rank"] == j
             dx[picked["token"][mine]] += d_in[mine]
         d_probs = xp.zeros_like(probs)
         d_probs[picked["token"], picked["expert"]] = d_gate
-        scale = s["loss_scale"] or 0.0  # d(loss)/d(loss sum), as the head receives it
-        d_probs += scale * moe.aux_loss * moe.experts * xp.asarray(s["shares"], dtype=probs.dtype)
+        scale = saved["loss_scale"] or 0.0  # d(loss)/d(loss sum), as the head receives it
+        d_probs += scale * moe.aux_loss * moe.experts * xp.asarray(saved["shares"], dtype=probs.dtype)
         d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))
-        d_logits += (2.0 * scale * moe.z_loss) * s["lse"][:, None] * probs
-        ops.add_weight_grad(g["router"], x2d, d_logits)
+        d_logits += (2.0 * scale * moe.z_loss) * saved["lse"][:, None] * probs
+        ops.add_weight_grad(grads["router"], x2d, d_logits)
         if self.tp.rank == 0:  # the same on every tp rank: entered once into the region's gradient sum
-            dx += ops.linear_input_grad([p["router"]], [d_logits])
-        return self.tp.start_enter_backward(dx.reshape(s["h"].shape)).wait()
+            dx += ops.linear_input_grad([params["router"]], [d_logits])
+        return self.tp.start_enter_backward(dx.reshape(saved["h"].shape)).wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, router probabilities, and per pick (N*k, balanced routing assumed) the routed row,

@@ -206,10 +206,10 @@ class GPT:
         saved = []
         for i in self.chunks[chunk]:
             unit = self.units[i]
-            p = self._params(state, i, "forward")
-            x, s = unit.forward(p, x, ctx)
+            params = self._params(state, i, "forward")
+            x, unit_saved = unit.forward(params, x, ctx)
             self._release(state, i, "forward")
-            saved.append(s)
+            saved.append(unit_saved)
         return x, saved
 
     def backward(self, state, saved, dy, chunk: int = 0, deferred: dict | None = None):
@@ -252,11 +252,11 @@ class GPT:
         ctx = self.context(tokens.shape[1])
         x, head = tokens, len(self.units) - 1
         for i, unit in enumerate(self.units):
-            p = self._params(state, i, "forward")
+            params = self._params(state, i, "forward")
             if i == head:
-                x = unit.logits(p, x[:, -1:])[:, 0]
+                x = unit.logits(params, x[:, -1:])[:, 0]
             else:
-                x, _ = unit.forward(p, x, ctx)
+                x, _ = unit.forward(params, x, ctx)
             self._release(state, i, "forward")
         return x
 
@@ -273,13 +273,13 @@ class GPT:
             ctx["cos"], ctx["sin"] = window["cos"][rows], window["sin"][rows]
         x, head = tokens, len(self.units) - 1
         for i, unit in enumerate(self.units):
-            p = self._params(state, i, "forward")
+            params = self._params(state, i, "forward")
             if i == 0:
-                x, _ = unit.forward(p, x, ctx)
+                x, _ = unit.forward(params, x, ctx)
             elif i == head:
-                x = unit.logits(p, x[:, -1:])[:, 0]
+                x = unit.logits(params, x[:, -1:])[:, 0]
             else:
-                x = unit.decode(p, x, ctx, cache.layers[i - 1])
+                x = unit.decode(params, x, ctx, cache.layers[i - 1])
             self._release(state, i, "forward")
         return x
 

@@ -1,9 +1,12 @@
 """The units of a decoder-only transformer, composed of the sublayers of mpitrain/layers: embedding, block, head.
 
 A unit is what the parameter state stores as one piece: it has a `layout` (its tensors, global name "embed",
-"blocks.3", "head") and `forward(p, x, ctx) -> (y, saved)` / `backward(p, g, saved, dy, deferred) -> dx`, where `p`
-and `g` are dicts of parameter and gradient views handed in by the caller. Units own no arrays, so the same unit
-code runs with parameters from a flat buffer, from a ZeRO-3 all-gather or on a pipeline stage.
+"blocks.3", "head") and the pair
+
+    forward(params, x, ctx) -> (y, saved)        backward(params, grads, saved, dy, deferred) -> dx
+
+where `params` and `grads` are dicts of parameter and gradient views handed in by the caller. Units own no arrays,
+so the same unit code runs with parameters from a flat buffer, from a ZeRO-3 all-gather or on a pipeline stage.
 
 Two flavours, chosen by `model.arch`:
   gpt2:  learned positions, LayerNorm with bias, GELU (tanh), biases on linears, head tied to the token embedding.
@@ -15,7 +18,7 @@ under sequence parallelism, replicated K/V weights). With one rank every split i
 collective a no-op: the same code is the serial model.
 
 Split backward (zb1p): `backward(..., deferred=work)` computes the input gradient and the cheap gradients at once
-and leaves each weight-gradient matmul in `work` as (name, x, dy); `backward_weight(g, work)` runs them later, with
+and leaves each weight-gradient matmul in `work` as (name, x, dy); `backward_weight(grads, work)` runs them later, with
 the gradient views looked up again then. x and dy stay alive until then: the activation memory a deferred W costs.
 
 Saved activations are declared once per sublayer (`saved_arrays(batch, seq_len, dtype)`: the shapes and dtypes of
@@ -57,17 +60,17 @@ class Unit:
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         return [array for layer in self.sublayers for array in layer.saved_arrays(batch, seq_len, dtype)]
 
-    def partial(self, g, deferred) -> PartialGrads:
+    def partial(self, grads, deferred) -> PartialGrads:
         """The partial gradients reduced in B: all of them, or in a split backward all but the deferred matmuls'."""
         names = [n for n in self.partial_grads if deferred is None or not deferred_partial(n)]
-        return PartialGrads(self.tp, g, names)
+        return PartialGrads(self.tp, grads, names)
 
-    def weight_views(self, g) -> dict:
+    def weight_views(self, grads) -> dict:
         """The gradient views the deferred work items name."""
-        return g
+        return grads
 
-    def backward_weight(self, g, deferred) -> None:
-        partial = PartialGrads(self.tp, g, [n for n in self.partial_grads if deferred_partial(n)])
+    def backward_weight(self, grads, deferred) -> None:
+        partial = PartialGrads(self.tp, grads, [n for n in self.partial_grads if deferred_partial(n)])
         run_weight_grads(deferred, self.weight_views(partial.grads))
         partial.reduce()
 
@@ -77,12 +80,12 @@ class Embedding(Unit):
         self.embedding = TokenEmbedding(cfg, tp)
         super().__init__("embed", tp, [self.embedding])
 
-    def forward(self, p, tokens, ctx):
-        return self.embedding.forward(p, tokens, ctx)
+    def forward(self, params, tokens, ctx):
+        return self.embedding.forward(params, tokens, ctx)
 
-    def backward(self, p, g, ids, dx, deferred=None) -> None:
+    def backward(self, params, grads, ids, dx, deferred=None) -> None:
         if not self.frozen:  # frozen: the table's gradient is not even scattered
-            self.embedding.backward(p, g, ids, dx)
+            self.embedding.backward(params, grads, ids, dx)
 
 
 class Block(Unit):
@@ -96,34 +99,34 @@ class Block(Unit):
         super().__init__(f"blocks.{index}", tp, [self.norm1, self.attention, self.norm2, self.mlp])
         self.recompute = "none"  # none | selective | full: mpitrain/layers/recompute.py
 
-    def forward(self, p, x, ctx):
+    def forward(self, params, x, ctx):
         if self.recompute != "none":
-            return recompute.forward(self, p, x, ctx)
-        return self.forward_all(p, x, ctx)
+            return recompute.forward(self, params, x, ctx)
+        return self.forward_all(params, x, ctx)
 
-    def forward_all(self, p, x, ctx):
+    def forward_all(self, params, x, ctx):
         """The forward that saves everything its backward reads."""
-        h1, norm1 = self.norm1.forward(p, x)
-        attention, attention_saved = self.attention.forward(p, h1, ctx)
+        h1, norm1 = self.norm1.forward(params, x)
+        attention, attention_saved = self.attention.forward(params, h1, ctx)
         x1 = x + attention
-        h2, norm2 = self.norm2.forward(p, x1)
-        mlp, mlp_saved = self.mlp.forward(p, h2, ctx)
+        h2, norm2 = self.norm2.forward(params, x1)
+        mlp, mlp_saved = self.mlp.forward(params, h2, ctx)
         return x1 + mlp, {"norm1": norm1, "attention": attention_saved, "norm2": norm2, "mlp": mlp_saved}
 
-    def decode(self, p, x, ctx, cache):
+    def decode(self, params, x, ctx, cache):
         """Generation: the new positions against `cache` (this block's keys and values), nothing saved."""
-        x1 = x + self.attention.decode(p, self.norm1.forward(p, x)[0], ctx, cache)
-        return x1 + self.mlp.forward(p, self.norm2.forward(p, x1)[0], ctx)[0]
+        x1 = x + self.attention.decode(params, self.norm1.forward(params, x)[0], ctx, cache)
+        return x1 + self.mlp.forward(params, self.norm2.forward(params, x1)[0], ctx)[0]
 
-    def backward(self, p, g, s, dy, deferred=None):
+    def backward(self, params, grads, saved, dy, deferred=None):
         if self.recompute != "none":
-            s = recompute.restore(self, p, s)
-        partial = self.partial(g, deferred)
-        g = partial.grads  # the partial ones are zeroed temporaries until partial.reduce()
-        d_h2 = self.mlp.backward(p, g, s["mlp"], dy, deferred)
-        dx1 = self.norm2.backward(p, g, s["norm2"], d_h2, residual=dy)
-        d_h1 = self.attention.backward(p, g, s["attention"], dx1, deferred)
-        dx = self.norm1.backward(p, g, s["norm1"], d_h1, residual=dx1)
+            saved = recompute.restore(self, params, saved)
+        partial = self.partial(grads, deferred)
+        grads = partial.grads  # the partial ones are zeroed temporaries until partial.reduce()
+        d_h2 = self.mlp.backward(params, grads, saved["mlp"], dy, deferred)
+        dx1 = self.norm2.backward(params, grads, saved["norm2"], d_h2, residual=dy)
+        d_h1 = self.attention.backward(params, grads, saved["attention"], dx1, deferred)
+        dx = self.norm1.backward(params, grads, saved["norm1"], d_h1, residual=dx1)
         partial.reduce()
         return dx
 
@@ -132,8 +135,8 @@ class Block(Unit):
             return recompute.saved_arrays(self, batch, seq_len, dtype)
         return super().saved_arrays(batch, seq_len, dtype)
 
-    def weight_views(self, g) -> dict:
-        return self.attention.local(g)
+    def weight_views(self, grads) -> dict:
+        return self.attention.local(grads)
 
 
 class Head(Unit):
@@ -144,17 +147,17 @@ class Head(Unit):
         super().__init__("head", tp, [self.head])
         self.tied, self.borrows = self.head.tied, dict(self.head.borrows)
 
-    def logits(self, p, x):
-        return self.head.logits(p, x)
+    def logits(self, params, x):
+        return self.head.logits(params, x)
 
-    def forward(self, p, x, ctx):
-        return self.head.forward(p, x, ctx)
+    def forward(self, params, x, ctx):
+        return self.head.forward(params, x, ctx)
 
-    def backward(self, p, g, s, dloss, deferred=None):
-        partial = self.partial(g, deferred)
-        dx = self.head.backward(p, partial.grads, s, dloss, deferred)
+    def backward(self, params, grads, saved, dloss, deferred=None):
+        partial = self.partial(grads, deferred)
+        dx = self.head.backward(params, partial.grads, saved, dloss, deferred)
         partial.reduce()
         return dx
 
-    def weight_views(self, g) -> dict:
-        return self.head.local(g)
+    def weight_views(self, grads) -> dict:
+        return self.head.local(grads)
