@@ -53,11 +53,8 @@ from mpitrain.resilience.inject import strike_hang, strike_kill
 from mpitrain.resilience.restart import restart_banner
 from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
-from mpitrain.state.frozen import WithFrozen, split_frozen
+from mpitrain.state.factory import make_state
 from mpitrain.state.offload import make_placement
-from mpitrain.state.replicated import ReplicatedState
-from mpitrain.state.strategy import other_reduction_groups, reduction_group
-from mpitrain.state.zero import ZeroState
 
 
 @dataclass
@@ -264,21 +261,6 @@ class Trainer:
 
     def load_extra_state(self, state: dict) -> None:
         self.guard.load_state(state)
-
-
-def make_state(cfg: Config, model: GPT, backend, mesh, placement=None):
-    """Where parameters, gradients and optimizer shards live: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
-    p = cfg.parallel
-    reduce, (layouts, frozen) = cfg.precision.grad_reduce, split_frozen(model.layouts)
-    group = reduction_group(layouts, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
-    others = other_reduction_groups(layouts, mesh)  # experts under ep > 1: reduced (and ZeRO-sharded) over expert_dp
-    if p.zero == 0:
-        state = ReplicatedState(layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap, reduce,
-                                placement, others)
-    else:
-        state = ZeroState(layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
-                          placement, others)
-    return WithFrozen(state, frozen, backend, cfg.train.seed) if frozen else state
 
 
 def format_log_line(record: dict, total_steps: int) -> str:

@@ -11,7 +11,6 @@ from mpitrain.data.prepare import prepare_dataset
 from mpitrain.layers.lora import merge
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper
-from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.params import init_tensor
 from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import describe, run_mpi
@@ -26,15 +25,13 @@ def small_model(arch, compute="float64", rank=2, n_layer=2, d_model=16, vocab=40
     backend = make_backend("cpu", compute)
     lora = LoraConfig(rank=rank, alpha=4.0, targets=targets or TARGETS[arch]) if rank else None
     model = GPT(cfg, backend, lora=lora)
-    trainable, frozen = split_frozen(model.layouts)
-    state = ReplicatedState(trainable, backend, 0)
-    return model, (WithFrozen(state, frozen, backend, 0) if frozen else state), backend
+    return model, ReplicatedState(model.layouts, backend, 0), backend
 
 
 def randomise_adapters(state, seed=0):
     """b starts at zero, which would hide a's gradient and the merge: give every adapter tensor random values."""
     rng = np.random.default_rng(seed)
-    for _, view in state.inner.params.named_views():
+    for _, view in state.params.named_views():
         view[...] = rng.normal(0, 0.3, view.shape)
 
 
@@ -54,7 +51,7 @@ def test_adapter_gradients_match_finite_differences(arch):
     rng = np.random.default_rng(1)
     tokens, targets = rng.integers(0, 40, (2, 8)), rng.integers(0, 40, (2, 8))
     loss_and_grads(model, state, tokens, targets)
-    params, grads = state.inner.params, state.inner.grads
+    params, grads = state.params, state.grads
     names = [n for n, _ in params.named_views()]
     assert names and all("_lora_" in n for n in names), names  # only adapters train
     analytic = grads.data.copy()
@@ -77,9 +74,8 @@ def test_trainable_parameters_and_optimizer_bytes_fall_by_99_percent():
     sizes = {}
     for rank in (0, 8):
         _, state, _ = small_model("llama", rank=rank, n_layer=6, d_model=256, vocab=2048, targets=["wq", "wv"])
-        inner = state.inner if rank else state
-        optimizer = AdamW(inner.optimizer_segments(), AdamWHyper())
-        sizes[rank] = (inner.params.size, optimizer.state_nbytes())
+        optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
+        sizes[rank] = (state.params.size, optimizer.state_nbytes())
     full, lora = sizes[0], sizes[8]
     assert lora[0] == 6 * 2 * (256 * 8 + 8 * 256), lora
     assert lora[0] <= 0.01 * full[0] and lora[1] <= 0.01 * full[1], (full, lora)
@@ -95,7 +91,7 @@ def test_flops_per_token_count_no_weight_gradient_for_the_frozen_base(arch):
     cfg = base.cfg
     attention = 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
     base_matmul_weights = (base.flops_per_token() - attention) / 6
-    adapters = state.inner.params.size
+    adapters = state.params.size
     assert adapters == lora.n_trainable == lora.n_params - base.n_params > 0
     assert lora.flops_per_token() == pytest.approx(4 * base_matmul_weights + 6 * adapters + attention, rel=1e-12)
     assert lora.flops_per_token() < base.flops_per_token()
@@ -107,7 +103,7 @@ def test_merged_weights_give_the_logits_of_base_plus_adapters():
     tokens = np.random.default_rng(2).integers(0, 40, (2, 8))
     with_adapters = model.last_logits(state, tokens)
     tensors = {}
-    for source in (state.inner.params, state.frozen):
+    for source in (state.params, state.frozen):
         tensors.update({name: np.array(view, dtype=np.float64) for name, view in source.named_views()})
     merged = merge(tensors, rank=2, alpha=4.0)
     plain, plain_state, _ = small_model("llama", compute="float32", rank=0)
@@ -131,10 +127,9 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters_state_exactly():
     cfg = load_config("configs/tiny.toml", ["precision.compute=float64", *LORA])
     resolve_layout(cfg, 1)
     report = memory_report(cfg, rank_param_count(cfg))["bytes"]
-    model = GPT(cfg.model, make_backend("cpu", "float64"), lora=cfg.lora)
-    trainable, frozen = split_frozen(model.layouts)
     backend = make_backend("cpu", "float64")
-    state = WithFrozen(ReplicatedState(trainable, backend, 0), frozen, backend, 0)
+    model = GPT(cfg.model, backend, lora=cfg.lora)
+    state = ReplicatedState(model.layouts, backend, 0)
     held = state.memory()
     optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
     assert (report["params"], report["grads"], report["optimizer"]) == \
@@ -296,10 +291,8 @@ def test_export_merge_lora_gives_the_logits_of_base_plus_adapters(tmp_path, refe
     logits = []
     for lora, tensors in ((cfg.lora, params), (None, merged), (None, params)):  # the last: adapters left out
         model = GPT(cfg.model, backend, lora=lora)
-        trainable, frozen = split_frozen(model.layouts)
-        state = ReplicatedState(trainable, backend, None)
-        state = WithFrozen(state, frozen, backend, None) if frozen else state
-        for source in (state.inner.params, state.frozen) if frozen else (state.params,):
+        state = ReplicatedState(model.layouts, backend, None)
+        for source in [buffer for buffer in (state.params, state.frozen) if buffer is not None]:
             for name, view in source.named_views():
                 view[...] = tensors[name]
         tokens = np.random.default_rng(3).integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len))

@@ -316,7 +316,7 @@ from mpitrain.comm.mesh import Mesh
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper
-from mpitrain.train import make_state
+from mpitrain.state.factory import make_state
 world, out = MPI.COMM_WORLD, {}
 for stage in (0, 1, 2, 3):
     cfg = load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}", "parallel.ep=2",

@@ -163,8 +163,8 @@ from mpitrain.comm.mesh import Mesh
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper
+from mpitrain.state.factory import make_state
 from mpitrain.state.offload import make_placement
-from mpitrain.train import make_state
 world = MPI.COMM_WORLD
 out = {}
 scratch = Path(tempfile.mkdtemp())

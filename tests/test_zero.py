@@ -62,7 +62,7 @@ from mpitrain.comm.mesh import Mesh
 from mpitrain.config import load_config, resolve_layout
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import AdamW, AdamWHyper
-from mpitrain.train import make_state
+from mpitrain.state.factory import make_state
 world = MPI.COMM_WORLD
 out = {}
 for stage in (0, 1, 2, 3):
@@ -126,7 +126,6 @@ from mpi4py import MPI
 from mpitrain.backend import make_backend
 from mpitrain.comm.group import Group
 from mpitrain.optim.adamw import AdamW, AdamWHyper
-from mpitrain.state.frozen import WithFrozen, split_frozen
 from mpitrain.state.params import ParamSpec, UnitLayout
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.zero import ZeroState
@@ -136,10 +135,8 @@ out = {}
 for stage in (0, 1, 2, 3):
     layouts = [UnitLayout(f"u{i}", [ParamSpec("w", (5, 3), "normal", 0.1),
                                     ParamSpec("base", (7, 3), "normal", 0.1, trainable=False)]) for i in range(2)]
-    trainable, frozen = split_frozen(layouts)
-    inner = (ReplicatedState(trainable, backend, 0, group) if stage == 0 else
-             ZeroState(trainable, backend, 0, group, stage))
-    state = WithFrozen(inner, frozen, backend, 0)
+    state = (ReplicatedState(layouts, backend, 0, group) if stage == 0 else
+             ZeroState(layouts, backend, 0, group, stage))
     optimizer = AdamW(state.optimizer_segments(), AdamWHyper())
     before = {u: {k: np.array(v, dtype=np.float64) for k, v in state.acquire(u, "forward").items()} for u in (0, 1)}
     state.zero_grads()
@@ -190,7 +187,6 @@ for lora in (False, True):
                  "parallel.zero=3", "train.micro_batch=1", "train.global_batch=8"] + (LORA if lora else [])
     trainer = Trainer(load_config("configs/tiny.toml", overrides), world)
     zero, model, held = trainer.state, trainer.pipeline.model, []
-    zero = getattr(zero, "inner", zero)
     backward = model.backward
 
     def counting_backward(*args, **kwargs):

@@ -24,8 +24,8 @@ def job(world, quick: bool):
     from mpitrain.comm.mesh import Mesh
     from mpitrain.model.gpt import GPT
     from mpitrain.optim.adamw import AdamW, AdamWHyper
+    from mpitrain.state.factory import make_state
     from mpitrain.state.inference import InferenceState
-    from mpitrain.train import make_state
     cfg = load_config("configs/tiny.toml" if quick else "configs/bench-small.toml", ["precision.compute=bfloat16"])
     resolve_layout(cfg, 1)
     backend = make_backend("cpu", "bfloat16")

@@ -35,7 +35,8 @@ def job(world, quick: bool):
     from mpitrain.comm.mesh import Mesh
     from mpitrain.model.gpt import GPT
     from mpitrain.optim.adamw import AdamW, AdamWHyper
-    from mpitrain.train import Trainer, make_state
+    from mpitrain.state.factory import make_state
+    from mpitrain.train import Trainer
     n, out = world.size, {"n": world.size, "stages": {}}
     for stage in STATE:
         cfg = _config(quick, n, stage, "bfloat16")

@@ -1,16 +1,13 @@
-"""Frozen tensors (`ParamSpec.trainable = False`, e.g. LoRA's base weights) beside any state strategy.
+"""Frozen tensors (`ParamSpec.trainable = False`, e.g. LoRA's base weights), held by every state strategy beside its
+trainable tensors.
 
-They are held whole on every rank in the compute dtype and handed to the model with the unit's trainable tensors;
-they get no gradient buffer, no master copy, no optimizer state and no reduction: the wrapped strategy only ever sees
-the trainable tensors. Checkpoints save them once (`ShardLayout.frozen`).
+A strategy keeps them whole on every rank in the compute dtype and hands them to the model with the unit's trainable
+tensors; they get no gradient buffer, no master copy, no optimizer state and no reduction: the rest of the strategy
+only ever sees the trainable tensors. Checkpoints save them once (`ShardLayout.frozen`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from mpitrain.state.params import FlatBuffer, UnitLayout
-from mpitrain.state.replicated import initialise
-from mpitrain.state.strategy import ShardLayout, StateStrategy
+from mpitrain.state.params import FlatBuffer, UnitLayout, initialise
 
 
 def split_frozen(layouts: list[UnitLayout]) -> tuple[list[UnitLayout], list[UnitLayout] | None]:
@@ -21,53 +18,22 @@ def split_frozen(layouts: list[UnitLayout]) -> tuple[list[UnitLayout], list[Unit
             [UnitLayout(layout.name, [s for s in layout.specs if not s.trainable]) for layout in layouts])
 
 
-class WithFrozen(StateStrategy):
-    def __init__(self, inner: StateStrategy, frozen_layouts: list[UnitLayout], backend, seed: int | None):
-        self.inner, self.group, self.sharded = inner, inner.group, inner.sharded
-        self.reduces_every_micro_batch = inner.reduces_every_micro_batch
-        self.frozen = FlatBuffer.allocate(frozen_layouts, backend.xp, backend.dtype)
-        if seed is not None:
-            initialise(self.frozen, seed, backend)
+def hold_frozen(layouts: list[UnitLayout], backend, seed: int | None) -> tuple[list[UnitLayout], FlatBuffer | None]:
+    """(the trainable layouts, the frozen tensors in one buffer of the compute dtype or None when nothing is frozen).
+    seed None: the frozen tensors are left at zero for the caller to fill (generation from a checkpoint)."""
+    trainable, frozen_layouts = split_frozen(layouts)
+    if frozen_layouts is None:
+        return trainable, None
+    frozen = FlatBuffer.allocate(frozen_layouts, backend.xp, backend.dtype)
+    if seed is not None:
+        initialise(frozen, seed, backend)
+    return trainable, frozen
 
-    def acquire(self, unit: int, phase: str) -> dict:
-        return {**self.inner.acquire(unit, phase), **self.frozen.views[unit]}
 
-    def release(self, unit: int, phase: str) -> None:
-        self.inner.release(unit, phase)
+def with_frozen(unit_views: list[dict], frozen: FlatBuffer | None) -> list[dict]:
+    """Each unit's trainable views with its frozen ones beside them: what the model asks for."""
+    return unit_views if frozen is None else [{**mine, **held} for mine, held in zip(unit_views, frozen.views)]
 
-    def grad_views(self, unit: int) -> dict:
-        return self.inner.grad_views(unit)
 
-    def unit_done(self, unit: int) -> None:
-        self.inner.unit_done(unit)
-
-    def zero_grads(self) -> None:
-        self.inner.zero_grads()
-
-    def begin_micro_batch(self, last: bool) -> None:
-        self.inner.begin_micro_batch(last)
-
-    def finish(self) -> None:
-        self.inner.finish()
-
-    def grad_sq_sums(self) -> dict:
-        return self.inner.grad_sq_sums()
-
-    def reduced_grad_window(self, unit: int):
-        return self.inner.reduced_grad_window(unit)
-
-    def optimizer_segments(self) -> list:
-        return self.inner.optimizer_segments()
-
-    def after_step(self) -> None:
-        self.inner.after_step()
-
-    def checkpoint_layout(self) -> ShardLayout:
-        return replace(self.inner.checkpoint_layout(), frozen=self.frozen)
-
-    def after_restore(self) -> None:
-        self.inner.after_restore()
-
-    def memory(self) -> dict:
-        held = self.inner.memory()
-        return {**held, "params": held["params"] + int(self.frozen.data.nbytes)}
+def frozen_nbytes(frozen: FlatBuffer | None) -> int:
+    return 0 if frozen is None else int(frozen.data.nbytes)

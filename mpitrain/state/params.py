@@ -154,6 +154,13 @@ def initial_unit_flat(layout: UnitLayout, seed: int, size: int) -> np.ndarray:
     return flat
 
 
+def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
+    """Every unit of `buffer` at its initial value (a pure function of the seed and the tensors' names)."""
+    for index, layout in enumerate(buffer.layouts):
+        start, end = buffer.unit_range(index)
+        buffer.data[start:end] = backend.from_host(initial_unit_flat(layout, seed, end - start), buffer.data.dtype)
+
+
 def intersect(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
     """The parts of `ranges` inside [start, end), shifted so that `start` becomes 0."""
     return [(max(a, start) - start, min(b, end) - start) for a, b in ranges if a < end and b > start]

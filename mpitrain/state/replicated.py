@@ -14,16 +14,11 @@ from __future__ import annotations
 
 from functools import partial
 
+from mpitrain.state.frozen import frozen_nbytes, hold_frozen, with_frozen
 from mpitrain.state.offload import OnDevice
-from mpitrain.state.params import FlatBuffer, initial_unit_flat, intersect
+from mpitrain.state.params import FlatBuffer, initialise, intersect
 from mpitrain.state.reduce import GradReducer
 from mpitrain.state.strategy import Segment, ShardLayout, StateStrategy, norm_ranges, squared_sum
-
-
-def initialise(buffer: FlatBuffer, seed: int, backend) -> None:
-    for index, layout in enumerate(buffer.layouts):
-        start, end = buffer.unit_range(index)
-        buffer.data[start:end] = backend.from_host(initial_unit_flat(layout, seed, end - start), buffer.data.dtype)
 
 
 def make_buckets(grads: FlatBuffer, bucket_bytes: int) -> list[tuple[int, int, set[int]]]:
@@ -55,7 +50,8 @@ def split_by_group(grads: FlatBuffer, start: int, end: int, main, others: dict) 
 class ReplicatedState(StateStrategy):
     """parallel.zero = 0: full parameters and gradients on every rank; gradients summed by bucketed all-reduce.
 
-    `group` is the data-parallel group (None: a single process, e.g. generation)."""
+    `group` is the data-parallel group (None: a single process, e.g. generation). Frozen tensors in `layouts` are
+    held whole beside the trainable ones (state/frozen.py)."""
 
     sharded = False
     reduces_every_micro_batch = False  # the full gradient accumulates; the last micro-batch all-reduces it
@@ -67,6 +63,7 @@ class ReplicatedState(StateStrategy):
         other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
+        layouts, self.frozen = hold_frozen(layouts, backend, seed)
         off_device = placement is not None and backend.mixed  # parameters that are their own master stay
         self.placement = placement if off_device else OnDevice(xp)
         self.master = FlatBuffer.allocate(layouts, xp, backend.optimizer_dtype,
@@ -77,6 +74,7 @@ class ReplicatedState(StateStrategy):
         if backend.mixed:
             self.params = FlatBuffer.allocate(layouts, xp, dtype)
             self.after_restore()
+        self.unit_views = with_frozen(self.params.views, self.frozen)
         self.grads = FlatBuffer.allocate(layouts, xp, dtype)
         self.reducer = GradReducer(group, dtype, grad_reduce) if group is not None else None
         self.buckets = make_buckets(self.grads, bucket_bytes)
@@ -90,7 +88,7 @@ class ReplicatedState(StateStrategy):
 
     # -- what the model calls
     def acquire(self, unit: int, phase: str) -> dict:
-        return self.params.views[unit]
+        return self.unit_views[unit]
 
     def release(self, unit: int, phase: str) -> None:
         pass
@@ -145,11 +143,13 @@ class ReplicatedState(StateStrategy):
             self.params.data[...] = self.master.data  # rounded to the compute dtype
 
     def checkpoint_layout(self) -> ShardLayout:
-        return ShardLayout(self.master, [(0, self.master.size)], [(0, self.master.size, self.master.data, 0)])
+        return ShardLayout(self.master, [(0, self.master.size)], [(0, self.master.size, self.master.data, 0)],
+                           frozen=self.frozen)
 
     def after_restore(self) -> None:
         self.after_step()
 
     def memory(self) -> dict:
         master = 0 if self.params is self.master else self.placement.resident_nbytes(self.master.data)  # off device: 0
-        return {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes), "master": master}
+        params = int(self.params.data.nbytes) + frozen_nbytes(self.frozen)
+        return {"params": params, "grads": int(self.grads.data.nbytes), "master": master}

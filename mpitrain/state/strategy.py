@@ -1,4 +1,4 @@
-"""The interface every parameter/gradient state offers (replicated.py, zero.py; offloaded later), and what they share.
+"""The interface every parameter/gradient state offers (replicated.py, zero.py), and what they share.
 
 A state decides where a rank's parameters (compute dtype), gradients (compute dtype), master weights (fp32 when the
 compute dtype is lower, else the parameters themselves) live, and how gradients are reduced. The model calls the
@@ -49,6 +49,7 @@ class StateStrategy(abc.ABC):
     # True: every micro-batch's gradients are reduced (and freed) as its backward finishes them, so `unit_done` must
     # be called after each; False: they accumulate locally and only the last micro-batch's `unit_done` reduces
     reduces_every_micro_batch: bool
+    frozen: FlatBuffer | None  # the trainable = False tensors, whole on every rank (state/frozen.py); None: none
 
     # -- what the model calls
     @abc.abstractmethod

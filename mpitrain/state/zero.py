@@ -31,6 +31,7 @@ import math
 import numpy as np
 
 from mpitrain.backend import wire_view
+from mpitrain.state.frozen import frozen_nbytes, hold_frozen, with_frozen
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
@@ -43,7 +44,7 @@ class FullParams:
     def __init__(self, zero):
         self.zero = zero
         self.buffer = FlatBuffer.allocate(zero.parts, zero.backend.xp, zero.backend.dtype, align=zero.align)
-        self.unit_views = zero.by_unit(self.buffer.views)
+        self.unit_views = with_frozen(zero.by_unit(self.buffer.views), zero.frozen)
 
     def place(self, part: int, full) -> None:
         self.buffer.data[slice(*self.zero.geometry.unit_range(part))] = full
@@ -99,7 +100,7 @@ class ShardedParams:
 
     def acquire(self, unit: int, phase: str) -> dict:
         self._start_gathers(unit)
-        views = {}
+        views = {} if self.zero.frozen is None else dict(self.zero.frozen.views[unit])
         for part in self.zero.parts_of[unit]:
             entry = self.gathered[part]
             if entry[1] is not None:
@@ -224,9 +225,11 @@ class ZeroState(StateStrategy):
                  other_groups=None):
         """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device).
         other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp):
-        they are sharded over that group."""
+        they are sharded over that group. Frozen tensors in `layouts` are held whole beside the shards
+        (state/frozen.py)."""
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        layouts, self.frozen = hold_frozen(layouts, backend, seed)
         self.layouts, self.backend, self.group, self.stage = layouts, backend, group, stage
         self.overlap, self.reshard_after_forward = overlap, reshard_after_forward
         self.groups = {None: group, **(other_groups or {})}  # by reduction name (None: the main group)
@@ -358,7 +361,8 @@ class ZeroState(StateStrategy):
         else:
             windows, replicated = [(*self.window(p), self.master, self.shard_offsets[p]) for p in parts], False
         return ShardLayout(self.geometry, [self.window(p) for p in parts], windows, params_dp_replicated=replicated,
-                           moments_dp_replicated=False, segment_groups=[self.group_of(p) for p in parts])
+                           moments_dp_replicated=False, segment_groups=[self.group_of(p) for p in parts],
+                           frozen=self.frozen)
 
     def after_restore(self) -> None:
         """Derive the compute-dtype parameters from the loaded masters; nothing gathered may outlive them."""
@@ -367,4 +371,5 @@ class ZeroState(StateStrategy):
     def memory(self) -> dict:
         """Bytes of the arrays this state keeps between steps (transient gathers and unit gradients excluded)."""
         master = self.placement.resident_nbytes(self.master)  # None (the params are the master) or off the device: 0
-        return {"params": self.params.nbytes, "grads": self.grads.nbytes, "master": master}
+        params = self.params.nbytes + frozen_nbytes(self.frozen)
+        return {"params": params, "grads": self.grads.nbytes, "master": master}

@@ -1,0 +1,22 @@
+"""parallel.zero -> the state strategy of a rank's model: replicated (zero = 0) or sharded (ZeRO-1/2/3)."""
+from __future__ import annotations
+
+from mpitrain.config import Config
+from mpitrain.state.frozen import split_frozen
+from mpitrain.state.replicated import ReplicatedState
+from mpitrain.state.strategy import StateStrategy, other_reduction_groups, reduction_group
+from mpitrain.state.zero import ZeroState
+
+
+def make_state(cfg: Config, model, backend, mesh, placement=None) -> StateStrategy:
+    """Where the parameters, gradients and optimizer shards of `model` (its `layouts`) live, over `mesh`'s groups.
+    placement: where a separate master copy lives (state/offload.py; None: the device)."""
+    p, reduce = cfg.parallel, cfg.precision.grad_reduce
+    trainable, _ = split_frozen(model.layouts)  # frozen tensors are never reduced: they name no group
+    group = reduction_group(trainable, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
+    others = other_reduction_groups(trainable, mesh)  # experts under ep > 1: reduced (and ZeRO-sharded) over expert_dp
+    if p.zero == 0:
+        return ReplicatedState(model.layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap,
+                               reduce, placement, others)
+    return ZeroState(model.layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
+                     placement, others)
