@@ -92,9 +92,9 @@ class Attention:
                 views[name] = views[name][..., self.kv_columns]
         return views
 
-    def forward(self, p, x, ctx):
-        p = self.local(p)
-        (q, k, v), h = self.qkv.forward(p, x)
+    def forward(self, params, x, ctx):
+        params = self.local(params)
+        (q, k, v), h = self.qkv.forward(params, x)
         heads = split_heads if self.ring is not None else head_view  # the ring sends K/V blocks: contiguous
         q, k, v = heads(q, self.heads), heads(k, self.kv_heads), heads(v, self.kv_heads)
         if self.rope:
@@ -104,18 +104,18 @@ class Attention:
             out = out.astype(q.dtype, copy=False)
         else:
             (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
-        y, merged = self.out.forward(p, merge_heads(out))
+        y, merged = self.out.forward(params, merge_heads(out))
         saved = {"qkv": h, "core": core, "out": merged}
         if self.rope:
             saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
         return y, saved
 
-    def decode(self, p, x, ctx, cache):
+    def decode(self, params, x, ctx, cache):
         """Generation (forward only, nothing saved): x holds the new positions ctx["positions"] (the ones after
         `cache`, this block's layers/kv_cache.LayerCache); their keys and values are appended to it and their
         queries attend to every cached position, causally among themselves."""
-        p = self.local(p)
-        (q, k, v), _ = self.qkv.forward(p, x)
+        params = self.local(params)
+        (q, k, v), _ = self.qkv.forward(params, x)
         q, k, v = head_view(q, self.heads), head_view(k, self.kv_heads), head_view(v, self.kv_heads)
         if self.rope:  # keys are cached rotated: a position's angle depends on that position only
             q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
@@ -123,21 +123,22 @@ class Attention:
         keys, values = cache.append(k, v)
         bias = ops.causal_bias(q.shape[2], past + q.shape[2], ctx["xp"], q.dtype, offset=past)
         (out, _), _ = ops.attention_forward(q, keys, values, bias)
-        return self.out.forward(p, merge_heads(out))[0]
+        return self.out.forward(params, merge_heads(out))[0]
 
-    def backward(self, p, g, s, dy, deferred=None):
-        p, g = self.local(p), self.local(g)
-        d_out = self.out.backward(p, g, s["out"], dy, deferred)
+    def backward(self, params, grads, saved, dy, deferred=None):
+        params, grads = self.local(params), self.local(grads)
+        d_out = self.out.backward(params, grads, saved["out"], dy, deferred)
         if self.ring is not None:
             dtype = d_out.dtype
-            dq, dk, dv = (g.astype(dtype, copy=False)
-                          for g in ring_attention.backward(self.ring, s["core"], split_heads(d_out, self.heads)))
+            dq, dk, dv = (grad.astype(dtype, copy=False)
+                          for grad in ring_attention.backward(self.ring, saved["core"], split_heads(d_out, self.heads)))
         else:
-            dq, dk, dv = ops.attention_backward(s["core"], head_view(d_out, self.heads))
+            dq, dk, dv = ops.attention_backward(saved["core"], head_view(d_out, self.heads))
         if self.rope:
-            cos, sin = s["rope"]
+            cos, sin = saved["rope"]
             dq, dk = ops.rope_backward(dq, cos, sin), ops.rope_backward(dk, cos, sin)
-        return self.qkv.backward(p, g, s["qkv"], [merge_heads(dq), merge_heads(dk), merge_heads(dv)], deferred)
+        d_qkv = [merge_heads(dq), merge_heads(dk), merge_heads(dv)]
+        return self.qkv.backward(params, grads, saved["qkv"], d_qkv, deferred)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's).

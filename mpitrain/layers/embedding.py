@@ -20,19 +20,19 @@ class TokenEmbedding:
         self.partial_grads: list[str] = []
         self.ring = None  # the rank's ContextParallel under parallel.cp > 1: its tokens' absolute positions
 
-    def forward(self, p, tokens, ctx):
+    def forward(self, params, tokens, ctx):
         """(x, saved): x is this rank's sequence chunk under SP; saved are the token ids local to this rank's rows."""
-        x, ids = tensor.vocab_parallel_embedding_forward(self.tp, p["wte"], tokens, self.vocab_first)
-        if "wpe" in p:
-            x += p["wpe"][ctx["positions"][self.tp.sequence_chunk(tokens.shape[1])]]
+        x, ids = tensor.vocab_parallel_embedding_forward(self.tp, params["wte"], tokens, self.vocab_first)
+        if "wpe" in params:
+            x += params["wpe"][ctx["positions"][self.tp.sequence_chunk(tokens.shape[1])]]
         return x, ids
 
-    def backward(self, p, g, ids, dx, deferred=None) -> None:
+    def backward(self, params, grads, ids, dx, deferred=None) -> None:
         """Adds the rows' gradients (a scatter, not a matmul: done at once even in a split backward)."""
-        dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, g["wte"])  # dx: the whole sequence now
-        if "wpe" in g:  # positions are 0..T-1 without context parallelism, the zig-zag chunks' with it
+        dx = tensor.vocab_parallel_embedding_backward(self.tp, ids, dx, grads["wte"])  # dx: the whole sequence now
+        if "wpe" in grads:  # positions are 0..T-1 without context parallelism, the zig-zag chunks' with it
             rows = slice(0, dx.shape[1]) if self.ring is None else self.ring.positions(dx.shape[1])
-            g["wpe"][rows] += dx.sum(axis=0)
+            grads["wpe"][rows] += dx.sum(axis=0)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         return [((batch, seq_len), np.dtype(np.int64))]

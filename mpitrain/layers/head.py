@@ -36,26 +36,26 @@ class LMHead:
         """The head's tensors plus the projection's (d_model, V/t) view: the transposed embedding when tied."""
         return {**tensors, PROJECTION: tensors["wte"].T if self.tied else tensors["w_lm"]}
 
-    def logits(self, p, x):
+    def logits(self, params, x):
         """Logits over the whole vocabulary (generation): a single-rank model only."""
         if self.tp.size > 1:
             raise ValueError("generation needs the whole vocabulary on one rank: sample with a tp = 1 model "
                              "(training builds one from the gathered weights at the end)")
-        h, _ = self.norm.forward(p, x)
-        return ops.linear_forward(h, self.local(p)[PROJECTION])[0]
+        h, _ = self.norm.forward(params, x)
+        return ops.linear_forward(h, self.local(params)[PROJECTION])[0]
 
-    def forward(self, p, x, ctx):
+    def forward(self, params, x, ctx):
         """(sum of token losses, saved); the target token ids are ctx["targets"]."""
-        h, norm = self.norm.forward(p, x)
-        (logits,), h = self.projection.forward(self.local(p), h)
+        h, norm = self.norm.forward(params, x)
+        (logits,), h = self.projection.forward(self.local(params), h)
         logits = tensor.mask_vocab_padding(logits, self.vocab_real)
         loss_sum, loss = tensor.vocab_parallel_cross_entropy_forward(self.tp, logits, ctx["targets"], self.vocab_first)
         return loss_sum, {"norm": norm, "h": h, "loss": loss}
 
-    def backward(self, p, g, s, dloss, deferred=None):
-        dlogits = tensor.vocab_parallel_cross_entropy_backward(s["loss"], dloss)
-        dh = self.projection.backward(self.local(p), self.local(g), s["h"], [dlogits], deferred)
-        return self.norm.backward(p, g, s["norm"], dh)
+    def backward(self, params, grads, saved, dloss, deferred=None):
+        dlogits = tensor.vocab_parallel_cross_entropy_backward(saved["loss"], dloss)
+        dh = self.projection.backward(self.local(params), self.local(grads), saved["h"], [dlogits], deferred)
+        return self.norm.backward(params, grads, saved["norm"], dh)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The final norm's, the entered input, the softmax probabilities of this rank's columns, the local targets."""

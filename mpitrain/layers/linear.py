@@ -51,28 +51,28 @@ class ColumnParallelLinear:
         self.biases = list(biases) if biases else [None] * len(self.weights)
         self.adapters: dict = {}
 
-    def forward(self, p, x):
+    def forward(self, params, x):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         h = self.tp.enter(x)
-        outputs = [ops.linear_forward(h, p[w], p[b] if b else None)[0]
+        outputs = [ops.linear_forward(h, params[w], params[b] if b else None)[0]
                    for w, b in zip(self.weights, self.biases)]
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
-                self.adapters[w].add_forward(p, h, y)
+                self.adapters[w].add_forward(params, h, y)
         return outputs, h
 
-    def backward(self, p, g, h, output_grads, deferred=None):
+    def backward(self, params, grads, h, output_grads, deferred=None):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
-        dh = ops.linear_input_grad([p[w] for w in self.weights], output_grads)
+        dh = ops.linear_input_grad([params[w] for w in self.weights], output_grads)
         for w, dy in zip(self.weights, output_grads):
             if w in self.adapters:
-                dh += self.adapters[w].backward(p, g, h, dy, deferred)
+                dh += self.adapters[w].backward(params, grads, h, dy, deferred)
         pending = self.tp.start_enter_backward(dh)
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
-                    ops.add_bias_grad(g[bias], dy)
-            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], g, deferred, self.tp)
+                    ops.add_bias_grad(grads[bias], dy)
+            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], grads, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
@@ -87,27 +87,27 @@ class RowParallelLinear:
         self.tp, self.in_features, self.weight, self.bias, self.trainable = tp, in_features, weight, bias, trainable
         self.adapters: dict = {}
 
-    def forward(self, p, x):
+    def forward(self, params, x):
         """(y, saved): x holds this rank's input columns; y is summed over tp (this rank's chunk under SP)."""
-        partial = ops.linear_forward(x, p[self.weight])[0]
+        partial = ops.linear_forward(x, params[self.weight])[0]
         if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
-            self.adapters[self.weight].add_forward(p, x, partial)
+            self.adapters[self.weight].add_forward(params, x, partial)
         y = self.tp.exit(partial)
         if self.bias:
-            y += p[self.bias]
+            y += params[self.bias]
         return y, x
 
-    def backward(self, p, g, x, dy, deferred=None):
+    def backward(self, params, grads, x, dy, deferred=None):
         """dy arrives replicated (or as this rank's chunk under SP, then all-gathered): the bias gradient is taken
         from the full dy, so it is complete and identical on every rank."""
         dy = self.tp.exit_backward(dy)
         if self.trainable:
             if self.bias:
-                ops.add_bias_grad(g[self.bias], dy)
-            weight_grads([(self.weight, x, dy)], g, deferred, self.tp)
-        dx = ops.linear_input_grad([p[self.weight]], [dy])
+                ops.add_bias_grad(grads[self.bias], dy)
+            weight_grads([(self.weight, x, dy)], grads, deferred, self.tp)
+        dx = ops.linear_input_grad([params[self.weight]], [dy])
         if self.weight in self.adapters:
-            dx += self.adapters[self.weight].backward(p, g, x, dy, deferred)
+            dx += self.adapters[self.weight].backward(params, grads, x, dy, deferred)
         return dx
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:

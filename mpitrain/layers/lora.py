@@ -50,17 +50,17 @@ class Adapter:
                           ParamSpec(self.b, (rank, n_out), "zeros")]
             self.partial_grads = [self.b]
 
-    def add_forward(self, p, x, y) -> None:
+    def add_forward(self, params, x, y) -> None:
         """y += scale (x a) b, in place (y: the linear's output, or its partial sum before the tp reduction)."""
-        y += self.scale * ops.linear_forward(ops.linear_forward(x, p[self.a])[0], p[self.b])[0]
+        y += self.scale * ops.linear_forward(ops.linear_forward(x, params[self.a])[0], params[self.b])[0]
 
-    def backward(self, p, g, x, dy, deferred=None):
+    def backward(self, params, grads, x, dy, deferred=None):
         """Adds the gradients of a and b (or appends them to `deferred`, as the linear does); returns this adapter's
         share of the input gradient."""
-        u = ops.linear_forward(x, p[self.a])[0]  # recomputed, not saved
-        du = self.scale * ops.linear_input_grad([p[self.b]], [dy])
-        weight_grads([(self.b, self.scale * u, dy), (self.a, x, du)], g, deferred, self.tp)
-        return ops.linear_input_grad([p[self.a]], [du])
+        u = ops.linear_forward(x, params[self.a])[0]  # recomputed, not saved
+        du = self.scale * ops.linear_input_grad([params[self.b]], [dy])
+        weight_grads([(self.b, self.scale * u, dy), (self.a, x, du)], grads, deferred, self.tp)
+        return ops.linear_input_grad([params[self.a]], [du])
 
 
 def _linears(unit) -> list:

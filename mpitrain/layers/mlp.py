@@ -29,20 +29,20 @@ class MLP:
         self.down = RowParallelLinear(tp, self.local_width, down, None if self.gated else "b_proj")
         self.partial_grads: list[str] = []
 
-    def forward(self, p, x, ctx=None):
-        ups, h = self.up.forward(p, x)
-        act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0], p["b_fc"])
-        y, act = self.down.forward(p, act)
+    def forward(self, params, x, ctx=None):
+        ups, h = self.up.forward(params, x)
+        act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0], params["b_fc"])
+        y, act = self.down.forward(params, act)
         return y, {"up": h, "activation": act_saved, "down": act}
 
-    def backward(self, p, g, s, dy, deferred=None):
-        d_act = self.down.backward(p, g, s["down"], dy, deferred)
+    def backward(self, params, grads, saved, dy, deferred=None):
+        d_act = self.down.backward(params, grads, saved["down"], dy, deferred)
         if self.gated:
-            d_ups = list(ops.swiglu_backward(s["activation"], d_act))
+            d_ups = list(ops.swiglu_backward(saved["activation"], d_act))
         else:  # the down projection keeps GELU's output: backward takes its sigmoid from it, no exp
-            db = g["b_fc"] if self.up.trainable else None
-            d_ups = [ops.gelu_backward_from_output(s["activation"], s["down"], d_act, db)]
-        return self.up.backward(p, g, s["up"], d_ups, deferred)
+            db = grads["b_fc"] if self.up.trainable else None
+            d_ups = [ops.gelu_backward_from_output(saved["activation"], saved["down"], d_act, db)]
+        return self.up.backward(params, grads, saved["up"], d_ups, deferred)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, the activation's input(s) and its output."""

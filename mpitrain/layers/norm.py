@@ -20,16 +20,17 @@ class Norm:
             self.specs.append(ParamSpec(self.bias, (width,), "zeros"))
         self.partial_grads = [s.name for s in self.specs] if tp.sequence_parallel and tp.size > 1 else []
 
-    def forward(self, p, x, ctx=None):
+    def forward(self, params, x, ctx=None):
         if self.bias:
-            return ops.layernorm_forward(x, p[self.weight], p[self.bias], self.eps)
-        return ops.rmsnorm_forward(x, p[self.weight], self.eps)
+            return ops.layernorm_forward(x, params[self.weight], params[self.bias], self.eps)
+        return ops.rmsnorm_forward(x, params[self.weight], self.eps)
 
-    def backward(self, p, g, saved, dy, residual=None):
+    def backward(self, params, grads, saved, dy, residual=None):
         """dx, plus `residual` where given: the gradient the block's skip connection carries past the norm."""
         if self.bias:
-            return ops.layernorm_backward(saved, p[self.weight], dy, g[self.weight], g[self.bias], residual)
-        return ops.rmsnorm_backward(saved, p[self.weight], dy, g[self.weight], residual)
+            return ops.layernorm_backward(saved, params[self.weight], dy, grads[self.weight], grads[self.bias],
+                                          residual)
+        return ops.rmsnorm_backward(saved, params[self.weight], dy, grads[self.weight], residual)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The normalised input and 1/std per position of this rank's part of the sequence."""

@@ -42,34 +42,34 @@ def apply_recompute(model, mode: str, layers: int = 0) -> None:
             block.recompute = mode if k < count else "none"
 
 
-def forward(block, p, x, ctx):
+def forward(block, params, x, ctx):
     """(y, kept) of a block under its `recompute` mode (selective or full)."""
     kept = {"x": x, "ctx": Shared(ctx)}
     if block.attention.rope:
         kept["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, counted once by GPT.saved_bytes
     if block.recompute == "full":
-        y, _ = block.forward_all(p, x, ctx)
+        y, _ = block.forward_all(params, x, ctx)
         return y, kept
-    h1, _ = block.norm1.forward(p, x)
-    attention, attention_saved = block.attention.forward(p, h1, ctx)
+    h1, _ = block.norm1.forward(params, x)
+    attention, attention_saved = block.attention.forward(params, h1, ctx)
     x1 = x + attention
-    h2, _ = block.norm2.forward(p, x1)
-    mlp, mlp_saved = block.mlp.forward(p, h2, ctx)
+    h2, _ = block.norm2.forward(params, x1)
+    mlp, mlp_saved = block.mlp.forward(params, h2, ctx)
     kept.update(x1=x1, qkv=attention_saved["core"][:3], activation=mlp_saved["activation"])
     return x1 + mlp, kept
 
 
-def restore(block, p, kept) -> dict:
+def restore(block, params, kept) -> dict:
     """The saved state a `none` block would hold, recomputed from what the block kept."""
     ctx = {**kept["ctx"].ctx, "aux_losses": {}}  # MoE: the forward already logged its auxiliary losses
     if block.recompute == "full":
-        return block.forward_all(p, kept["x"], ctx)[1]
-    h1, norm1 = block.norm1.forward(p, kept["x"])
+        return block.forward_all(params, kept["x"], ctx)[1]
+    h1, norm1 = block.norm1.forward(params, kept["x"])
     (out, _), core = ops.attention_forward(*kept["qkv"], ctx["bias"])
     attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": merge_heads(out)}
     if block.attention.rope:
         attention["rope"] = kept["rope"]
-    h2, norm2 = block.norm2.forward(p, kept["x1"])
+    h2, norm2 = block.norm2.forward(params, kept["x1"])
     activation = kept["activation"]
     act = ops.swiglu_forward(*activation)[0] if block.mlp.gated else ops.gelu_forward(activation)[0]
     mlp = {"up": block.mlp.up.tp.enter(h2), "activation": activation, "down": act}
