@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.checkpoint.manager import CheckpointManager
 from mpitrain.config import load_config
 from mpitrain.train import Trainer
 
@@ -57,7 +56,7 @@ def main() -> None:
         f"parallel.zero={args.zero}", "train.micro_batch=1", f"train.global_batch={world.size}",
         "logging.peak_flops=1e9", "train.steps=100"])
     trainer = Trainer(cfg, world)
-    manager = CheckpointManager(trainer, directory / "checkpoints", keep=0, echo=lambda text: None)
+    manager = trainer.checkpoint_manager(directory / "checkpoints", keep=0, echo=lambda text: None)
     step_times = [trainer.train_step(s).seconds for s in range(3)]
     plain_step = statistics.median(step_times)
 

@@ -6,27 +6,21 @@ collective, so a mistake ends every rank with the same clear line instead of a h
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitrain import tiles
 from mpitrain.backend import make_backend
-from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
-from mpitrain.checkpoint.resume import trim_metrics
-from mpitrain.checkpoint.store import step_dir_name
-from mpitrain.checkpoint.weights import load_weights
+from mpitrain.checkpoint.manager import CheckpointManager
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.comm.nccl import make_group_factory
 from mpitrain.comm.nodes import discover_nodes
-from mpitrain.config import Config, grad_accumulation_steps, resolve_layout, to_toml
+from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
@@ -43,16 +37,15 @@ from mpitrain.parallel.schedule import make_schedule
 from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics
-from mpitrain.profile.tensorboard_sink import open_sink
 from mpitrain.profile.timeline import bubble_fraction, merge_events
-from mpitrain.resilience.advice import AdviceReporter
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
-from mpitrain.resilience.inject import strike_hang, strike_kill
-from mpitrain.resilience.restart import restart_banner
-from mpitrain.resilience.sdc import ReplicaCheck, flip_one_bit, replicated_arrays
-from mpitrain.resilience.stragglers import StragglerWatch, compute_seconds, format_report, inject_slowdown
+from mpitrain.resilience.sdc import flip_one_bit, replicated_arrays
+from mpitrain.resilience.stragglers import compute_seconds, inject_slowdown
+from mpitrain.run.checkpointing import Checkpointing
+from mpitrain.run.log import RunLog
+from mpitrain.run.resilience import Resilience
 from mpitrain.state.factory import make_state
 from mpitrain.state.offload import make_placement
 
@@ -80,26 +73,13 @@ class Trainer:
         """progress: the watchdog's record (comm/operations.py); run_dir: where injected faults are recorded."""
         self.cfg = cfg
         world_size, world_rank = world_comm.Get_size(), world_comm.Get_rank()
+        say = print if world_rank == 0 else None
         # --- checks without communication (every rank reaches the same verdict on its own)
         resolve_layout(cfg, world_size)
         p = cfg.parallel
         validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.tokenizer_description = None
-        if cfg.data.synthetic:
-            self.train_data = SyntheticSampler(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.global_batch,
-                                               cfg.train.seed)
-            self.val_data = SyntheticSampler(cfg.model.vocab_size, cfg.model.seq_len, cfg.train.global_batch,
-                                             cfg.train.seed + 1)
-            self.tokenizer = None
-        else:
-            dataset = TokenDataset(cfg.data.path)
-            if dataset.vocab_size > cfg.model.vocab_size:
-                raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
-                                  f"{cfg.data.path} ({dataset.vocab_size} tokens)")
-            self.train_data, self.val_data = train_and_val_samplers(dataset, cfg.model.seq_len,
-                                                                    cfg.train.global_batch, cfg.train.seed)
-            self.tokenizer = dataset.tokenizer
-            self.tokenizer_description = dataset.tokenizer.description()
+        self.train_data, self.val_data, self.tokenizer = make_samplers(cfg)
+        self.tokenizer_description = self.tokenizer.description() if self.tokenizer is not None else None
         nodes = discover_nodes(world_comm) if cfg.train.device == "cuda" else None  # a GPU per node-local rank
         self.backend = make_backend(cfg.train.device, cfg.precision.compute,
                                     nodes.node_local_rank if nodes else world_rank, cfg.precision.master)
@@ -107,33 +87,21 @@ class Trainer:
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
                          allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes,
-                         group_factory=make_group_factory(cfg.train.collectives, cfg.train.device,
-                                                          say=print if world_rank == 0 else None))
-        stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
-        self.model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
-                         stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
-        apply_recompute(self.model, cfg.memory.recompute, cfg.memory.recompute_layers)
-        apply_context_parallel(self.model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
+                         group_factory=make_group_factory(cfg.train.collectives, cfg.train.device, say=say))
+        self.model = self._build_model()
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
         self.placement = make_placement(cfg.memory, getattr(cfg.optim, "name", "adamw"), self.backend, world_rank,
-                                        run_dir, say=print if world_rank == 0 else None)
+                                        run_dir, say=say)
         self.state = make_state(cfg, self.model, self.backend, self.mesh, self.placement)
         self.optimizer = make_optimizer(cfg.optim, self.state, self.placement)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
-        program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
-        seq_len = cfg.model.seq_len // p.cp  # a cp rank's two zig-zag chunks
-        seq_len = seq_len // p.tp if p.sequence_parallel else seq_len
         # a rank with several cores splits its micro-batches' rows over thread replicas where the layout allows
         self.replicas = replica_count(cfg, tiles.thread_count())
-        computing = ThreadReplicas(self.model, self.replicas) if self.replicas > 1 else self.model
-        self.pipeline = PipelineExecutor(computing, self.state, self.mesh.pp, program, self.accumulation,
-                                         (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
+        self.pipeline = self._build_pipeline()
         if p.zero == 3 and p.pp > 1 and world_rank == 0:
-            print(f"warning: parallel.zero = 3 with parallel.pp = {p.pp} gathers every stage's parameters again for "
-                  f"each of the {self.accumulation} micro-batches' forward and backward; ZeRO-1 or 2 is the usual "
-                  f"choice with a pipeline", file=sys.stderr, flush=True)
+            warn_zero3_with_pipeline(p.pp, self.accumulation)
         self.rows_per_rank = cfg.train.global_batch // p.dp
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.peak_flops, self.peak_source = peak_flops(cfg.logging.peak_flops, self.backend, cfg.precision.compute)
@@ -146,6 +114,26 @@ class Trainer:
         self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
+
+    def _build_model(self) -> GPT:
+        """This rank's stages of the model, with recomputation and ring attention (parallel.cp) applied."""
+        cfg, p = self.cfg, self.cfg.parallel
+        stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
+        model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
+                    stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
+        apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
+        apply_context_parallel(model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
+        return model
+
+    def _build_pipeline(self) -> PipelineExecutor:
+        """This rank's program of the schedule, run over the model (or its thread replicas)."""
+        cfg, p = self.cfg, self.cfg.parallel
+        program = make_schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)[self.mesh.pp_rank]
+        seq_len = cfg.model.seq_len // p.cp  # a cp rank's two zig-zag chunks
+        seq_len = seq_len // p.tp if p.sequence_parallel else seq_len
+        computing = ThreadReplicas(self.model, self.replicas) if self.replicas > 1 else self.model
+        return PipelineExecutor(computing, self.state, self.mesh.pp, program, self.accumulation,
+                                (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
 
     @property
     def is_logger(self) -> bool:
@@ -255,46 +243,55 @@ class Trainer:
         record.update(self.moe_metrics)  # model.moe: the auxiliary losses and each expert's share of the picks
         return record
 
-    def extra_state(self) -> dict:
-        """Saved in a checkpoint's index beside the tensors (the data offset of rollbacks, bad-step counters)."""
-        return self.guard.state()
+    def gather_breakdown(self, record: dict, result: StepResult, timeline_path: Path) -> None:
+        """Collective: every rank's breakdown of the step into the logging rank's record, which also writes the
+        step's pipeline events to `timeline_path`."""
+        per_rank = gather_step(self.mesh.world, result.breakdown, self.pipeline.timeline.to_dicts(), timeline_path,
+                               result.step + 1)
+        if per_rank is not None:
+            record["breakdown"] = per_rank
 
-    def load_extra_state(self, state: dict) -> None:
-        self.guard.load_state(state)
+    def checkpoint_manager(self, directory: Path, keep: int, echo=print) -> CheckpointManager:
+        """What saves and restores this trainer's state; the bad-step guard's counters are saved beside it."""
+        return CheckpointManager(directory, keep, cfg=self.cfg, mesh=self.mesh, state=self.state,
+                                 optimizer=self.optimizer, tied_copies=getattr(self.model, "tied_copies", ()),
+                                 tokenizer=self.tokenizer_description, save_extra=self.guard.state,
+                                 load_extra=self.guard.load_state, echo=echo)
+
+    def banner(self, run_dir: Path) -> list[str]:
+        """The lines printed before the first step: the model and layout, MFU's reference, placement, pipeline."""
+        cfg, t, p = self.cfg, self.cfg.train, self.cfg.parallel
+        replicas = f" (rows split over {self.replicas} thread replicas)" if self.replicas > 1 else ""
+        headline = (f"mpitrain: {cfg.model.arch} with {self.model.n_params:,} parameters on {self.mesh.describe()}, "
+                    f"{self.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per rank "
+                    f"per step{replicas}, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
+        lines = [headline, f"MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per rank ({self.peak_source})",
+                 self.mesh.describe_placement()]
+        if p.pp > 1 or p.virtual_stages > 1:
+            layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
+            chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""
+            lines.append(f"pipeline: {p.schedule} schedule over {p.pp} stages{chunks}, layers per stage {layers}")
+        return lines
 
 
-def format_log_line(record: dict, total_steps: int) -> str:
-    line = (f"step {record['step']:>5}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-            f"MFU {100 * record['mfu']:.1f}%")
-    if "bubble" in record:
-        line += f" | bubble {100 * record['bubble']:.1f}%"
-    if "val_loss" in record:
-        line += f" | val loss {record['val_loss']:.4f}"
-    if "eta_s" in record:
-        minutes, seconds = divmod(round(record["eta_s"]), 60)
-        line += f" | ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
-    return line
+def make_samplers(cfg: Config) -> tuple:
+    """(train sampler, validation sampler, tokenizer or None): synthetic tokens, or data.path's token file."""
+    if cfg.data.synthetic:
+        m, t = cfg.model, cfg.train
+        return (SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed),
+                SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed + 1), None)
+    dataset = TokenDataset(cfg.data.path)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
+                          f"{cfg.data.path} ({dataset.vocab_size} tokens)")
+    train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
+    return train_data, val_data, dataset.tokenizer
 
 
-class StopRequest:
-    """SIGUSR1 / SIGTERM (SLURM's warning before the time limit, or a requeue) ask to stop after this step."""
-
-    def __init__(self):
-        self.received = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def warn_zero3_with_pipeline(pp: int, accumulation: int) -> None:
+    print(f"warning: parallel.zero = 3 with parallel.pp = {pp} gathers every stage's parameters again for each of "
+          f"the {accumulation} micro-batches' forward and backward; ZeRO-1 or 2 is the usual choice with a pipeline",
+          file=sys.stderr, flush=True)
 
 
 def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None) -> int:
@@ -308,56 +305,19 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
     trainer = Trainer(cfg, world_comm, progress, run_dir)
-    logger = trainer.is_logger
+    logger, t = trainer.is_logger, cfg.train
     say = echo if logger else (lambda text: None)
-    c, t = cfg.checkpoint, cfg.train
-    checkpoints = CheckpointManager(trainer, c.directory(run_dir), c.keep, say)
-    checkpoints.check_writable("checkpoint.dir" if c.dir else "checkpoint.dir (default RUN_DIR/checkpoints)")
-    start = 0
-    path = checkpoints.find_resume_point(resume) if resume else None
-    if path is not None:
-        banner = restart_banner(path, trainer.mesh.describe_layout(), dict(os.environ), time.time())
-        if banner:  # an attempt after a failure: what it left out, resumes from, runs on, has lost
-            say(banner)
-        start = checkpoints.restore(path)  # also sets aside the directory's checkpoints beyond `start`
-        say(f"checkpoint: resumed from {path} at step {start}")
-    else:
-        if resume:
-            say("checkpoint: none to resume from; starting fresh")
-        checkpoints.set_aside_beyond(0)  # a fresh start in a used directory: the old checkpoints are not its past
-        if t.init_from:  # fine-tuning: another run's weights, this run's optimizer and schedule
-            say(f"checkpoint: weights from {load_weights(checkpoints, t.init_from)} (train.init_from), step 0")
-    metrics_file = tensorboard = None
-    if logger:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        if start:
-            trim_metrics(run_dir / "metrics.jsonl", start)  # the rows of steps after `start` are logged again
-        metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115 -- closed in finally
-        tensorboard = open_sink(cfg.logging.tensorboard, run_dir)  # profile/tensorboard_sink.py; None when off
-        echo(f"mpitrain: {cfg.model.arch} with {trainer.model.n_params:,} parameters on {trainer.mesh.describe()}, "
-             f"{trainer.accumulation} micro-batch(es) of {t.micro_batch} x {cfg.model.seq_len} tokens per "
-             f"rank per step" + (f" (rows split over {trainer.replicas} thread replicas)" if trainer.replicas > 1
-                                 else "") + f", {cfg.precision.compute} on {t.device}; run dir {run_dir}")
-        echo(f"MFU against {trainer.peak_flops / 1e12:.3g} TFLOP/s per rank ({trainer.peak_source})")
-        echo(trainer.mesh.describe_placement())
-        p = cfg.parallel
-        if p.pp > 1 or p.virtual_stages > 1:
-            layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
-            echo(f"pipeline: {p.schedule} schedule over {p.pp} stages" + (f" x {p.virtual_stages} chunks" if
-                 p.virtual_stages > 1 else "") + f", layers per stage {layers}")
-    stragglers = StragglerWatch(trainer.mesh.world, cfg.fault.straggler_factor, cfg.fault.straggler_steps)
-    advice = AdviceReporter(cfg.fault.mtbf_hours if logger else 0.0, c.every, echo)  # Young/Daly, printed once
-    sdc = ReplicaCheck(cfg.fault.sdc_every, cfg.parallel.zero, trainer.mesh, run_dir, say,
-                       lambda: replicated_arrays(trainer.state, trainer.optimizer))
-    try:
-        with StopRequest() as stop:
+    manager = trainer.checkpoint_manager(cfg.checkpoint.directory(run_dir), cfg.checkpoint.keep, say)
+    checkpoints = Checkpointing(manager, cfg, trainer.breakdown, say, logger)
+    start = checkpoints.start(resume, trainer.mesh.describe_layout())
+    with RunLog(cfg, run_dir, start, echo if logger else None) as log:
+        log.banner(trainer.banner(run_dir))
+        with Resilience(cfg, trainer.mesh, trainer.faults, trainer.guard, progress, run_dir,
+                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience:
             step = start
             while step < t.steps:
                 done = step + 1
-                progress.step = done  # named by hang reports and heartbeats
-                strike_kill(trainer.faults, trainer.mesh.world.rank, done)
-                strike_hang(trainer.faults, trainer.mesh.world.rank, done)
+                resilience.before_step(done)
                 evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
                 logged = evaluate or done % t.log_every == 0 or step == start
                 result = trainer.train_step(step, measure_bubble=logged)
@@ -365,59 +325,23 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                 if evaluate:
                     record["val_loss"] = trainer.evaluate()
                 if logged:  # small gathers of compute times and time breakdowns on the logging cadence
-                    per_rank = gather_step(trainer.mesh.world, result.breakdown, trainer.pipeline.timeline.to_dicts(),
-                                           run_dir / "timeline.json", done)
-                    if per_rank is not None:
-                        record["breakdown"] = per_rank
-                    for report in stragglers.check(done, result.compute_seconds):
-                        record.setdefault("stragglers", []).append(report)
-                        say(format_report(report, cfg.fault.straggler_factor))
-                if logger and (logged or result.skipped):
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                    if tensorboard:
-                        tensorboard.write(record)
-                    echo(format_log_line(record, t.steps))
-                if result.skipped:
-                    say(trainer.guard.describe_skip(done, result.verdict, result.loss, result.grad_norm))
-                    if trainer.guard.rollback_due:
-                        step = trainer.guard.roll_back(checkpoints, done, say)
-                        continue
-                # a save (or an asynchronous one's commit) stalls the next step: carried into its breakdown
-                with trainer.breakdown.part("checkpoint") if c.async_ else nullcontext():
-                    checkpoints.poll()
-                # Every rank must agree to stop, whichever got the signal: one 8-byte all-reduce per step.
-                signalled = trainer.mesh.world.all_reduce_scalar(float(stop.received is not None), op="max")
-                saving = signalled or done in (t.stop_at, t.steps) or (c.every and done % c.every == 0)
-                if sdc.due(done, saving):
-                    sdc.check(done)  # before any save: no checkpoint is written from a corrupted replica
-                if signalled or done == t.stop_at:
-                    checkpoints.save(done)
-                    why = f"stop requested ({stop.received or 'signal on another rank'})" if signalled else \
-                        f"train.stop_at = {t.stop_at}"
-                    say(f"{why}: saved step {done}; exiting with status {PREEMPTED_EXIT_CODE} "
-                        f"(continue with --resume auto)")
-                    return PREEMPTED_EXIT_CODE
-                if c.every and done % c.every == 0 and done < t.steps:
-                    with trainer.breakdown.part("checkpoint"):
-                        (checkpoints.save_async if c.async_ else checkpoints.save)(done)
-                advice.observe(result.seconds, checkpoints.directory)
+                    trainer.gather_breakdown(record, result, run_dir / "timeline.json")
+                    resilience.check_stragglers(done, result.compute_seconds, record)
+                if logged or result.skipped:
+                    log.write(record)
+                if result.skipped and (restored := resilience.after_bad_step(result, manager)) is not None:
+                    step = restored
+                    continue
+                checkpoints.poll()
+                stopping = resilience.stop_reason(done)
+                resilience.check_replicas(done, saving=stopping is not None or checkpoints.due(done))
+                if stopping:
+                    return checkpoints.save_and_stop(done, stopping)
+                checkpoints.save_on_cadence(done)
+                resilience.observe_step(result.seconds, checkpoints.directory)
                 step += 1
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-        if tensorboard is not None:
-            tensorboard.close()
     write_run_summary(trainer.mesh.world, trainer.run_summary, run_dir / "breakdown.json", say)
-    checkpoints.save(t.steps)
-    if logger:
-        final = checkpoints.directory / step_dir_name(t.steps)
-        if trainer.tokenizer is not None and t.sample_tokens:
-            from mpitrain.generate import load_checkpoint_model, sample
-            model, state, tokenizer, _ = load_checkpoint_model(final)
-            text = sample(model, state, tokenizer, t.sample_prompt, t.sample_tokens, seed=t.seed)
-            echo(f"--- sample ({t.sample_tokens} tokens after {t.sample_prompt!r}) ---\n{text}\n---")
-        echo(f"final checkpoint: {final}  (try: mpitrain generate {run_dir})")
+    checkpoints.finish(trainer.tokenizer, run_dir)
     return 0
 
 

@@ -88,7 +88,6 @@ import numpy as np
 from mpi4py import MPI
 from mpitrain.config import load_config
 from mpitrain.train import Trainer
-from mpitrain.checkpoint.manager import CheckpointManager
 from mpitrain.checkpoint.store import committed_checkpoints
 
 mode, directory, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -96,7 +95,7 @@ cfg = load_config("configs/tiny.toml", ["data.synthetic=true", "precision.comput
                                         "logging.peak_flops=1e9", "model.vocab_size=259", "train.micro_batch=1",
                                         *overrides])
 trainer = Trainer(cfg, MPI.COMM_WORLD)
-manager = CheckpointManager(trainer, directory, keep=0, echo=lambda text: None)
+manager = trainer.checkpoint_manager(directory, keep=0, echo=lambda text: None)
 kinds = {"param": 0.25, "exp_avg": 0.5, "exp_avg_sq": 0.75}
 
 def expected(piece):

@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +34,25 @@ from mpitrain.checkpoint.store import (
     step_dir_name,
     write_rank_file,
 )
-from mpitrain.config import to_toml
+from mpitrain.config import Config, to_toml
 from mpitrain.errors import ConfigError
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request after saving; resume me"
 
 
 class CheckpointManager:
-    def __init__(self, trainer, directory: Path, keep: int, echo=print):
-        self.trainer, self.directory, self.keep, self.echo = trainer, Path(directory), keep, echo
-        self.world = trainer.mesh.world
+    def __init__(self, directory: Path, keep: int, *, cfg: Config, mesh, state, optimizer, tied_copies=(),
+                 tokenizer: dict | None = None, save_extra: Callable[[], dict] = dict,
+                 load_extra: Callable[[dict], None] = lambda extra: None, echo=print):
+        """cfg: the run's config (saved in the index; its model keys checked on restore); mesh, state, optimizer:
+        what is saved, by which ranks; tied_copies: tensors a rank holds as a copy of another stage's (read back,
+        never written); tokenizer: its description, saved for `generate`; save_extra / load_extra: the rest of the
+        training state beside the tensors (e.g. the data offset of bad-step rollbacks, resilience/guard.py)."""
+        self.directory, self.keep, self.echo = Path(directory), keep, echo
+        self.cfg, self.mesh, self.state, self.optimizer = cfg, mesh, state, optimizer
+        self.tied_copies, self.tokenizer = tied_copies, tokenizer
+        self.save_extra, self.load_extra = save_extra, load_extra
+        self.world = mesh.world
         self._pending = None  # an asynchronous save in flight: (step, partial dir, thread, result holder)
         self.resumed_from: Path | None = None  # the checkpoint restored last: saving its step again is a no-op
 
@@ -62,19 +72,17 @@ class CheckpointManager:
 
     # -- what this rank holds
     def held(self) -> list[HeldPiece]:
-        trainer = self.trainer
-        layout = trainer.state.checkpoint_layout()
-        mesh = trainer.mesh
+        layout, mesh = self.state.checkpoint_layout(), self.mesh
         dp, tp = (mesh.dp_cp.size, mesh.dp_cp.rank), (mesh.tp.size, mesh.tp.rank)  # replicas: dp x cp ranks
         # a tied copy (gpt2's embedding on the last pipeline stage) is read back from the first stage's tensors
-        load_only = getattr(trainer.model, "tied_copies", ())
+        load_only = self.tied_copies
         experts = (mesh.expert_dp.size, mesh.expert_dp.rank)  # model.moe under parallel.ep > 1
         held = held_pieces("param", layout.geometry, layout.param_windows, layout.params_dp_replicated,
                            dp, tp, load_only, experts)
         if layout.frozen is not None:  # trainable = False tensors, whole on every rank (mpitrain/state/frozen.py)
             held += held_pieces("param", layout.frozen, [(0, layout.frozen.size, layout.frozen.data, 0)],
                                 True, dp, tp, load_only)
-        optimizer = trainer.optimizer
+        optimizer = self.optimizer
         for kind, moments in optimizer.checkpoint_arrays().items():  # element-wise, e.g. exp_avg, exp_avg_sq
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout.segment_windows,
                                                                               optimizer.bounds)]
@@ -83,7 +91,7 @@ class CheckpointManager:
         return held
 
     def _index(self, step: int, records: list[dict]) -> dict:
-        trainer, cfg = self.trainer, self.trainer.cfg
+        cfg = self.cfg
         tensors = {}
         for record in records:
             for piece in record["pieces"]:
@@ -96,9 +104,9 @@ class CheckpointManager:
                 "save_seconds": time.time() - self.save_started,  # Young/Daly advice (resilience/advice.py)
                 "layout": {"world_size": self.world.size, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
                            "ep": p.ep, "zero": p.zero},
-                "config": to_toml(cfg), "tokenizer": trainer.tokenizer_description,
-                "train_state": {"next_step": step, "optimizer_steps": trainer.optimizer.steps_taken},
-                "extra_state": trainer.extra_state(),  # e.g. the data offset of bad-step rollbacks (resilience/guard)
+                "config": to_toml(cfg), "tokenizer": self.tokenizer,
+                "train_state": {"next_step": step, "optimizer_steps": self.optimizer.steps_taken},
+                "extra_state": self.save_extra(),  # e.g. the data offset of bad-step rollbacks (resilience/guard)
                 "tensors": dict(sorted(tensors.items())), "files": records}
 
     # -- saving
@@ -228,17 +236,17 @@ class CheckpointManager:
         self.wait()
         path = Path(path)
         checkpoint = Checkpoint.open(path)
-        mismatch = model_mismatch(checkpoint, self.trainer.cfg.model)  # the same verdict on every rank
+        mismatch = model_mismatch(checkpoint, self.cfg.model)  # the same verdict on every rank
         if mismatch:
             raise CheckpointError(mismatch)
         held = self.held()
         self._check_tensors(checkpoint, held)
         checkpoint.load_into(held)
-        self.trainer.state.after_restore()
-        self.trainer.optimizer.after_restore()  # e.g. 8-bit Adam's block scales from the loaded element-wise ones
-        self.trainer.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
+        self.state.after_restore()
+        self.optimizer.after_restore()  # e.g. 8-bit Adam's block scales from the loaded element-wise ones
+        self.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
         step = int(checkpoint.index["train_state"]["next_step"])
-        self.trainer.load_extra_state(checkpoint.index.get("extra_state", {}))
+        self.load_extra(checkpoint.index.get("extra_state", {}))
         self.set_aside_beyond(step, kept=path)
         self.resumed_from = path
         return step

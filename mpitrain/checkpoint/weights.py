@@ -28,10 +28,10 @@ def load_weights(manager, path: str) -> str:
     if not Path(path).exists():
         raise ConfigError(f"config key train.init_from = {path!r}: no such checkpoint or run directory")
     if is_hf_folder(path):
-        checkpoint = HFWeights.open_folder(path, manager.trainer.cfg.model)
+        checkpoint = HFWeights.open_folder(path, manager.cfg.model)
     else:
         checkpoint = Checkpoint.open(resolve_checkpoint(path))
-    mismatch = model_mismatch(checkpoint, manager.trainer.cfg.model)
+    mismatch = model_mismatch(checkpoint, manager.cfg.model)
     if mismatch:
         raise CheckpointError(f"train.init_from: {mismatch}")
     held = [item for item in manager.held() if item.piece.kind == "param"]
@@ -51,7 +51,7 @@ def load_weights(manager, path: str) -> str:
     if verdict:
         raise CheckpointError(verdict)
     checkpoint.load_into([item for item in held if item.piece.tensor in saved])
-    manager.trainer.state.after_restore()
+    manager.state.after_restore()
     if isinstance(checkpoint, HFWeights):
         return f"{checkpoint.path} (Hugging Face; {'; '.join(checkpoint.notes)})"
     return str(checkpoint.path)
