@@ -52,9 +52,8 @@ def _add_bias(x, b):
 
 def _side_by_side(arrays):
     """The one array of which `arrays` are consecutive column blocks, in order (float32/float64 numpy views of one
-    buffer with the same row strides: the gradients the attention core writes for Q/K/V), else None. Linears sharing
-    their input then make one product for the input gradient and one for the weight gradients, where they would make
-    one per weight. bf16/fp16 keep one fp32 op per linear (each stored value rounded once), CuPy its own kernels."""
+    buffer with the same row strides: the Q/K/V gradients of the attention core), else None: linears sharing their
+    input then make one product where they would make one per weight. bf16/fp16 keep one fp32 op per linear."""
     first = arrays[0]
     if (len(arrays) < 2 or _xp(first) is not np or low_precision_dtype((first,)) is not None or first.base is None
             or first.strides[-1] != first.itemsize):
@@ -79,13 +78,10 @@ def linear_input_grad(weights, output_grads):
     combined = _side_by_side(output_grads)
     if combined is not None:
         weights, output_grads = [np.concatenate(weights, axis=1)], [combined]
-    dx = None
-    for w, dy in zip(weights, output_grads):
-        part = _rows(dy) @ w.T
-        if dx is None:
-            dx = part
-        else:
-            dx += part
+    parts = (_rows(dy) @ w.T for w, dy in zip(weights, output_grads))
+    dx = next(parts)
+    for part in parts:
+        dx += part
     return dx.reshape(*output_grads[0].shape[:-1], weights[0].shape[0])
 
 
@@ -259,13 +255,10 @@ def _quiet_overflow(xp):
 
 @gpu_twin(fused.gelu_forward)
 def gelu_forward(x, bias=None):
-    """GELU (tanh approximation, GPT-2) of x + bias. Saves only the pre-activation; the exp is recomputed in backward
-    (memory over speed).
-
-    bias: the preceding linear's, left out of its product. float32/float64 add it in place inside GELU's tiles, so
-    x, that linear's fresh output, becomes (and is saved as) the pre-activation: two passes fewer over the (tokens,
-    ff) activations; gelu_backward_from_output sums its gradient in its tiles likewise. bf16/fp16 add it first, an
-    op of its own (its output rounded once, as every op's)."""
+    """GELU (tanh approximation, GPT-2) of x + bias, saving only the pre-activation (the exp is recomputed in
+    backward: memory over speed). bias, the preceding linear's, left out of its product: float32/float64 add it in
+    place inside the tiles, x (that linear's fresh output) becoming the saved pre-activation, two passes fewer over
+    the (tokens, ff) activations; bf16/fp16 add it first, an op of its own (its output rounded once)."""
     if bias is not None and low_precision_dtype((x,)) is not None:
         x, bias = _add_bias(x, bias), None
     return _gelu_forward(x, bias)
@@ -443,7 +436,8 @@ def attention_forward(q, k, v, bias):
     rowsum(dO * O), and the key spans the blocks used).
 
     On numpy the work runs in layers/attention_core.py (blocks of query rows, one product per block over a stack
-    of heads, masked key blocks skipped); CuPy takes the whole batch in one product (attention_core.whole_forward).
+    of heads, masked key blocks skipped); CuPy float64 takes the whole batch in one product (whole_forward), the
+    other CuPy dtypes cuBLAS's batched GEMMs (kernels/attention.py).
     """
     if _xp(q) is not np:
         return attention_core.whole_forward(q, k, v, bias)
