@@ -6,6 +6,8 @@ checkpoints, logging) uses numpy and moves arrays with `to_host`/`from_host`.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +82,6 @@ def keep_freed_memory() -> bool:
     zeroed pages, a page fault per page, a sizeable share of a CPU step (benchmarks/README.md, "Measurements
     behind the CPU kernels").
     Returns False where the C library is not glibc (nothing changes there)."""
-    import ctypes
-    import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

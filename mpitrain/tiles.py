@@ -21,10 +21,16 @@ CuPy arrays are never tiled: the callers hand them to one call. A rank that runs
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy  # noqa: F401  (loaded before threadpoolctl's controller looks for the BLAS libraries)
+from threadpoolctl import ThreadpoolController
+
+import mpitrain  # its OPENBLAS_THREAD_TIMEOUT_AT_LOAD is read at call time: mpitrain/__init__.py may import this first
 
 TILE_BYTES = 512 * 1024  # measured: smaller tiles gain nothing more here and pay more Python overhead per tile
 
@@ -60,8 +66,7 @@ def inline():
 
 def blas_spin_is_short() -> bool:
     """Whether OpenBLAS runs with a short idle spin (mpitrain/__init__.py records the value in force)."""
-    from mpitrain import OPENBLAS_THREAD_TIMEOUT_AT_LOAD as timeout
-    value = (timeout or "").strip()
+    value = (mpitrain.OPENBLAS_THREAD_TIMEOUT_AT_LOAD or "").strip()
     return value.isdigit() and int(value) <= SHORT_SPIN_MAX
 
 
@@ -110,7 +115,6 @@ def restart_openblas_threads() -> bool:
     once, at mpitrain's import, before any BLAS call of mpitrain's. False where no OpenBLAS has these entry points,
     and where other Python threads run (one of them could be inside a BLAS call, which stopping the threads would
     break)."""
-    import ctypes
     if threading.active_count() > 1:
         return False
     restarted = False
@@ -130,8 +134,6 @@ def restart_openblas_threads() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _blas_libraries() -> list:
-    import numpy  # noqa: F401  (the controller finds the BLAS libraries loaded when it is made)
-    from threadpoolctl import ThreadpoolController
     return [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
 
 
