@@ -24,7 +24,7 @@ import os
 import numpy as np
 
 from mpitrain.comm.group import Group
-from mpitrain.comm.nccl_group import NcclGroup, StagedRequest
+from mpitrain.comm.nccl_group import NcclGroup, copied_back
 from mpitrain.comm.operations import Handle
 from mpitrain.errors import ConfigError
 
@@ -191,7 +191,7 @@ class HostStagedGroup(Group):
                 copy_back.append((value, args[i]))
         result = getattr(Group, method)(self, *args, **kwargs)
         if isinstance(result, Handle):
-            return Handle(StagedRequest(self.runtime, result, copy_back), ())
+            return copied_back(self.runtime, result, copy_back)
         for target, source in copy_back:
             self.runtime.copy_into(target, source)
         return result

@@ -35,29 +35,18 @@ def nccl_dtype(dtype, reducing: bool) -> tuple[int, int]:
 
 
 
+def copied_back(runtime, handle: Handle, copy_back) -> Handle:
+    """`handle` of an MPI operation on host copies, whose copies go back into the device buffers once it completes
+    (MPI point-to-point without an NCCL lane here, every operation of nccl.py's HostStagedGroup)."""
+    copy_back = list(copy_back)
+
+    def copy() -> None:
+        for target, source in copy_back:
+            runtime.copy_into(target, source)
+    return Handle.after(handle).then(copy)
+
+
 # ---- requests: what a Handle waits on ---------------------------------------------------------------------------
-class StagedRequest:
-    """An MPI handle on host copies; the copies go back into the device buffers when it completes (MPI point-to-point
-    without an NCCL lane here, every operation of nccl.py's HostStagedGroup)."""
-
-    def __init__(self, runtime, handle: Handle, copy_back):
-        self._runtime, self._handle, self._copy_back = runtime, handle, list(copy_back)
-
-    def Test(self) -> bool:
-        if self._handle.test():
-            self._finish()
-        return self._handle.done and not self._copy_back
-
-    def Wait(self) -> None:
-        self._handle.wait()
-        self._finish()
-
-    def _finish(self) -> None:
-        for target, source in self._copy_back:
-            self._runtime.copy_into(target, source)
-        self._copy_back = []
-
-
 class _EventRequest:
     """Completion of work queued on a stream: `event` recorded after it; host buffers copied back once done."""
 
@@ -323,7 +312,7 @@ class NcclGroup(Group):
         if handle is None:  # blocking recv into a device buffer
             self.runtime.copy_into(buf, host)
             return None
-        return Handle(StagedRequest(self.runtime, handle, [(buf, host)]), ())
+        return copied_back(self.runtime, handle, [(buf, host)])
 
 
 # ---- the end of a process: every live group's communicators destroyed (at exit) or aborted (by the watchdog) --------

@@ -29,6 +29,8 @@ from typing import ClassVar
 import ml_dtypes
 import numpy as np
 
+from mpitrain.comm.operations import Handle
+
 # NCCL's codes (nccl.h): reduction ops and data types.
 SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 NCCL_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
@@ -71,31 +73,32 @@ def _memory(address: int, count: int, dtype_code: int) -> np.ndarray:
 
 
 # ---- streams and events: FIFO queues of MPI operations ----------------------------------------------------------
-class _Pending:
-    """One operation on a stream (or one group call's operations): `start()` posts its MPI requests, which happens
-    only once everything queued before it on the stream completed; `finish` writes the result when they complete."""
+class _PostedWhenTested:
+    """The MPI requests of one stream entry, posted by `post()` the first time the entry is tested. Only the stream
+    tests its head, so an entry starts once everything queued before it on the stream completed."""
 
-    def __init__(self, start, finish=None):
-        self._start, self.finish = start, finish
-        self.requests, self.done = None, False
+    def __init__(self, post):
+        self._post, self._requests = post, None
 
-    @classmethod
-    def together(cls, parts: list[_Pending]) -> _Pending:
-        """A group call: its operations start together, as one entry of the stream."""
-        return cls(lambda: [r for part in parts for r in part._start()],
-                   lambda: [part.finish() for part in parts if part.finish is not None])
-
-    def start(self) -> None:
-        if self.requests is None:
-            self.requests = list(self._start())
-
-    def test(self) -> bool:
+    def Test(self) -> bool:
         from mpi4py import MPI
-        if not self.done and self.requests is not None and MPI.Request.Testall(self.requests):
-            self.done = True
-            if self.finish is not None:
-                self.finish()
-        return self.done
+        if self._requests is None:
+            self._requests = list(self._post())
+        return MPI.Request.Testall(self._requests)
+
+    def Wait(self) -> None:
+        while not self.Test():
+            time.sleep(0)
+
+
+def _stream_entry(operations: list[tuple]) -> Handle:
+    """One entry of a stream: the (post, finish) operations of one call, or of one group call started together;
+    each `finish` (or None) writes its result once every request completed."""
+    entry = Handle(_PostedWhenTested(lambda: [request for post, _ in operations for request in post()]))
+    for _, finish in operations:
+        if finish is not None:
+            entry.then(finish)
+    return entry
 
 
 class HostStream:
@@ -106,17 +109,17 @@ class HostStream:
 
     def __init__(self, non_blocking: bool = True):
         self.ptr = next(self._ids)
-        self.queue: deque[_Pending] = deque()
+        self.queue: deque[Handle] = deque()
         _streams[self.ptr] = self
 
-    def launch(self, pending: _Pending) -> None:
-        self.queue.append(pending)
+    def launch(self, entry: Handle) -> None:
+        self.queue.append(entry)
         self.advance()
 
     def advance(self) -> None:
-        """Start the head, drop it once complete, and go on (called whenever the host looks at any stream)."""
+        """Start the head (by testing it), drop it once complete, and go on (called whenever the host looks at any
+        stream)."""
         while self.queue:
-            self.queue[0].start()
             if not self.queue[0].test():
                 return
             self.queue.popleft()
@@ -140,7 +143,7 @@ def _advance_all() -> None:
 
 class HostEvent:
     def __init__(self, disable_timing: bool = True):
-        self._pending: list[_Pending] = []
+        self._pending: list[Handle] = []
 
     def record(self, stream: HostStream | None = None) -> None:
         self._pending = list((stream or NULL_STREAM).queue)
@@ -176,17 +179,17 @@ def groupEnd() -> None:
     if _GroupCall.depth == 0:
         grouped, _GroupCall.launches = _GroupCall.launches, []
         streams = {}
-        for stream, pending in grouped:
-            streams.setdefault(stream.ptr, (stream, []))[1].append(pending)
-        for stream, parts in streams.values():
-            stream.launch(_Pending.together(parts))
+        for stream, operation in grouped:
+            streams.setdefault(stream.ptr, (stream, []))[1].append(operation)
+        for stream, operations in streams.values():
+            stream.launch(_stream_entry(operations))  # a group call's operations start together
 
 
-def _launch(stream: HostStream, pending: _Pending) -> None:
+def _launch(stream: HostStream, post, finish) -> None:
     if _GroupCall.depth:
-        _GroupCall.launches.append((stream, pending))
+        _GroupCall.launches.append((stream, (post, finish)))
     else:
-        stream.launch(pending)
+        stream.launch(_stream_entry([(post, finish)]))
 
 
 def get_unique_id() -> tuple:
@@ -306,8 +309,8 @@ class NcclCommunicator:
 
         self._start(lambda: [self._comm.Irecv(_bytes(data), source=peer, tag=0)], finish, stream)
 
-    def _start(self, requests, finish, stream) -> None:
-        _launch(stream_of(stream), _Pending(requests, finish))
+    def _start(self, post, finish, stream) -> None:
+        _launch(stream_of(stream), post, finish)
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:

@@ -73,7 +73,7 @@ class ProgressRecord:
         # thread itself polls with Test and calls on_timeout(operation, waited_s) once the deadline passes.
         self.poll_timeout_s: float = 0.0
         self.on_timeout = None
-        # mpitrain/profile/breakdown.py's Breakdown (set by the trainer): charges each wait to its kind of operation
+        # mpitrain/profile/breakdown.py's Breakdown (given to the Mesh): charges each wait to its kind of operation
         self.listener = None
 
     def enter(self, name, group, members: tuple, channel, peers: tuple, nbytes: int) -> Operation:
@@ -124,8 +124,13 @@ class ProgressRecord:
 
 
 class Handle:
-    """A non-blocking operation in flight. Holds its buffers so they cannot be freed before it completes, and the
-    entered operation so that a wait on it is watched."""
+    """An operation in flight: the one such type, whatever starts it (a group's non-blocking call, a tensor-parallel
+    or gradient reduction, a queued operation of the NCCL stand-in's streams).
+
+    Holds the request it waits on (MPI's protocol: `Test()`, `Wait()`; None: already complete), its buffers so they
+    cannot be freed before it completes, and the entered operation so that a wait on it is watched. What to do once
+    it completes is added with `then` (e.g. a cast back to the caller's dtype): `wait()` returns the last
+    continuation's value. `timed` hands the seconds a blocking `wait()` took to a timer."""
 
     def __init__(self, request=None, buffers=(), operation: Operation | None = None,
                  record: ProgressRecord | None = None):
@@ -133,10 +138,42 @@ class Handle:
         self._buffers = buffers
         self._operation = operation
         self._record = record
+        self._continuations: list = []
+        self._on_wait = None
+        self.value = None  # what wait() returns: the last continuation's result
+
+    @classmethod
+    def completed(cls, value=None) -> Handle:
+        """Nothing in flight (a group of one, a blocking path); wait() returns `value`."""
+        handle = cls()
+        handle.value = value
+        return handle
+
+    @classmethod
+    def after(cls, handle) -> Handle:
+        """A handle that completes when `handle` does: any object with `wait()` (and `test()` where it is polled),
+        so that continuations and a timer can be added without touching the group's own handle."""
+        if handle is None or getattr(handle, "done", False):
+            return cls()
+        return cls(_Awaiting(handle))
 
     @property
     def done(self) -> bool:
         return self._request is None
+
+    def then(self, continuation) -> Handle:
+        """Run `continuation()` when the operation completes (at once if it has); its value is what wait() returns
+        from then on. Returns the handle."""
+        if self.done:
+            self.value = continuation()
+        else:
+            self._continuations.append(continuation)
+        return self
+
+    def timed(self, on_wait) -> Handle:
+        """on_wait(seconds) is told how long a blocking wait() took. Returns the handle."""
+        self._on_wait = on_wait
+        return self
 
     def test(self) -> bool:
         """Drive progress once; True when the operation has completed."""
@@ -144,21 +181,41 @@ class Handle:
             self._complete()
         return self.done
 
-    def wait(self) -> None:
+    def wait(self):
+        """Block until the operation completes; returns `value`."""
         if self._request is None:
-            return
-        record = self._record
+            return self.value
+        start, record = time.perf_counter(), self._record
         if record is None or self._operation is None:
             self._request.Wait()
         elif record.poll_timeout_s:
             record.poll(self._request, self._operation)
         else:
             record.wait_for(self._operation, self._request.Wait)
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - start)
         self._complete()
+        return self.value
 
     def _complete(self) -> None:
         self._request = None
         self._buffers = ()
+        continuations, self._continuations = self._continuations, []
+        for continuation in continuations:
+            self.value = continuation()
+
+
+class _Awaiting:
+    """Another handle seen as a request, for `Handle.after`."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def Test(self) -> bool:
+        return self._handle.test()
+
+    def Wait(self) -> None:
+        self._handle.wait()
 
 
 def progress(handles) -> int:
