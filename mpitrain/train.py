@@ -25,6 +25,7 @@ from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
 from mpitrain.layers.recompute import apply_recompute
+from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
@@ -84,9 +85,11 @@ class Trainer:
         self.backend = make_backend(cfg.train.device, cfg.precision.compute,
                                     nodes.node_local_rank if nodes else world_rank, cfg.precision.master)
         self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
+        # where each step's time goes: the rank's waits (the mesh's), the pipeline's events, the linears' dW (tp)
+        self.breakdown, self.run_summary = Breakdown(), RunSummary()
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
-                         allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes,
+                         allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes, listener=self.breakdown,
                          group_factory=make_group_factory(cfg.train.collectives, cfg.train.device, say=say))
         self.model = self._build_model()
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
@@ -108,9 +111,6 @@ class Trainer:
         self.recomputed_flops = recomputed_flops_per_token(cfg.model, stage_layer_counts(
             cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers), cfg.memory.recompute,
             cfg.memory.recompute_layers)
-        # where each step's time goes: the rank's waits, the pipeline's events, the linears' dW (profile/breakdown.py)
-        self.breakdown, self.run_summary = Breakdown(), RunSummary()
-        self.mesh.progress.listener = self.pipeline.timeline.breakdown = self.model.tp.breakdown = self.breakdown
         self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
@@ -119,8 +119,8 @@ class Trainer:
         """This rank's stages of the model, with recomputation and ring attention (parallel.cp) applied."""
         cfg, p = self.cfg, self.cfg.parallel
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
-        model = GPT(cfg.model, self.backend, tp_group=self.mesh.tp, sequence_parallel=p.sequence_parallel,
-                    stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
+        tp = TensorParallel(self.mesh.tp, p.sequence_parallel, breakdown=self.breakdown)
+        model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
         apply_context_parallel(model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
         return model
@@ -133,7 +133,8 @@ class Trainer:
         seq_len = seq_len // p.tp if p.sequence_parallel else seq_len
         computing = ThreadReplicas(self.model, self.replicas) if self.replicas > 1 else self.model
         return PipelineExecutor(computing, self.state, self.mesh.pp, program, self.accumulation,
-                                (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend)
+                                (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend,
+                                breakdown=self.breakdown)
 
     @property
     def is_logger(self) -> bool:

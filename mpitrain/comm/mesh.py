@@ -170,13 +170,15 @@ class Mesh:
 
     def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  progress: ProgressRecord | None = None, nodes: NodeLayout | None = None,
-                 allow_cross_node_tp: bool = False, group_factory=None):
+                 allow_cross_node_tp: bool = False, group_factory=None, listener=None):
         self.group_factory = group_factory or Group  # (comm, kind, progress) -> a Group; nccl.make_group_factory
         self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         self.nodes = nodes if nodes is not None else discover_nodes(world_comm)
         check_fast_groups_in_node(self.degrees, self.nodes, allow_cross_node_tp)
         self.rank = world_comm.Get_rank()
         self.progress = progress if progress is not None else ProgressRecord(self.rank)
+        if listener is not None:  # profile/breakdown.py's Breakdown: charges each wait to its kind of operation
+            self.progress.listener = listener
         coords = mesh_coordinates(self.rank, dp, tp, pp, cp)
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
         self.ep_rank = self.dp_rank % ep

@@ -50,13 +50,13 @@ class TensorParallel:
     non-blocking reduction hidden behind compute is not counted), for the step breakdown and benchmarks.
     """
 
-    def __init__(self, group=None, sequence_parallel: bool = False):
+    def __init__(self, group=None, sequence_parallel: bool = False, breakdown=None):
         self.group = group
         self.size = group.size if group is not None else 1
         self.rank = group.rank if group is not None else 0
         self.sequence_parallel = sequence_parallel
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
-        self.breakdown = None  # profile/breakdown.py (set by the trainer): the linears time their dW matmuls apart
+        self.breakdown = breakdown  # profile/breakdown.py's Breakdown: the linears time their dW matmuls apart
 
     def phase(self, name: str):
         """A with-block charged to part `name` of the step breakdown (nothing without one)."""

@@ -45,12 +45,12 @@ class Timeline:
     """The events one rank records during a real step: (kind, micro, chunk, start, end), kind an instruction op
     (compute: forward, backward, backward_input, backward_weight; waiting on a peer: recv_*/send_*)."""
 
-    def __init__(self, rank: int, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, rank: int, clock: Callable[[], float] = time.perf_counter, breakdown=None):
         self.rank = rank
         self.clock = clock
         self.origin = clock()
         self.events: list[dict] = []
-        self.breakdown = None  # profile/breakdown.py (set by the trainer): the same events charged to the step
+        self.breakdown = breakdown  # profile/breakdown.py's Breakdown: the same events charged to the step
 
     def reset(self) -> None:
         """Forget the events and start the clock at 0 now (call it right after a barrier)."""
