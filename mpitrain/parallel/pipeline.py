@@ -130,21 +130,24 @@ class PipelineExecutor:
     stages send each other (T / tp under sequence parallelism)."""
 
     def __init__(self, model, state, group, program: list[Instruction], micro_batches: int, activation_shape,
-                 backend, breakdown=None):
+                 backend):
         self.model, self.state, self.group, self.program = model, state, group, program
         self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
         self.last_stage = self.p * self.v - 1
         self.shape, self.backend = tuple(activation_shape), backend
         self.gradients = StepGradients(state, micro_batches, progress=self._progress)
-        self.timeline = Timeline(rank=self.rank, breakdown=breakdown)  # breakdown: profile/breakdown.py's
+        self.timeline = Timeline(rank=self.rank)
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
         self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
         self.tied_peer = tie_peer(model, group)
         self._posted: dict = {}  # (op, peer) -> the receive posted on that channel (instruction, buffer, handle)
         self._sends: list = []  # sends still in flight
-        self._dispatch = {op: getattr(self, "_" + op) for op in
-                          ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "backward_input",
-                           "backward_weight", "send_backward", "reduce_grads")}
+        self._operations = {  # instruction kind -> what runs it (optimizer_step ends the program: the trainer's)
+            "recv_forward": self._recv_forward, "recv_backward": self._recv_backward,
+            "send_forward": self._send_forward, "send_backward": self._send_backward,
+            "forward": self._forward, "backward": self._backward, "backward_input": self._backward_input,
+            "backward_weight": self._backward_weight, "reduce_grads": self._reduce_grads,
+        }
 
     # -- entry points
     def run_step(self, batch, loss_scale: float) -> float:
@@ -183,7 +186,7 @@ class PipelineExecutor:
         for ins in program:
             if ins.op == "optimizer_step":
                 break
-            self._dispatch[ins.op](ins)
+            self._operations[ins.op](ins)
             if self._sends:
                 self._sends = [handle for handle in self._sends if not handle.test()]
         for handle in self._sends:  # forward-only runs have no reduce_grads
