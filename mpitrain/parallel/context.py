@@ -128,11 +128,6 @@ class ContextParallel:
         return received, [self.group.irecv(received, self.prev, GRAD_TAG)]
 
 
-def wait_all(handles) -> None:
-    for handle in handles:
-        handle.wait()
-
-
 def apply_context_parallel(model, cp: ContextParallel) -> None:
     """Make `model` (a GPT) a cp rank's model: ring attention in every block, positions of its zig-zag chunks, and
     every gradient that data parallelism reduces over dp reduced over dp x cp (each cp rank saw other tokens of the

@@ -5,8 +5,7 @@ tiles over a pool), or the micro-batch's rows split N ways, each part running th
 core in a thread of its own (numpy releases the GIL inside its ufuncs and BLAS calls). At the sizes a CPU trains, the
 second wins: an op split two ways pays a thread wake-up and a wait on the slower half every time (~35 times a
 step), and products of a few hundred columns scale poorly over threads, while each replica streams through its
-layers unhindered (measured on the 2-core VM, bench-small, 8 rows: forward and backward 1.55x faster on 2 cores than
-on one when ops are split, 1.75-1.95x with 2 replicas of 4 rows).
+layers unhindered (the measurements: benchmarks/README.md, "Measurements behind the pipeline and the replicas").
 
 The parameters are shared (read only during forward and backward). Replica 0 runs in the calling thread and adds
 into the state's gradients; each other replica adds into a gradient buffer of its own, which replica 0 adds to the

@@ -1,4 +1,4 @@
-"""Parameters as flat buffers with named views (design decision 3).
+"""Parameters as flat buffers with named views (docs/architecture.md, State strategies).
 
 A `UnitLayout` lists a unit's tensors. Each `ParamSpec` knows the tensor's GLOBAL shape and where this rank's piece
 sits in it (`offset`): with tensor parallelism a rank holds a block of a weight, and checkpoints, initialisation and
