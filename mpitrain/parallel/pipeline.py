@@ -130,13 +130,13 @@ class PipelineExecutor:
     stages send each other (T / tp under sequence parallelism)."""
 
     def __init__(self, model, state, group, program: list[Instruction], micro_batches: int, activation_shape,
-                 backend):
+                 backend, breakdown=None):
         self.model, self.state, self.group, self.program = model, state, group, program
         self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
         self.last_stage = self.p * self.v - 1
         self.shape, self.backend = tuple(activation_shape), backend
         self.gradients = StepGradients(state, micro_batches, progress=self._progress)
-        self.timeline = Timeline(rank=self.rank)
+        self.timeline = Timeline(rank=self.rank, breakdown=breakdown)  # breakdown: profile/breakdown.py's
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
         self.saved_bytes_per_micro_batch = [0] * self.v  # per chunk, one forward's saved state
         self.tied_peer = tie_peer(model, group)
