@@ -32,7 +32,7 @@ def worker(kinds: list[tuple[str, int]], steps: int) -> None:
 
     from mpitrain.config import load_config
     from mpitrain.parallel.schedule import theoretical_bubble
-    from mpitrain.profile.timeline import bubble_fraction, replay
+    from mpitrain.parallel.timeline import bubble_fraction, replay
     from mpitrain.train import Trainer
 
     world = MPI.COMM_WORLD

@@ -288,7 +288,7 @@ def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, in
         simulate,
         validate,
     )
-    from mpitrain.profile.timeline import render_png, render_text
+    from mpitrain.parallel.timeline import render_png, render_text
 
     v = virtual_stages
     plan = make_schedule(kind, pp, microbatches, v)

@@ -35,10 +35,10 @@ from mpitrain.parallel.context import ContextParallel, apply_context_parallel, s
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
 from mpitrain.parallel.schedule import make_schedule
+from mpitrain.parallel.timeline import bubble_fraction, merge_events
 from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics
-from mpitrain.profile.timeline import bubble_fraction, merge_events
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch

@@ -14,6 +14,7 @@ from mpi_helpers import describe, run_mpi
 from mpitrain.comm.operations import Operation, ProgressRecord
 from mpitrain.config import ModelConfig
 from mpitrain.errors import ConfigError
+from mpitrain.parallel.timeline import Timeline
 from mpitrain.profile.breakdown import (
     Breakdown,
     RunSummary,
@@ -24,7 +25,6 @@ from mpitrain.profile.breakdown import (
     parts_total,
 )
 from mpitrain.profile.flops import block_matmul_weights, recomputed_flops_per_token, table_peak
-from mpitrain.profile.timeline import Timeline
 
 
 class FakeClock:

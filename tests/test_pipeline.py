@@ -24,7 +24,7 @@ from mpitrain.model.gpt import GPT
 from mpitrain.parallel.pipeline import rank_stages, stage_layer_counts
 from mpitrain.parallel.schedule import ScheduleError, make_schedule, theoretical_bubble
 from mpitrain.parallel.schedule_analysis import bubble_fraction, format_schedule
-from mpitrain.profile.timeline import recorded_program, replay
+from mpitrain.parallel.timeline import recorded_program, replay
 from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi_results
 from tests.test_checkpoint import PREEMPTED, losses, saved_state, train

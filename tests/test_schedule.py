@@ -23,7 +23,7 @@ from mpitrain.parallel.schedule import (
     zb1p,
 )
 from mpitrain.parallel.schedule_analysis import bubble_fraction, format_schedule, peak_activations, simulate, validate
-from mpitrain.profile.timeline import Timeline, merge_events, render_png, render_text
+from mpitrain.parallel.timeline import Timeline, merge_events, render_png, render_text
 
 
 def legal_layouts(ps=(1, 2, 3, 4, 8), ms=range(1, 13), vs=(1, 2, 3)):

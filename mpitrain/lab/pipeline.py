@@ -10,8 +10,8 @@ from mpitrain.config import load_config
 from mpitrain.lab.runner import Row
 from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.parallel.schedule_analysis import bubble_fraction
-from mpitrain.profile.timeline import bubble_fraction as wall_bubble
-from mpitrain.profile.timeline import merge_events, replay
+from mpitrain.parallel.timeline import bubble_fraction as wall_bubble
+from mpitrain.parallel.timeline import merge_events, replay
 
 NAME = "pipeline"
 TITLE = "Pipeline bubble vs micro-batches, and activations held by GPipe vs 1F1B"

@@ -36,7 +36,7 @@ import numpy as np
 
 from mpitrain.backend import nbytes_of, wire_view
 from mpitrain.parallel.schedule import Instruction, forward_only_program
-from mpitrain.profile.timeline import Timeline
+from mpitrain.parallel.timeline import Timeline
 from mpitrain.state.reduce import add_into
 
 TAGS = {"forward": 0, "backward": 1, "tied": 2}  # one MPI tag per direction: each channel stays FIFO

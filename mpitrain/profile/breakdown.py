@@ -35,7 +35,7 @@ COMPUTE_PARTS = ("forward", "backward_input", "backward_weight")
 FIXED_PARTS = COMPUTE_PARTS + ("pipeline_bubble", "optimizer", "data", "checkpoint", "other")
 COMM_PREFIX = "comm."
 DELAY_ENV = "MPITRAIN_COMM_DELAY"
-# Timeline events (mpitrain/profile/timeline.py) and the part each is charged to; reduce_grads is left to its waits.
+# Timeline events (mpitrain/parallel/timeline.py) and the part each is charged to; reduce_grads is left to its waits.
 EVENT_PARTS = {"forward": "forward", "backward": "backward_input", "backward_input": "backward_input",
                "backward_weight": "backward_weight", "recv_forward": "pipeline_bubble",
                "recv_backward": "pipeline_bubble", "send_forward": "pipeline_bubble",
