@@ -75,7 +75,8 @@ class StepGradients:
     Data parallelism and ZeRO-1 reduce a unit's gradient once per step, after its last backward. With micro-batches
     of several chunks interleaved, "the last micro-batch" differs from unit to unit, so the state is told once, at the
     start of the step, that it is in its last micro-batch, and `unit_done` reaches it only at a unit's m-th backward.
-    ZeRO-2/3 reduce-scatter every micro-batch's gradient (and free it), so they hear every `unit_done`."""
+    A state that `reduces_every_micro_batch` (ZeRO-2/3: each micro-batch's gradient is reduce-scattered and freed)
+    hears every `unit_done`. It is also where the executor drives its transfers: `progress` runs at every unit."""
 
     def __init__(self, state, micro_batches: int, progress=None):
         self.state, self.micro_batches = state, micro_batches
