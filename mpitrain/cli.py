@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from mpitrain.config_rules import positive_degree
+from mpitrain.config_rules import SCHEDULE_KINDS, positive_degree
 from mpitrain.errors import MpitrainError
 from mpitrain.lab.command import lab_command
 from mpitrain.launcher import find_mpiexec, rank_environment, run_locations, warn_unset_threads
@@ -269,7 +269,7 @@ main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE]
 @main.command("schedule")
 @click.option("--pp", type=int, required=True, help="Pipeline stages (ranks).")
 @click.option("--microbatches", type=int, required=True, help="Micro-batches per step.")
-@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zb1p"]), default="1f1b",
+@click.option("--schedule", "kind", type=click.Choice(SCHEDULE_KINDS), default="1f1b",
               show_default=True)
 @click.option("--virtual-stages", type=int, default=1, show_default=True,
               help="Model chunks per rank (interleaved only).")

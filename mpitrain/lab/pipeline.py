@@ -7,6 +7,7 @@ step is shown beside it (and plotted), never checked.
 from __future__ import annotations
 
 from mpitrain.config import load_config
+from mpitrain.config_rules import SCHEDULE_KINDS
 from mpitrain.lab.runner import Row
 from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.parallel.schedule_analysis import bubble_fraction
@@ -20,7 +21,6 @@ NOTICE = ("What to notice: the bubble of the order each executor really ran equa
           "1F1B alike; interleaving divides the fill and drain by v, zero-bubble (ZB-H1) by about 3. The wall-clock "
           "bubble (crosses) sits above the line on a shared, loaded CPU: ranks wait for cores, not only for each "
           "other. GPipe holds all m micro-batches' activations on stage 0, 1F1B only p.")
-KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")
 
 
 def ranks(quick: bool) -> int:
@@ -34,7 +34,7 @@ def micro_batches(quick: bool) -> tuple[int, ...]:
 def job(world, quick: bool):
     from mpitrain.train import Trainer
     p, runs = world.size, []
-    for kind in KINDS:
+    for kind in SCHEDULE_KINDS:
         v = 2 if kind == "interleaved" else 1
         for m in micro_batches(quick):
             cfg = load_config("configs/tiny.toml", [
@@ -79,8 +79,8 @@ def rows(result: dict) -> list[Row]:
 
 def plot(result: dict, axes) -> None:
     p = result["p"]
-    colours = dict(zip(KINDS, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
-    for kind in KINDS:
+    colours = dict(zip(SCHEDULE_KINDS, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
+    for kind in SCHEDULE_KINDS:
         runs = [r for r in result["runs"] if r["kind"] == kind]
         ms = [r["m"] for r in runs]
         axes[0].plot(ms, [theoretical_bubble(kind, p, m, r["v"]) for m, r in zip(ms, runs)], "-",
