@@ -21,18 +21,18 @@ Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at a
 """
 from __future__ import annotations
 
-import itertools
-
 from mpitrain.layers import ops
 from mpitrain.layers.tensor_parallel import TensorParallel
 
 
 def run_weight_grads(work, grads) -> None:
-    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). Items in
-    a row that share x go to the op together: one product for all where their dy lie side by side (Q/K/V)."""
-    for _, group in itertools.groupby(work, key=lambda item: id(item[1])):
-        group = list(group)
-        ops.add_weight_grads([grads[name] for name, _, _ in group], group[0][1], [dy for _, _, dy in group])
+    """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). A tuple
+    of names: weights sharing x whose output gradients lie side by side in one buffer, one product for all."""
+    for name, x, dy in work:
+        if isinstance(name, tuple):
+            ops.add_weight_grads([grads[n] for n in name], x, dy)
+        else:
+            ops.add_weight_grad(grads[name], x, dy)
 
 
 def weight_grads(work, grads, deferred, tp) -> None:
@@ -72,7 +72,10 @@ class ColumnParallelLinear:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
                     ops.add_bias_grad(grads[bias], dy)
-            weight_grads([(w, h, dy) for w, dy in zip(self.weights, output_grads)], grads, deferred, self.tp)
+            # Q/K/V's gradients from the attention core share one buffer: one work item, one product in the W pass
+            work = ([(tuple(self.weights), h, list(output_grads))] if ops.share_one_buffer(output_grads)
+                    else [(w, h, dy) for w, dy in zip(self.weights, output_grads)])
+            weight_grads(work, grads, deferred, self.tp)
         return pending.wait()
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:

@@ -91,6 +91,11 @@ def add_weight_grad(dw, x, dy) -> None:
     dw += _rows(x).T @ _rows(dy)
 
 
+def share_one_buffer(arrays) -> bool:
+    """Whether `arrays` are consecutive column blocks of one buffer, so that one product serves them all."""
+    return _side_by_side(arrays) is not None
+
+
 def add_weight_grads(dws, x, output_grads) -> None:
     """dws[i] += x^T dy_i for linears that share the input x: one product where the dy_i lie side by side in one
     buffer, its column blocks added to each dw; else one add_weight_grad per weight, in order."""
