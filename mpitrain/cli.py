@@ -12,9 +12,11 @@ import click
 from mpitrain.config_rules import SCHEDULE_KINDS, positive_degree
 from mpitrain.errors import MpitrainError
 from mpitrain.lab.command import lab_command
-from mpitrain.launcher import find_mpiexec, rank_environment, run_locations, warn_unset_threads
+from mpitrain.launcher import default_run_dir, find_mpiexec, rank_environment, run_locations, warn_unset_threads
 from mpitrain.plan.command import plan_command
 
+# Each command imports what it runs inside its own function: `mpitrain --help` and the light commands start without
+# numpy, the model stack or MPI (importing mpi4py.MPI initialises MPI, which `train` alone needs at once).
 CONFIG_ARG = click.argument("config", type=click.Path(dir_okay=False))
 SET_OPTION = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
                           help="Override a config key, e.g. --set train.steps=50 (repeatable).")
@@ -82,7 +84,6 @@ def train(config, overrides, run_dir, resume):
 
     from mpitrain.comm.failure import abort_on_error
     from mpitrain.config import load_config
-    from mpitrain.train import default_run_dir
     from mpitrain.train import train as run_training
 
     comm = MPI.COMM_WORLD

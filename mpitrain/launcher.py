@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from mpitrain.config import load_config
 from mpitrain.errors import MpitrainError
 
 
@@ -57,8 +58,6 @@ def rank_environment(n_ranks: int, cores: int, base: dict) -> dict:
 
 def run_locations(config: str, train_args: list[str]) -> tuple[Path, Path]:
     """The run directory and checkpoint directory that `mpitrain train CONFIG *train_args` will use."""
-    from mpitrain.config import load_config
-    from mpitrain.train import default_run_dir
     out, overrides = None, []
     for i, arg in enumerate(train_args):
         value = train_args[i + 1] if i + 1 < len(train_args) else None
@@ -73,3 +72,9 @@ def run_locations(config: str, train_args: list[str]) -> tuple[Path, Path]:
     cfg = load_config(config, overrides)
     run_dir = Path(out) if out else default_run_dir(config)
     return run_dir, cfg.checkpoint.directory(run_dir)
+
+
+def default_run_dir(config_path: str | None) -> Path:
+    """RUN_DIR when `mpitrain train` is given no --out: $MPITRAIN_RUNS (default runs/) / the config's name."""
+    stem = Path(config_path).stem if config_path else "default"
+    return Path(os.environ.get("MPITRAIN_RUNS", "runs")) / stem

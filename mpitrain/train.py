@@ -7,7 +7,6 @@ collective, so a mistake ends every rank with the same clear line instead of a h
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -93,8 +92,7 @@ class Trainer:
                          group_factory=make_group_factory(cfg.train.collectives, cfg.train.device, say=say))
         self.model = self._build_model()
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
-        self.placement = make_placement(cfg.memory, getattr(cfg.optim, "name", "adamw"), self.backend, world_rank,
-                                        run_dir, say=say)
+        self.placement = make_placement(cfg.memory, cfg.optim.name, self.backend, world_rank, run_dir, say=say)
         self.state = make_state(cfg, self.model, self.backend, self.mesh, self.placement)
         self.optimizer = make_optimizer(cfg.optim, self.state, self.placement)  # optim.name
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
@@ -255,7 +253,7 @@ class Trainer:
     def checkpoint_manager(self, directory: Path, keep: int, echo=print) -> CheckpointManager:
         """What saves and restores this trainer's state; the bad-step guard's counters are saved beside it."""
         return CheckpointManager(directory, keep, cfg=self.cfg, mesh=self.mesh, state=self.state,
-                                 optimizer=self.optimizer, tied_copies=getattr(self.model, "tied_copies", ()),
+                                 optimizer=self.optimizer, tied_copies=self.model.tied_copies,
                                  tokenizer=self.tokenizer_description, save_extra=self.guard.state,
                                  load_extra=self.guard.load_state, echo=echo)
 
@@ -344,8 +342,3 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     write_run_summary(trainer.mesh.world, trainer.run_summary, run_dir / "breakdown.json", say)
     checkpoints.finish(trainer.tokenizer, run_dir)
     return 0
-
-
-def default_run_dir(config_path: str | None) -> Path:
-    stem = Path(config_path).stem if config_path else "default"
-    return Path(os.environ.get("MPITRAIN_RUNS", "runs")) / stem

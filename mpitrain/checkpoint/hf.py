@@ -30,7 +30,9 @@ from mpitrain.checkpoint.store import (
     write_rank_file,
 )
 from mpitrain.config import Config, ModelConfig, config_from_dict, to_toml
+from mpitrain.data.tokenizer import BPETokenizer
 from mpitrain.errors import MpitrainError
+from mpitrain.layers.lora import merge
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 WEIGHTS = "model.safetensors"
@@ -70,7 +72,6 @@ def export_hf(checkpoint: Checkpoint, out: Path, dtype: str = "float32") -> list
     notes = []
     adapters = [name for name in tensors if name.endswith(("_lora_a", "_lora_b"))]
     if adapters:
-        from mpitrain.layers.lora import merge
         lora = stored.get("lora", {})
         tensors = merge(tensors, int(lora.get("rank", 0)), float(lora.get("alpha", 16.0)))
         notes.append(f"LoRA: {len(adapters) // 2} adapters merged into their weights, W + (alpha / r) a b")
@@ -153,7 +154,6 @@ def _import_tokenizer(path: Path, notes: list) -> dict | None:
     if not (path / "tokenizer.json").is_file():
         notes.append("tokenizer: none in the folder (give data tokenized with the model's own tokenizer)")
         return None
-    from mpitrain.data.tokenizer import BPETokenizer
     try:
         return BPETokenizer.from_json((path / "tokenizer.json").read_text()).description()
     except MpitrainError as exc:

@@ -25,6 +25,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from mpitrain.backend import array_module
 from mpitrain.checkpoint.pieces import HeldPiece, Piece, count_coverage, fill_box
 from mpitrain.errors import MpitrainError
 from mpitrain.profile.progress import progress
@@ -253,5 +254,4 @@ class Checkpoint:
 
 
 def _to_device(view, flat: np.ndarray):
-    from mpitrain.backend import array_module
     return array_module(view).asarray(flat, dtype=view.dtype)

@@ -46,9 +46,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
+from mpitrain.backend import make_backend
+from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from mpitrain.plan.clusters import CLUSTER_DIR
+from mpitrain.launcher import find_mpiexec
+from mpitrain.plan.clusters import CLUSTER_DIR, cluster_from_numbers
+from mpitrain.plan.cost import ADAM_BYTES_PER_PARAM, Layout, estimate
+from mpitrain.profile.comm_bench import memcpy_bandwidth
+from mpitrain.profile.flops import measure_matmul_peak
 
 CALIBRATION_MODEL = "configs/bench-small.toml"
 OVERHEAD_MODEL = "configs/tiny.toml"
@@ -61,10 +68,6 @@ GEMM_COLS = (32, 64, 128, 256, 512)
 
 def calibrate(out_path: Path, ranks: int, say=print) -> dict:
     """Measure this host (module docstring) and write a cluster file; returns its numbers."""
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.profile.comm_bench import memcpy_bandwidth
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // ranks)
     peak = _matmul_peak(threads)
@@ -97,10 +100,6 @@ def calibrate(out_path: Path, ranks: int, say=print) -> dict:
 
 def _matmul_peak(threads: int) -> float:
     """float32 512^3 matmul FLOP/s on `threads` BLAS threads, the best over a second."""
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.backend import make_backend
-    from mpitrain.profile.flops import measure_matmul_peak
     with threadpool_limits(threads):
         return measure_matmul_peak(make_backend("cpu", "float32"), n=512, seconds=1.0)
 
@@ -151,9 +150,6 @@ def _all_reduce_fit(ranks: int) -> dict:
 def _step_numbers(numbers: dict, link: dict, ranks: int, threads: int) -> dict:
     """unit_overhead_s, step_overhead_s, optimizer_bandwidth, matmul_efficiency and contention from one-process
     steps (module docstring), each run as `ranks` copies at once (and the real model alone too)."""
-    from mpitrain.config import load_config
-    from mpitrain.plan.clusters import cluster_from_numbers
-    from mpitrain.plan.cost import ADAM_BYTES_PER_PARAM, Layout, estimate
     small, large = (_concurrent_steps(OVERHEAD_MODEL, ranks, threads, [f"model.n_layer={blocks}",
                                                                        "train.micro_batch=1"])
                     for blocks in OVERHEAD_BLOCKS)
@@ -220,7 +216,6 @@ for each in world.gather(report) or []:  # one writer: copies printing at once c
 def _concurrent_steps(config: str, copies: int, threads: int, overrides: list[str], steps: int = 6) -> list[dict]:
     """The median of `steps` - 1 training steps of one process (its step, forward + backward and optimizer
     seconds), `copies` processes in lockstep (module docstring): one report per copy."""
-    from mpitrain.launcher import find_mpiexec
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
            "MKL_NUM_THREADS": str(threads)}
     command = [find_mpiexec(), "-n", str(copies), sys.executable, "-c", STEP_JOB, config, str(steps),
@@ -266,8 +261,6 @@ def _skew(chunks: np.ndarray) -> tuple[float, float]:
 def _skew_numbers(step_skew: tuple[float, float], ranks: int, threads: int) -> dict:
     """skew_intervals_s and skew_at_intervals (module docstring): a block's work between barriers (SKEW_JOB on
     the calibration model's shape), and the lockstep copies' whole steps."""
-    from mpitrain.config import load_config
-    from mpitrain.launcher import find_mpiexec
     if ranks < 2:  # one rank never waits on another
         return {"skew_intervals_s": [step_skew[0]], "skew_at_intervals": [0.0]}
     cfg = load_config(CLUSTER_DIR.parents[1] / CALIBRATION_MODEL)

@@ -30,6 +30,8 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, as_json, emit_con
 
 
 def _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
+    # cli.py imports this module at start-up to list the command; the planner loads the model stack, so it is
+    # imported when the command runs (mpitrain --help stays fast)
     from mpitrain.plan import search as planner
     from mpitrain.plan.calibrate import calibrate
     from mpitrain.plan.clusters import CLUSTER_DIR

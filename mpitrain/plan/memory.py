@@ -28,12 +28,17 @@ import math
 
 import numpy as np
 
-from mpitrain.backend import COMPUTE_DTYPES
+from mpitrain.backend import COMPUTE_DTYPES, make_backend
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.moe import rank_experts
-from mpitrain.model.gpt import moe_note
+from mpitrain.layers.recompute import apply_recompute
+from mpitrain.layers.tensor_parallel import TensorParallel
+from mpitrain.model.gpt import GPT, moe_note
 from mpitrain.optim.footprint import optimizer_row
+from mpitrain.parallel.context import ContextParallel, apply_context_parallel
+from mpitrain.parallel.pipeline import rank_stages
+from mpitrain.parallel.schedule import make_schedule
 from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 
@@ -142,7 +147,6 @@ def _stage_holdings(kind: str, pp: int, micro_batches: int, virtual_stages: int)
     instructions: forwards whose backward has not run, and (zb1p) backward_inputs whose backward_weight has not.
     Beyond 2p micro-batches only GPipe's counts still grow (the others stop at their warm-up depth), so the schedule
     is built with at most 2p (a multiple of p, as interleaved needs)."""
-    from mpitrain.parallel.schedule import make_schedule
     if kind != "gpipe":
         micro_batches = min(micro_batches, 2 * pp)
     return tuple(holdings(program) for program in make_schedule(kind, pp, micro_batches, virtual_stages))
@@ -187,10 +191,6 @@ def rank_model(cfg: Config, pp_rank: int = 0):
 
 
 def _build_rank_model(cfg: Config, pp_rank: int):
-    from mpitrain.layers.recompute import apply_recompute
-    from mpitrain.layers.tensor_parallel import TensorParallel
-    from mpitrain.model.gpt import GPT
-    from mpitrain.parallel.pipeline import rank_stages
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
@@ -198,14 +198,12 @@ def _build_rank_model(cfg: Config, pp_rank: int):
     model = GPT(cfg.model, _shape_backend(cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
                 ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
-    from mpitrain.parallel.context import ContextParallel, apply_context_parallel
     apply_context_parallel(model, ContextParallel(None, size=p.cp))  # activations of T/cp tokens, ring attention
     return model
 
 
 @functools.lru_cache(maxsize=8)  # make_backend asks ldconfig for libc each time: a process per call
 def _shape_backend(compute: str):
-    from mpitrain.backend import make_backend
     return make_backend("cpu", compute)
 
 

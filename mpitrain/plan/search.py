@@ -12,11 +12,12 @@ import json
 import math
 from pathlib import Path
 
-from mpitrain.config import Config, to_toml
+from mpitrain.config import Config, to_toml, validate
 from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
-from mpitrain.plan.clusters import Cluster
+from mpitrain.plan.clusters import Cluster, load_cluster
 from mpitrain.plan.cost import Layout, estimate, layout_config
+from mpitrain.plan.presets import model_config
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -201,9 +202,6 @@ def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -
 def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None) -> tuple:
     """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search.
     Returns (cfg, name, cluster, found, gpus)."""
-    from mpitrain.config import validate
-    from mpitrain.plan.clusters import load_cluster
-    from mpitrain.plan.presets import model_config
     cfg, name = model_config(model)
     cluster = load_cluster(cluster_name)
     gpus = gpus or cluster.gpus_per_node

@@ -23,6 +23,7 @@ kind's exposed time.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -248,8 +249,6 @@ def gather_step(group, parts: dict, events: list[dict], timeline_path, step: int
     """Every rank's breakdown of this step, in rank order, on the group's rank 0 (None elsewhere), which also
     writes the step's pipeline events (Timeline.to_dicts, "rank" made the group rank) to `timeline_path`, replaced
     whole (`mpitrain report` may read it while the run goes on). Collective."""
-    import json
-
     gathered = group.gather_object(({k: round(v, 7) for k, v in parts.items()}, events))
     if gathered is None:
         return None
@@ -270,8 +269,6 @@ def gather_summary(group, summary: RunSummary) -> dict | None:
 def write_run_summary(group, summary: RunSummary, path, say) -> dict | None:
     """Gather every rank's mean breakdown to rank 0, which writes `path` (JSON: mean over steps per rank, and the
     max over ranks) and prints the table. Collective; returns the max over ranks on rank 0."""
-    import json
-
     per_rank = group.gather_object(summary.means())
     if per_rank is None or not summary.steps:
         return None

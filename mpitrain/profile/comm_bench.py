@@ -15,11 +15,15 @@ on relative error so that small and large sizes weigh alike.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import time
 
 import numpy as np
 
+from mpitrain.comm.failure import abort_on_error
+from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.errors import MpitrainError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv")
@@ -175,9 +179,6 @@ def write_report(report: dict, path) -> None:
 def relaunch(mpiexec: str, n_ranks: int, rank_environment, **options) -> None:
     """Replace this process with `mpiexec -n N python -m mpitrain bench comm --OPTION VALUE ...` (without -n: the
     ranks run in their MPI job; cli.rank_environment sets their BLAS threads and MPICH's yield settings)."""
-    import os
-    import sys
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     args = [item for key, value in options.items() for item in (f"--{key}", str(value))]
     command = [mpiexec, "-n", str(n_ranks), sys.executable, "-m", "mpitrain", "bench", "comm", *args]
@@ -187,10 +188,7 @@ def relaunch(mpiexec: str, n_ranks: int, rank_environment, **options) -> None:
 def run_world(ops: list[str], sizes: list[int], tp: int, json_path, echo) -> None:
     """The benchmark over this MPI job's ranks: the world group and, with tp > 1, the tp and dp groups of that
     split; rank 0 prints (`echo`) and writes `json_path`."""
-    from mpi4py import MPI
-
-    from mpitrain.comm.failure import abort_on_error
-    from mpitrain.comm.mesh import Mesh, validate_degrees
+    from mpi4py import MPI  # here, not at the top: importing it initialises MPI
 
     comm = MPI.COMM_WORLD
     if tp < 1 or comm.Get_size() % tp:

@@ -28,7 +28,10 @@ import os
 import threading
 from pathlib import Path
 
+from mpitrain.comm.operations import ProgressRecord
+from mpitrain.comm.watchdog import start_watchdog
 from mpitrain.errors import ConfigError
+from mpitrain.resilience.faulty_hosts import record_fault, this_host
 
 
 class HeartbeatFiles:
@@ -77,10 +80,6 @@ def start_fault_watch(fault, world_comm, run_dir: Path):
     """This rank's watchdog (config [fault]: timeout_s, heartbeat), started, with heartbeats in RUN_DIR/heartbeat and
     suspects of a hang recorded in RUN_DIR/faults.jsonl. Use as `with start_fault_watch(...) as watchdog:`; the
     groups enter their operations in `watchdog.progress` (pass it to the Mesh)."""
-    from mpitrain.comm.operations import ProgressRecord
-    from mpitrain.comm.watchdog import start_watchdog
-    from mpitrain.resilience.faulty_hosts import record_fault, this_host
-
     rank = world_comm.Get_rank()
     heartbeats = HeartbeatFiles(Path(run_dir) / "heartbeat", rank) if fault.heartbeat else None
     return start_watchdog(world_comm, ProgressRecord(rank), fault.timeout_s, heartbeats,

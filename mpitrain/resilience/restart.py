@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitrain.config import CheckpointConfig, load_config
+from mpitrain.errors import ConfigError
 from mpitrain.profile.jsonl import read_records
 
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
@@ -234,8 +236,6 @@ def restart_banner(checkpoint: Path, layout: str, env: dict, now: float) -> str 
 def run_checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its checkpoints: checkpoint.dir of RUN_DIR/config.toml (the trainer writes it), else
     RUN_DIR/checkpoints."""
-    from mpitrain.config import CheckpointConfig, load_config
-    from mpitrain.errors import ConfigError
     try:
         checkpoint = load_config(run_dir / "config.toml").checkpoint if (run_dir / "config.toml").is_file() else None
     except ConfigError:
@@ -246,8 +246,6 @@ def run_checkpoint_dir(run_dir: Path) -> Path:
 def seconds_to_next_checkpoint(run_dir: Path, startup_seconds: float, saved: SavedPoint | None) -> float | None:
     """What an attempt needs to get back to where it is worth something: start-up, checkpoint.every steps at the
     median logged step time, and one save (as long as the last one took). None: not known yet."""
-    from mpitrain.config import load_config
-    from mpitrain.errors import ConfigError
     rows = read_records(run_dir / "metrics.jsonl")
     times = sorted(row["step_time_s"] for row in rows if "step_time_s" in row)
     if not times or not (run_dir / "config.toml").is_file():
