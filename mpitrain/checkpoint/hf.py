@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.backend import BFLOAT16
 from mpitrain.checkpoint.hf_names import HFFormatError, from_hf, hf_config, model_config_from_hf, to_hf
 from mpitrain.checkpoint.pieces import Piece
 from mpitrain.checkpoint.store import (
@@ -92,10 +93,7 @@ def export_hf(checkpoint: Checkpoint, out: Path, dtype: str = "float32") -> list
 
 
 def _numpy_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 def _export_tokenizer(description: dict | None, model: ModelConfig, folder: Path) -> str:
