@@ -122,13 +122,27 @@ def scatter_add_rows(table, rows, values) -> None:
     values are sorted by row (stably: each row's sum runs in index order), summed per row by one reduceat and added
     once per row: much faster than np.add.at for an embedding's (tokens, width) gradient."""
     xp = _xp(table)
-    if xp is not np or rows.size == 0:
-        xp.add.at(table, rows, values)
+    if rows.size == 0:
+        return
+    if xp is not np:
+        _scatter_add_rows_on_device(xp, table, rows, values)
         return
     order = np.argsort(rows, kind="stable")
     sorted_rows = rows[order]
     starts = np.flatnonzero(np.concatenate(([True], sorted_rows[1:] != sorted_rows[:-1])))
     table[sorted_rows[starts]] += np.add.reduceat(values[order], starts, axis=0)
+
+
+def _scatter_add_rows_on_device(xp, table, rows, values) -> None:
+    """CuPy's add.at takes no bfloat16 (its atomic adds cover int32/int64/uint32/uint64/float16/float32/float64): a
+    bf16/fp16 table gets its touched rows' sums in float32, added and rounded once per row, as on numpy."""
+    if table.dtype.itemsize >= 4:
+        xp.add.at(table, rows, values)
+        return
+    touched, slot = xp.unique(rows, return_inverse=True)
+    sums = xp.zeros((touched.size, *table.shape[1:]), dtype=np.float32)
+    xp.add.at(sums, slot.reshape(-1), values.astype(np.float32, copy=False))
+    table[touched] = (table[touched].astype(np.float32) + sums).astype(table.dtype)
 
 
 # ----------------------------------------------------------------------------- norms

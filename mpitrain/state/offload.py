@@ -9,7 +9,8 @@ dtype is lower, and the moments) and hands them to the optimizer in pieces it ca
                in a reader thread while the current chunk is updated (numpy releases the GIL while it copies).
                `disk`: memory-mapped .npy files, one set per rank, in `memory.offload_dir` (default RUN_DIR/offload).
                GPU `host`: page-locked (pinned) host arrays from CuPy, each chunk copied to the GPU, updated there
-               and copied back (pinned memory makes both copies DMA transfers; not yet run on a GPU).
+               and copied back (pinned memory makes both copies DMA transfers; not yet run on a GPU). The reader
+               thread copies onto the rank's GPU, entered per copy (the current device is per host thread).
 
 The optimizer's update is elementwise, so a chunk's update is bitwise the whole segment's: offloading changes where
 the bytes live, never the numbers (tests/test_offload.py). Checkpoints read and write the state through the same
@@ -115,14 +116,26 @@ def _assign(target, chunk) -> None:
 def pinned_host_placement(xp, chunk_elements: int) -> Offloaded:
     """GPU `memory.offload = host`: the state in page-locked host arrays (numpy arrays over CuPy's pinned
     allocator), streamed through the GPU in chunks; the copy back lands in the pinned array itself."""
-    import cupyx
 
     def allocate(name: str, size: int, dtype):
+        import cupyx
         return cupyx.zeros_pinned((size,), dtype=dtype)
 
-    return Offloaded("host", allocate, "pinned host memory", chunk_elements, to_device=xp.asarray,
+    return Offloaded("host", allocate, "pinned host memory", chunk_elements, to_device=copier_to_this_device(xp),
                      off_device=lambda array: isinstance(array, np.ndarray),
                      write_back=lambda target, chunk: chunk.get(out=target))
+
+
+def copier_to_this_device(xp):
+    """array -> a copy on the GPU current where this is called (the rank's). CUDA's current device belongs to each
+    host thread and a new thread starts on GPU 0, so the offload reader thread enters the rank's GPU for every copy;
+    else with several GPUs per node every rank's chunks would land on GPU 0."""
+    device_id = xp.cuda.Device().id
+
+    def to_device(array):
+        with xp.cuda.Device(device_id):
+            return xp.asarray(array)
+    return to_device
 
 
 def memmap_allocator(directory: Path, rank: int):

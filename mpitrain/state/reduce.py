@@ -9,12 +9,17 @@
 
 Every reduction returns a `Pending`; its result is ready (and its completion action run) once test() or wait() says
 so. reduce_scatter's result is a separate shard, in the reducer's sum dtype: the caller adds or copies it.
+
+Every buffer made here is in the memory of the gradients handed in (the array module of the data: numpy, or CuPy on
+a GPU), so the caller can add or copy the result where its gradients live. The groups decide how device buffers
+travel: NCCL groups take them as they are, host-staged MPI groups copy them through host memory and back (MPI never
+sees device memory; docs/architecture.md, Backends).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from mpitrain.backend import BFLOAT16, wire_view
+from mpitrain.backend import BFLOAT16, array_module, wire_view
 from mpitrain.state.params import padded
 
 GRAD_REDUCE = ("float32", "bfloat16")
@@ -74,29 +79,29 @@ class GradReducer:
         if self.mode == "float32":
             wide = buf.astype(np.float32)
             return Pending(self.group.iall_reduce(wide), on_done=lambda: buf.__setitem__(Ellipsis, wide))
-        n = self.group.size
-        wire = np.zeros(padded(buf.size, n), dtype=BFLOAT16)
+        xp, n = array_module(buf), self.group.size
+        wire = xp.zeros(padded(buf.size, n), dtype=BFLOAT16)
         wire[:buf.size] = buf
         own = self._sum_own_block(wire).astype(BFLOAT16)
-        gathered = np.empty_like(wire)
+        gathered = xp.empty_like(wire)
         self.group.all_gather(wire_view(own), wire_view(gathered))
         buf[...] = gathered[:buf.size]
         return Pending()
 
     def reduce_scatter(self, send) -> Pending:
         """This rank's block of the sum of `send` (group.size equal blocks) as `Pending.result`."""
-        shard = send.size // self.group.size
+        xp, shard = array_module(send), send.size // self.group.size
         if self.mode == "native":
-            received = np.empty(shard, send.dtype)
+            received = xp.empty(shard, send.dtype)
             return Pending(self.group.ireduce_scatter(send, received), received)
         if self.mode == "float32":
-            received = np.empty(shard, np.float32)
+            received = xp.empty(shard, np.float32)
             return Pending(self.group.ireduce_scatter(send.astype(np.float32), received), received)
-        return Pending(result=self._sum_own_block(send.astype(BFLOAT16)))
+        return Pending(result=self._sum_own_block(send.astype(BFLOAT16, copy=False)))  # only read: no copy
 
-    def _sum_own_block(self, wire) -> np.ndarray:
+    def _sum_own_block(self, wire):
         """all_to_all of the bf16 blocks, then the fp32 sum of the N copies of this rank's block, in rank order."""
         n = self.group.size
-        blocks = np.empty_like(wire)
+        blocks = array_module(wire).empty_like(wire)
         self.group.all_to_all(wire_view(wire), wire_view(blocks))
         return blocks.reshape(n, -1).astype(np.float32).sum(axis=0)
