@@ -391,3 +391,140 @@ def test_a_bad_pipeline_fails_fast_on_every_rank(tmp_path):
     assert result.returncode != 0, describe(result)
     assert "model.n_layer = 1 is fewer than the 2 pipeline stages" in result.stderr, describe(result)
     assert "Traceback" not in result.stderr, describe(result)
+
+
+# ---- where messages live: device buffers through NCCL, host buffers through MPI ----------------------------------
+MESSAGES_JOB = r"""
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend
+from mpitrain.comm.group import Group
+from mpitrain.comm.nccl import P2P_TAGS, HostRuntime, NcclGroup
+from mpitrain.parallel.pipeline import PipelineExecutor
+from mpitrain.parallel.schedule import make_schedule
+
+world = MPI.COMM_WORLD
+rank, p, v, m, SHAPE = world.Get_rank(), world.Get_size(), 2, 4, (2, 3, 4)
+
+
+class CountingBackend:
+    '''The float64 numpy backend, counting the host <-> device moves and the buffers the executor asks for.'''
+
+    def __init__(self):
+        self.inner = make_backend("cpu", "float64")
+        self.xp, self.dtype = self.inner.xp, self.inner.dtype
+        self.moves = dict.fromkeys(("to_host", "from_host", "host_buffers", "device_buffers"), 0)
+
+    def empty(self, shape, dtype=None, host=True):
+        self.moves["host_buffers" if host else "device_buffers"] += 1
+        return self.inner.empty(shape, dtype, host)
+
+    def to_host(self, array):
+        self.moves["to_host"] += 1
+        return self.inner.to_host(array)
+
+    def from_host(self, array, dtype=None):
+        self.moves["from_host"] += 1
+        return self.inner.from_host(array, dtype)
+
+
+class Chunks:
+    '''This rank's v chunks of y = tanh(x * w): stage 0 starts from the token ids, the last ends in a loss sum.'''
+    layouts, tied_unit = [], None
+
+    def __init__(self):
+        self.chunks = list(range(v))
+        self.w = [np.linspace(0.5, 1.5, SHAPE[-1]) * (1 + c * p + rank) / 4 for c in range(v)]
+        self.grads = [np.zeros(SHAPE[-1]) for _ in range(v)]
+
+    def forward(self, gradients, x, targets, chunk, loss_scale=None):
+        x = x[..., None].astype(np.float64) if x.ndim == 2 else x
+        y = np.tanh(x * self.w[chunk])
+        if targets is None:
+            return y, (x, y)
+        return float(np.sum(y * targets[..., None])), (x, y, targets[..., None])
+
+    def backward(self, gradients, saved, dy, chunk, deferred=None):
+        x, y = saved[:2]
+        dy = dy * saved[2] if len(saved) == 3 else dy
+        dz = dy * (1 - y * y)
+        self.grads[chunk] += np.sum(dz * x, axis=(0, 1))
+        return dz * self.w[chunk]
+
+
+class State:
+    reduces_every_micro_batch = False
+
+    def begin_micro_batch(self, last):
+        pass
+
+    def finish(self):
+        pass
+
+
+def batch(micro):
+    rng = np.random.default_rng(micro)
+    return rng.integers(0, 5, SHAPE[:2]), rng.standard_normal(SHAPE[:2])
+
+
+groups = {"mpi": Group(world.Dup(), "pp"),
+          "nccl": NcclGroup(world.Dup(), "pp", runtime=HostRuntime(), p2p_tags=P2P_TAGS["pp"])}
+program = make_schedule("interleaved", p, m, v)[rank]
+out = {}
+for kind, group in groups.items():
+    model, backend = Chunks(), CountingBackend()
+    executor = PipelineExecutor(model, State(), group, program, m, SHAPE, backend)
+    loss = executor.run_step(batch, 0.5)
+    out[kind] = {"moves": backend.moves, "loss": loss, "grads": [g.tolist() for g in model.grads]}
+out["lanes"] = {str(key): list(communicator.issued) for key, (communicator, _) in groups["nccl"]._lanes.items()}
+communicator, _ = next(iter(groups["nccl"]._lanes.values()))
+try:  # a lane's communicator on the main stream
+    communicator.send(HostRuntime().pointer(np.zeros(1)), 1, 8, 1 - rank, groups["nccl"]._main[1].ptr)
+    out["second_stream"] = ""
+except ValueError as exc:
+    out["second_stream"] = str(exc)
+everyone = world.gather(out)
+if rank == 0:
+    print("RESULTS " + json.dumps(everyone))
+"""
+
+
+@pytest.fixture(scope="module")
+def messages():
+    """Rank by rank, one interleaved step (pp 2, 2 chunks: both directions carry activations and gradients) of a
+    small stand-in model through the MPI group and through the NCCL group on the host stand-in."""
+    return run_python_mpi_results(2, MESSAGES_JOB, timeout=300)
+
+
+def test_nccl_pipeline_messages_stay_on_the_device_with_the_same_numbers(messages):
+    m = 4
+    for rank, out in enumerate(messages):
+        mpi, nccl = out["mpi"]["moves"], out["nccl"]["moves"]
+        # 4 virtual stages on 2 ranks: each rank sends 3m messages and receives 3m (stage 0 receives no activation,
+        # the last no gradient). MPI: every message sent is copied to host, every one received arrives in a host
+        # buffer and is copied to the device
+        assert mpi["to_host"] == 3 * m and mpi["host_buffers"] == 3 * m and mpi["device_buffers"] == 0, (rank, mpi)
+        # NCCL: none (from_host brings only the micro-batch's token ids, or its targets, onto the device)
+        assert nccl["to_host"] == 0 and nccl["host_buffers"] == 0 and nccl["device_buffers"] == 3 * m, (rank, nccl)
+        assert nccl["from_host"] == m and mpi["from_host"] == 4 * m, (rank, mpi, nccl)
+        assert out["nccl"]["grads"] == out["mpi"]["grads"] and out["nccl"]["loss"] == out["mpi"]["loss"]
+    assert messages[1]["mpi"]["loss"] != 0.0
+
+
+def test_nccl_lanes_keep_one_order_per_communicator(messages):
+    """nccl.py's ordering rule: a lane is one stream, on which each rank only sends or only receives, so its
+    messages pair in issue order (the same count and type, send by send); the stand-in refuses a second stream."""
+    used = 0
+    for lane in messages[0]["lanes"]:
+        issued = [messages[rank]["lanes"][lane] for rank in (0, 1)]
+        sends = [[(count, code) for op, peer, count, code in ops if op == "send"] for ops in issued]
+        receives = [[(count, code) for op, peer, count, code in ops if op == "recv"] for ops in issued]
+        for rank in (0, 1):
+            assert not (sends[rank] and receives[rank]), f"rank {rank} both sends and receives on lane {lane}"
+            assert sends[rank] == receives[1 - rank], lane
+            assert all(peer == 1 - rank for _, peer, _, _ in issued[rank]), lane
+        used += bool(sends[0] or sends[1])
+    assert used == 4, "interleaved at pp 2: forward and backward, each way"
+    for out in messages:
+        assert "used on stream" in out["second_stream"], out["second_stream"]

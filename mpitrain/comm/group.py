@@ -76,6 +76,8 @@ class GroupBase(abc.ABC):
     rank: int
     size: int
     world_ranks: list[int]
+    # True where buffers may stay in device memory (NCCL); MPI groups take host buffers (docs/architecture.md, Backends)
+    moves_device_memory = False
 
     def __init__(self):
         self._sent = {kind: Fraction(0) for kind in COUNTER_KINDS}

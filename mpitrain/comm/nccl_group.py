@@ -82,6 +82,8 @@ class NcclGroup(Group):
     go through MPI, staged through host memory when the buffer is on the device).
     """
 
+    moves_device_memory = True  # device buffers go to NCCL as they are; host buffers would be staged both ways
+
     def __init__(self, comm, name, progress=None, runtime=None, p2p_tags=()):
         super().__init__(comm, name, progress)
         self.runtime = runtime

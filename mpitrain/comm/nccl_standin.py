@@ -230,6 +230,8 @@ class NcclCommunicator:
         if any(other != ids[0] for other in ids):
             raise ValueError("NCCL stand-in: the ranks passed different unique ids (broadcast it from one rank)")
         self._rank, self._size = rank, ndev
+        self._stream = None  # the one stream this communicator's operations are queued on (see _start)
+        self.issued: list[tuple] = []  # (op, peer, count, dtype code) of every send and recv, in issue order
 
     def rank_id(self) -> int:
         return self._rank
@@ -299,6 +301,7 @@ class NcclCommunicator:
         data = _memory(sendbuf, count, datatype).copy()
         # synchronous: complete once the peer's receive started, as an NCCL send holds its stream until then
         self._start(lambda: [self._comm.Issend(_bytes(data), dest=peer, tag=0)], None, stream)
+        self.issued.append(("send", peer, count, datatype))
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         target = _memory(recvbuf, count, datatype)
@@ -308,9 +311,18 @@ class NcclCommunicator:
             target[...] = data
 
         self._start(lambda: [self._comm.Irecv(_bytes(data), source=peer, tag=0)], finish, stream)
+        self.issued.append(("recv", peer, count, datatype))
 
     def _start(self, post, finish, stream) -> None:
-        _launch(stream_of(stream), post, finish)
+        """Queue on `stream`, which must be the stream of every earlier call: a communicator's operations then run in
+        the order they were issued, the same order on every rank (nccl.py's ordering rule)."""
+        stream = stream_of(stream)
+        if self._stream is None:
+            self._stream = stream
+        elif stream is not self._stream:
+            raise ValueError(f"NCCL stand-in: a communicator used on stream {stream.ptr} after stream "
+                             f"{self._stream.ptr}: its operations would no longer run in issue order")
+        _launch(stream, post, finish)
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:

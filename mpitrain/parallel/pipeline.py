@@ -19,6 +19,10 @@ printable and tested without MPI). This module turns one rank's instruction list
                                    then, for gpt2's tied embedding, the gradient sum between the first and last stage
     optimizer_step                 back to the trainer: clipping needs the global norm over every stage (train.py)
 
+Messages live where the pp group moves them (`moves_device_memory`): NCCL takes device buffers as they are, so a
+message costs no host copy; MPI gets host buffers, the model's arrays copied out and back (MPI never sees device
+memory: docs/architecture.md, Backends).
+
 Every instruction is recorded into a Timeline (compute, or waiting on a peer), so the bubble is measured from what
 each rank did rather than assumed; `activation_peak_bytes` is the most saved state (and deferred W work) held at once.
 With pp = 1 the 1f1b schedule is the plain accumulation loop (F0 B0 F1 B1 ...) and nothing is sent: the trainer runs
@@ -136,6 +140,8 @@ class PipelineExecutor:
         self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
         self.last_stage = self.p * self.v - 1
         self.shape, self.backend = tuple(activation_shape), backend
+        # where messages live: device buffers for a group that moves device memory (NCCL), host buffers for MPI
+        self.device_messages = group.moves_device_memory
         self.gradients = StepGradients(state, micro_batches, progress=self._progress)
         self.timeline = Timeline(rank=self.rank, breakdown=breakdown)  # breakdown: profile/breakdown.py's
         self.activation_peak_bytes = 0  # saved state + deferred W work held at once, in the last step
@@ -221,7 +227,7 @@ class PipelineExecutor:
         queue = self._receives[channel]
         if queue:
             ins = queue.popleft()
-            buffer = self.backend.empty(self.shape)
+            buffer = self.backend.empty(self.shape, host=not self.device_messages)
             direction = "forward" if ins.op == "recv_forward" else "backward"
             self._posted[channel] = (ins, buffer, self.group.irecv(wire_view(buffer), source=ins.peer,
                                                                tag=TAGS[direction]))
@@ -233,12 +239,21 @@ class PipelineExecutor:
         with self._timeline.record(ins.op, ins.micro, ins.chunk):  # waiting on a peer
             handle.wait()
         self._post_receive(channel)
-        return self.backend.from_host(buffer)
+        return self._arrived(buffer)
+
+    def _message(self, array):
+        """What the group sends: the array itself on the device (NCCL), else a host copy (MPI)."""
+        if self.device_messages:
+            return self.backend.xp.ascontiguousarray(array)
+        return np.ascontiguousarray(self.backend.to_host(array))
+
+    def _arrived(self, buffer):
+        """A received buffer as the model takes it: already on the device, or copied there from the host."""
+        return buffer if self.device_messages else self.backend.from_host(buffer)
 
     def _send(self, ins: Instruction, array, direction: str) -> None:
         with self._timeline.record(ins.op, ins.micro, ins.chunk):
-            host = np.ascontiguousarray(self.backend.to_host(array))
-            self._sends.append(self.group.isend(wire_view(host), dest=ins.peer, tag=TAGS[direction]))
+            self._sends.append(self.group.isend(wire_view(self._message(array)), dest=ins.peer, tag=TAGS[direction]))
 
     def _recv_forward(self, ins):
         self._inputs[ins.micro, ins.chunk] = self._receive(ins)
@@ -308,9 +323,8 @@ class PipelineExecutor:
         if self.tied_peer is None:
             return
         _, _, mine = self.state.reduced_grad_window(self.model.tied_unit)
-        theirs = self.backend.empty(mine.shape, mine.dtype)
+        theirs = self.backend.empty(mine.shape, mine.dtype, host=not self.device_messages)
         receive = self.group.irecv(wire_view(theirs), source=self.tied_peer, tag=TAGS["tied"])
-        self.group.send(wire_view(np.ascontiguousarray(self.backend.to_host(mine))), dest=self.tied_peer,
-                        tag=TAGS["tied"])
+        self.group.send(wire_view(self._message(mine)), dest=self.tied_peer, tag=TAGS["tied"])
         receive.wait()
-        add_into(mine, self.backend.from_host(theirs))
+        add_into(mine, self._arrived(theirs))
