@@ -35,7 +35,7 @@ from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_laye
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
 from mpitrain.parallel.schedule import make_schedule
 from mpitrain.parallel.timeline import bubble_fraction, merge_events
-from mpitrain.profile.breakdown import Breakdown, RunSummary, gather_step, write_run_summary
+from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics
 from mpitrain.resilience.faults import FaultPlan
@@ -85,7 +85,8 @@ class Trainer:
                                     nodes.node_local_rank if nodes else world_rank, cfg.precision.master)
         self.faults = FaultPlan.from_environment(world_rank, run_dir)  # MPITRAIN_FAULT: injected (tests, demos)
         # where each step's time goes: the rank's waits (the mesh's), the pipeline's events, the linears' dW (tp)
-        self.breakdown, self.run_summary = Breakdown(), RunSummary()
+        self.breakdown = Breakdown(synchronize=device_synchronize(self.backend))  # GPU: synchronized at each part
+        self.run_summary = RunSummary()
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
                          allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes, listener=self.breakdown,

@@ -6,11 +6,15 @@ shows up in that kind's exposed time at least as long as the delay itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 
+import numpy as np
 import pytest
 from mpi_helpers import describe, run_mpi
 
+from mpitrain.backend import Backend
 from mpitrain.comm.operations import Operation, ProgressRecord
 from mpitrain.config import ModelConfig
 from mpitrain.errors import ConfigError
@@ -19,6 +23,7 @@ from mpitrain.profile.breakdown import (
     Breakdown,
     RunSummary,
     comm_kind,
+    device_synchronize,
     format_summary,
     max_over_ranks,
     parse_delays,
@@ -118,6 +123,62 @@ def test_checkpoint_between_steps_is_carried_and_the_rest_dropped():
     assert first["step_s"] == 1.0 and first["checkpoint"] == 0.0
     assert second["checkpoint"] == 2.5 and second["other"] == 1.0 and second["step_s"] == 3.5
     assert parts_total(second) == pytest.approx(second["step_s"])
+
+
+class QueuedDevice:
+    """A GPU as its host sees it: launched work returns at once; synchronizing waits (the clock runs) until it ran."""
+
+    def __init__(self, clock):
+        self.clock, self.queued, self.synchronized = clock, 0.0, 0
+
+    def launch(self, seconds):
+        self.queued += seconds
+
+    def synchronize(self):
+        self.synchronized += 1
+        self.clock.tick(self.queued)
+        self.queued = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingBackend(Backend):
+    device_model: QueuedDevice = None
+
+    def synchronize(self):
+        self.device_model.synchronize()
+
+
+def queued_step(backend, device, clock):
+    """A step whose parts each queue device work and return at once; the breakdown of `backend`'s choosing."""
+    breakdown = Breakdown(clock, delays={}, synchronize=device_synchronize(backend))
+    breakdown.start_step()
+    with breakdown.part("forward"):
+        device.launch(2.0)  # kernels queued
+        clock.tick(0.125)  # the host's own time
+    breakdown.begin_wait(_operation("iall_reduce", "dp"))  # the compute stream waits on the reduction's event
+    device.launch(0.5)
+    breakdown.end_wait()
+    with breakdown.part("optimizer"):
+        device.launch(1.0)
+    return breakdown.finish_step()
+
+
+def test_a_device_backend_is_synchronized_at_every_part_boundary_and_numpy_never():
+    """On a GPU each part must be charged the device work it queued, not where the host next blocks: with a CuPy
+    backend the breakdown synchronizes at every boundary (8 here: the step's start and end, 3 parts in and out)."""
+    clock = FakeClock()
+    device = QueuedDevice(clock)
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=types.SimpleNamespace(null=types.SimpleNamespace(synchronize=device.synchronize))))
+    parts = queued_step(Backend("cuda", fake_cupy, np.dtype(np.float32)), device, clock)  # Backend.synchronize
+    assert device.synchronized == 8
+    assert parts["forward"] == 2.125 and parts["comm.all_reduce.dp"] == 0.5 and parts["optimizer"] == 1.0
+    assert parts["step_s"] == parts_total(parts) == 3.625
+
+    clock, on_host = FakeClock(), QueuedDevice(FakeClock())
+    parts = queued_step(RecordingBackend("cpu", np, np.dtype(np.float32), device_model=on_host), on_host, clock)
+    assert on_host.synchronized == 0, "numpy has nothing to synchronize"
+    assert parts["forward"] == 0.125 and parts["comm.all_reduce.dp"] == 0.0
 
 
 def test_summary_and_delays():

@@ -17,6 +17,11 @@ parts (a tensor-parallel wait inside a forward) are exclusive and the parts add 
 opens and closes each step (`start_step` / `finish_step`); between steps only explicitly named parts (checkpoint)
 are kept, carried into the next step.
 
+On a GPU the host only queues work: its clock alone would charge each part's kernels wherever the host next blocks.
+So with a device backend the breakdown synchronizes the compute stream at every boundary (`synchronize`, handed in
+from the backend: `device_synchronize`) and each part is charged the device work queued inside it; numpy runs call
+nothing. The price is the overlap of queuing with running across a boundary, a few microseconds per part.
+
 A test hook injects a deterministic delay into the waits of one kind, e.g. MPITRAIN_COMM_DELAY="all_reduce.dp=0.05"
 (seconds per wait; several kinds separated by commas): the delay is slept inside the wait, so it shows up as that
 kind's exposed time.
@@ -30,6 +35,9 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
+import numpy as np
+
+from mpitrain.backend import Backend
 from mpitrain.errors import ConfigError
 
 COMPUTE_PARTS = ("forward", "backward_input", "backward_weight")
@@ -71,11 +79,19 @@ def parse_delays(text: str) -> dict[str, float]:
     return delays
 
 
-class Breakdown:
-    """One rank's step breakdown. Listens to the rank's ProgressRecord (its waits) and its pipeline Timeline."""
+def device_synchronize(backend: Backend) -> Callable[[], None] | None:
+    """What the breakdown calls at part boundaries: the backend's wait for queued device work, None on numpy."""
+    return None if backend.xp is np else backend.synchronize
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, delays: dict[str, float] | None = None):
+
+class Breakdown:
+    """One rank's step breakdown. Listens to the rank's ProgressRecord (its waits) and its pipeline Timeline.
+    synchronize: called before every clock reading at a boundary (device backends; see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, delays: dict[str, float] | None = None,
+                 synchronize: Callable[[], None] | None = None):
         self.clock = clock
+        self.synchronize = synchronize
         self.delays = parse_delays(os.environ.get(DELAY_ENV, "")) if delays is None else delays
         self._thread = threading.get_ident()  # waits of other threads (a checkpoint writer) are not this step's
         self._stack = [_BETWEEN]
@@ -89,6 +105,8 @@ class Breakdown:
 
     # -- the stack
     def _charge(self) -> None:
+        if self.synchronize is not None:
+            self.synchronize()  # the part's queued device work is its own, not the next part's
         now = self.clock()
         part = self._stack[-1]
         if part == _BETWEEN:
