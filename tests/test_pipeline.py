@@ -514,7 +514,8 @@ def test_nccl_pipeline_messages_stay_on_the_device_with_the_same_numbers(message
 
 def test_nccl_lanes_keep_one_order_per_communicator(messages):
     """nccl.py's ordering rule: a lane is one stream, on which each rank only sends or only receives, so its
-    messages pair in issue order (the same count and type, send by send); the stand-in refuses a second stream."""
+    messages pair in issue order (the same count and type, send by send); each pair that uses a lane exchanged one
+    byte on it at creation, before any message; the stand-in refuses a second stream."""
     used = 0
     for lane in messages[0]["lanes"]:
         issued = [messages[rank]["lanes"][lane] for rank in (0, 1)]
@@ -524,7 +525,9 @@ def test_nccl_lanes_keep_one_order_per_communicator(messages):
             assert not (sends[rank] and receives[rank]), f"rank {rank} both sends and receives on lane {lane}"
             assert sends[rank] == receives[1 - rank], lane
             assert all(peer == 1 - rank for _, peer, _, _ in issued[rank]), lane
-        used += bool(sends[0] or sends[1])
+            if issued[rank]:
+                assert issued[rank][0][2:] == [1, 1], f"lane {lane} was not connected at creation: {issued[rank]}"
+        used += len(sends[0] + sends[1]) > 1
     assert used == 4, "interleaved at pp 2: forward and backward, each way"
     for out in messages:
         assert "used on stream" in out["second_stream"], out["second_stream"]

@@ -8,6 +8,22 @@ stream until the peer posts the receive, so a pipeline's sends and receives, its
 never queue behind each other on one stream: per lane a rank only sends or only receives from neighbours in one
 direction, as MPI's per-tag FIFO channels behave. Tags without a lane go through MPI, staged through host memory.
 
+Ordering. NCCL asks that operations on different communicators be issued in the same order on every rank, or
+serialised. The lanes keep a weaker rule, and this is the rule: (1) each communicator is driven by ONE stream on
+every rank (the stand-in refuses a second), so its operations run in issue order; (2) on a lane each rank only sends
+or only receives, to or from one neighbour per direction, so the k-th send of a lane meets the k-th receive of the
+peer on that lane, the same order on both sides (the schedule's FIFO order per channel; tests/test_pipeline.py reads
+it off the stand-in); (3) every lane connects its neighbours at creation, lane by lane in the same order on every
+rank (NCCL otherwise connects two ranks at their first exchange, inside the host call, with both hosts taking
+part). Across lanes the ranks' orders differ: a receive is posted ahead of the matching send. Why not one
+communicator on one stream with each send paired with the next receive in a group call (NCCL's own pattern): a
+simulation of that (every schedule kind, p 2 to 8, m up to 16) completes gpipe, 1f1b and zb1p but deadlocks every
+interleaved program, which needs a send to finish while its receiver's single stream still waits on an earlier
+message. What the rule leaves to the GPU: the lanes' kernels running side by side, which CUDA does not promise (a
+hardware queue shared by two streams, CUDA_DEVICE_MAX_CONNECTIONS=1, or a device-wide synchronization while a
+receive is posted can serialise them). mpitrain's own synchronizations wait on the compute stream only
+(Backend.synchronize: the legacy null stream, which the non-blocking lane streams do not join).
+
 Ordering with streams: before a launch the group's stream waits on an event recorded on the compute stream (inputs
 are ready); after it an event is recorded on the group's stream, and the Handle waits on that event: on the GPU
 (the compute stream waits, the host does not block) unless a host buffer must be copied back.

@@ -92,9 +92,34 @@ class NcclGroup(Group):
         # lane (tag, upward, sender parity) -> (communicator, stream); created now: creation is collective
         self._lanes = {(tag, upward, parity): (self._communicator(), runtime.stream())
                        for tag in p2p_tags for upward in (True, False) for parity in (0, 1)}
+        self._connect_lanes()
 
         _LIVE_GROUPS.add(self)
         _register_exit_hook()
+
+    def _connect_lanes(self) -> None:
+        """NCCL connects two ranks for point-to-point at their first exchange, inside the host's call, with both hosts
+        taking part: a receive posted early on one lane would hold its host until the peer's first send on that lane,
+        which may wait for data this host has not sent yet. So every lane exchanges one byte between the neighbours
+        that use it (the pipeline's and the cp ring's only peers) now, lane by lane in the same order on every rank,
+        each lane's sends and receives in one group call (nccl.py, "Ordering")."""
+        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
+        tokens = []
+        for key in sorted(self._lanes):
+            (communicator, stream), (_, upward, parity) = self._lanes[key], key
+            self._api.groupStart()
+            try:
+                for peer in neighbours:
+                    token = self.runtime.to_native(np.zeros(1, np.uint8))
+                    tokens.append(token)
+                    if (peer > self.rank) == upward and self.rank % 2 == parity:
+                        communicator.send(self.runtime.pointer(token), 1, UINT8, peer, stream.ptr)
+                    if (self.rank > peer) == upward and peer % 2 == parity:
+                        communicator.recv(self.runtime.pointer(token), 1, UINT8, peer, stream.ptr)
+            finally:
+                self._api.groupEnd()
+        for _, stream in self._lanes.values():
+            stream.synchronize()
 
     def communicators(self) -> list:
         return [communicator for communicator, _ in (self._main, *self._lanes.values()) if communicator is not None]
