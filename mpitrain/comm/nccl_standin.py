@@ -192,9 +192,9 @@ def _launch(stream: HostStream, post, finish) -> None:
         stream.launch(_stream_entry([(post, finish)]))
 
 
-def get_unique_id() -> tuple:
-    """128 bytes like ncclGetUniqueId (here random: only checked equal across ranks)."""
-    return tuple(int(b) - 128 for b in os.urandom(128))
+def get_unique_id() -> bytes:
+    """128 bytes, the type CuPy 14's get_unique_id() returns (here random: only checked equal across ranks)."""
+    return os.urandom(128)
 
 
 def get_version() -> int:
@@ -222,6 +222,8 @@ class NcclCommunicator:
     real one lacks; `HostNccl` binds it, so callers write the same call as for cupy)."""
 
     def __init__(self, ndev: int, commId, rank: int, *, bootstrap):
+        if not isinstance(commId, bytes) or len(commId) != 128:  # CuPy 14 declares `bytes commId` of 128 bytes
+            raise TypeError(f"NCCL stand-in: commId must be the 128 bytes of get_unique_id(), got {type(commId)}")
         if bootstrap.Get_size() != ndev or bootstrap.Get_rank() != rank:
             raise ValueError(f"NCCL stand-in: communicator of {ndev} ranks, rank {rank}, over an MPI communicator "
                              f"of {bootstrap.Get_size()} ranks where this is rank {bootstrap.Get_rank()}")
