@@ -12,6 +12,7 @@ tested without MPI.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -531,3 +532,54 @@ def test_nccl_lanes_keep_one_order_per_communicator(messages):
     assert used == 4, "interleaved at pp 2: forward and backward, each way"
     for out in messages:
         assert "used on stream" in out["second_stream"], out["second_stream"]
+
+
+def single_stream_groups(program):
+    """A rank's messages as NCCL's own pipeline pattern would issue them on ONE communicator and stream: each send
+    held back and issued with the next receive in one group call (alone when a send comes first)."""
+    transfers = [ins for ins in program if ins.op.startswith(("send", "recv"))]
+    groups, pending = [], []
+    for i, ins in enumerate(transfers):
+        pending.append(ins)
+        if ins.op.startswith("recv") or i + 1 == len(transfers) or transfers[i + 1].op.startswith("send"):
+            groups.append(pending)
+            pending = []
+    return groups
+
+
+def completes_on_one_stream(schedule) -> bool:
+    """Rendezvous semantics: a message moves once both its ends' groups are running; a rank's groups run one after
+    the other. The k-th message from a to b is the k-th send of a to b and the k-th receive of b from a."""
+    numbered, seen = [], Counter()
+    for rank, program in enumerate(schedule):
+        groups = []
+        for group in single_stream_groups(program):
+            ends = []
+            for ins in group:
+                pair = (rank, ins.peer) if ins.op.startswith("send") else (ins.peer, rank)
+                seen[pair, ins.op[:4]] += 1
+                ends.append((pair, seen[pair, ins.op[:4]]))
+            groups.append(ends)
+        numbered.append(groups)
+    position, moved = [0] * len(schedule), set()
+    while True:
+        running = Counter(end for rank, groups in enumerate(numbered) if position[rank] < len(groups)
+                          for end in groups[position[rank]])
+        moved |= {end for end, ends in running.items() if ends == 2}
+        advanced = [rank for rank, groups in enumerate(numbered)
+                    if position[rank] < len(groups) and set(groups[position[rank]]) <= moved]
+        for rank in advanced:
+            position[rank] += 1
+        if not advanced:
+            return all(position[rank] == len(groups) for rank, groups in enumerate(numbered))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb1p", "interleaved"])
+def test_why_nccl_lanes_and_not_one_stream(kind):
+    """nccl.py, "Ordering": one communicator on one stream, sends paired with the next receive, completes every
+    gpipe, 1f1b and zb1p program but no interleaved one of more than one round (m >= 2p), whose sends must finish
+    before their receivers' single stream reaches them."""
+    shapes = [(p, m) for p in (2, 3, 4, 8) for m in range(2 * p, 17, p)]
+    outcomes = {completes_on_one_stream(make_schedule(kind, p, m, 2 if kind == "interleaved" else 1))
+                for p, m in shapes}
+    assert outcomes == {kind != "interleaved"}

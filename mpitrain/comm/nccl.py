@@ -17,12 +17,13 @@ it off the stand-in); (3) every lane connects its neighbours at creation, lane b
 rank (NCCL otherwise connects two ranks at their first exchange, inside the host call, with both hosts taking
 part). Across lanes the ranks' orders differ: a receive is posted ahead of the matching send. Why not one
 communicator on one stream with each send paired with the next receive in a group call (NCCL's own pattern): a
-simulation of that (every schedule kind, p 2 to 8, m up to 16) completes gpipe, 1f1b and zb1p but deadlocks every
-interleaved program, which needs a send to finish while its receiver's single stream still waits on an earlier
-message. What the rule leaves to the GPU: the lanes' kernels running side by side, which CUDA does not promise (a
-hardware queue shared by two streams, CUDA_DEVICE_MAX_CONNECTIONS=1, or a device-wide synchronization while a
-receive is posted can serialise them). mpitrain's own synchronizations wait on the compute stream only
-(Backend.synchronize: the legacy null stream, which the non-blocking lane streams do not join).
+simulation of that (tests/test_pipeline.py: every schedule kind, p 2 to 8, m up to 16) completes gpipe, 1f1b and
+zb1p but deadlocks every interleaved program of more than one round (m >= 2p), which needs a send to finish while
+its receiver's single stream still waits on an earlier message. What the rule leaves to the GPU: the lanes'
+kernels running side by side, which CUDA does not promise (a hardware queue shared by two streams,
+CUDA_DEVICE_MAX_CONNECTIONS=1, or a device-wide synchronization while a receive is posted can serialise them).
+mpitrain's own synchronizations wait on the compute stream only (Backend.synchronize: the legacy null stream, which
+the non-blocking lane streams do not join).
 
 Ordering with streams: before a launch the group's stream waits on an event recorded on the compute stream (inputs
 are ready); after it an event is recorded on the group's stream, and the Handle waits on that event: on the GPU
