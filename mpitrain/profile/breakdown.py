@@ -20,7 +20,8 @@ are kept, carried into the next step.
 On a GPU the host only queues work: its clock alone would charge each part's kernels wherever the host next blocks.
 So with a device backend the breakdown synchronizes the compute stream at every boundary (`synchronize`, handed in
 from the backend: `device_synchronize`) and each part is charged the device work queued inside it; numpy runs call
-nothing. The price is the overlap of queuing with running across a boundary, a few microseconds per part.
+nothing. A wait on a device collective (the compute stream waiting on its event) is then charged to that
+collective. The price: at each boundary the device idles while the host queues the next part's first kernel.
 
 A test hook injects a deterministic delay into the waits of one kind, e.g. MPITRAIN_COMM_DELAY="all_reduce.dp=0.05"
 (seconds per wait; several kinds separated by commas): the delay is slept inside the wait, so it shows up as that
