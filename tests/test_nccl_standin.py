@@ -1,8 +1,8 @@
 """The NCCL group's code (pointers, offsets, counts, dtype codes, group calls, lanes, staging) run in CI against the
 host stand-in of `cupy.cuda.nccl` (mpitrain/comm/nccl_standin.py): every operation equals the MPI group's result
-and byte counters; a wrong count or offset fails; sends hold their stream as NCCL's do; and the dp, ZeRO-3, tp, pp
-(1F1B and interleaved) and cp float64 parity runs go through the NCCL groups (MPITRAIN_NCCL_STANDIN=1,
-train.collectives = "nccl") at 1e-10 against one process.
+and byte counters; a wrong count or offset fails; sends hold their stream as NCCL's do; and the dp, ZeRO-1/2/3, tp,
+pp (1F1B and interleaved) and cp float64 parity runs go through the NCCL groups (MPITRAIN_NCCL_STANDIN=1,
+train.collectives = "nccl") at 1e-10 against one process; bf16 gradient reduction gives the MPI run's numbers.
 """
 from __future__ import annotations
 
@@ -182,14 +182,26 @@ def nccl_train_run(n_ranks, run_dir, dataset, standin, *overrides):
 
 @pytest.mark.parametrize("layout, standin", [
     (["parallel.dp=2"], "1"),
+    (["parallel.dp=2", "parallel.zero=1"], "1"),
+    (["parallel.dp=2", "parallel.zero=2"], "1"),
     (["parallel.dp=2", "parallel.zero=3"], "1"),
     (["parallel.tp=2"], "1"),
     (["parallel.pp=2", "train.micro_batch=1"], "1"),
     (["parallel.cp=2"], "1"),
     (["parallel.dp=2", "parallel.zero=1"], "shared-gpu"),
-], ids=["dp2", "zero3-dp2", "tp2", "pp2", "cp2-ring-lanes", "host-staged-zero1-dp2"])
+], ids=["dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "tp2", "pp2", "cp2-ring-lanes", "host-staged-zero1-dp2"])
 def test_training_through_nccl_groups_matches_one_process(tmp_path, dataset, single_process, layout, standin):
     assert_same_run(single_process, nccl_train_run(2, tmp_path / "run", dataset, standin, *layout))
+
+
+@pytest.mark.parametrize("zero", [0, 2], ids=["all-reduce", "zero2-reduce-scatter"])
+def test_bf16_gradient_reduction_through_nccl_groups_is_the_mpi_run(tmp_path, dataset, zero):
+    """precision.grad_reduce = bfloat16: bf16 blocks exchanged all-to-all and summed in fp32 in rank order, through
+    the NCCL groups' grouped send/recv the same sums as through MPI's all-to-all: the same run to the bit."""
+    settings = ["precision.compute=float32", "precision.grad_reduce=bfloat16", "parallel.dp=2",
+                f"parallel.zero={zero}"]
+    over_mpi = train_run(2, tmp_path / "mpi", dataset, "train.steps=5", *settings)
+    assert_same_run(over_mpi, nccl_train_run(2, tmp_path / "nccl", dataset, "1", *settings))
 
 
 def test_interleaved_pipeline_through_nccl_lanes_matches_one_process(tmp_path, dataset):
