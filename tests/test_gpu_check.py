@@ -74,6 +74,15 @@ def test_the_shell_script_passes_its_arguments_on():
     assert [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")] == ["environment", "nccl"]
 
 
+def test_a_skipped_gpu_test_fails_the_gpu_tests_stage_but_not_a_test_meant_for_machines_without_one():
+    output = "\n".join([
+        "SKIPPED [4] tests/test_gpu_kernels.py:85: fused kernels need a CUDA GPU: CuPy sees no CUDA device",
+        "SKIPPED [1] tests/test_gpu_paths.py:58: a GPU is usable here: the GPU tests check this path on real arrays",
+        "30 passed, 5 skipped in 6.08s"])
+    assert gpu_check.unexpected_skips(output) == [output.splitlines()[0]]
+    assert "tests/test_gpu_paths.py" in gpu_check.GPU_TESTS
+
+
 # ---- the stage processes -----------------------------------------------------------------------------------------
 def test_stage_processes_get_the_repository_before_an_existing_pythonpath(monkeypatch):
     env = gpu_check.subprocess_env({"PYTHONPATH": "/carried/site-packages", "OMP_NUM_THREADS": "2"})
