@@ -493,8 +493,9 @@ def summary(results: dict[str, dict]) -> str:
     lines = ["SUMMARY"]
     for key, result in results.items():
         shown = {name: result[name] for name in SUMMARY_KEYS if name in result}
-        if result.get("failed_checks"):
-            shown["failed_checks"] = sorted(result["failed_checks"])
+        failed_checks = sorted(result.get("failed_checks") or ())
+        if failed_checks:  # all of them: the group could not be built (the output's last line says why)
+            shown["failed_checks"] = failed_checks if len(failed_checks) < result["checks"] else "all"
         if result.get("output_tail", "").strip():  # why it failed, in the output's last line
             shown["last_output_line"] = result["output_tail"].strip().splitlines()[-1][:300]
         lines.append(f"  {key}: {result['verdict']} {json.dumps(shown, default=str)}")
