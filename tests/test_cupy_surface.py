@@ -22,7 +22,7 @@ from cupy.cuda import nccl, runtime  # noqa: E402
 
 from mpitrain.backend import BFLOAT16  # noqa: E402
 from mpitrain.comm import nccl_group, nccl_standin  # noqa: E402
-from mpitrain.kernels import attention  # noqa: E402
+from mpitrain.kernels import attention, fused  # noqa: E402
 
 if not nccl.available:
     pytest.skip("CuPy found no NCCL library (pip install nvidia-nccl-cu13)", allow_module_level=True)
@@ -167,3 +167,93 @@ def test_cublas_constants_and_calls_are_cupys():
     for name in ("gemmStridedBatchedEx", "setStream"):
         assert gemm_call_arguments(name) == len(docstring_parameters(getattr(cublas, name))), name
     assert callable(cupy.cuda.device.get_cublas_handle)
+
+
+# ---- fused.py's launches against its kernels (fake device arrays: nothing runs) --------------------------------------
+ROW_PARAMETERS = {name: [p.strip().rsplit(" ", 1)[0] for p in params.split(",")]
+                  for name, params in re.findall(r"__global__ void (\w+)\(([^)]*)\)", fused._ROW_SOURCE)}
+
+
+class RecordedLaunches:
+    """Stands for fused's compiled row module and its ElementwiseKernels: records each launch instead of running
+    it; elementwise calls go through CuPy's own type resolution (`_decide_params_type`) first."""
+
+    def __init__(self, cupy_module, kernels):
+        self.cupy, self.kernels, self.rows, self.elementwise = cupy_module, kernels, [], []
+
+    def get_function(self, expression: str):
+        return lambda grid, block, args: self.rows.append((expression, grid, block, args))
+
+    def elementwise_kernel(self, name: str):
+        kernel = self.kernels[name]
+
+        def call(*args):
+            assert len(args) in (kernel.nin, kernel.nargs), f"{name}: {len(args)} arguments"
+            arrays = [a.dtype if isinstance(a, self.cupy.ndarray) else None for a in args]
+            kernel._decide_params_type(tuple(arrays[:kernel.nin]), tuple(arrays[kernel.nin:]))  # CuPy's TypeError
+            for param, arg in zip(kernel.in_params + kernel.out_params, args):
+                assert not param.raw or arg.flags.c_contiguous, f"{name}: raw {param.name} is indexed linearly"
+            self.elementwise.append((name, args))
+            outputs = [self.cupy.empty_like(args[0]) for _ in range(kernel.nout)]
+            return outputs[0] if kernel.nout == 1 else tuple(outputs)
+        return call
+
+
+def check_row_launch(expression: str, grid, block, args) -> None:
+    name, ctype = re.fullmatch(r"(\w+)<(\w+)>", expression).groups()
+    dtype = np.dtype({"float": np.float32, "double": np.float64}[ctype])
+    wanted = ROW_PARAMETERS[name]
+    assert len(args) == len(wanted), f"{name}: {len(args)} arguments for {wanted}"
+    assert block[0] % 32 == 0 and block[0] <= 32 * 32, "block_reduce: whole warps, at most 32 of them"
+    for declared, arg in zip(wanted, args):
+        if declared.endswith("*"):
+            element = np.int64 if "long long" in declared else dtype
+            assert arg.dtype == element and arg.flags.c_contiguous, f"{name}: {declared} got {arg.dtype}"
+        elif declared == "int":
+            assert isinstance(arg, np.int32), f"{name}: int got {type(arg).__name__}"
+        else:
+            assert declared == "T" and isinstance(arg, np.generic) and arg.dtype == dtype, \
+                f"{name}: {declared} got {type(arg).__name__}"  # a Python float would be passed as a double
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from fake_device import fake_cupy, host_allocator
+    cp = fake_cupy()
+    recorded = RecordedLaunches(cp, fused._elementwise.__wrapped__())
+    monkeypatch.setattr(fused, "_row_module", lambda: recorded)
+    monkeypatch.setattr(fused, "_elementwise", lambda: {name: recorded.elementwise_kernel(name)
+                                                        for name in recorded.kernels})
+    with host_allocator(cp):
+        yield cp, recorded
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_launches_fit_their_kernels(launches, dtype):
+    from fake_device import device_work_error, fake_device_array
+    cp, recorded = launches
+    rng = np.random.default_rng(0)
+
+    def array(*shape, kind=dtype):
+        return fake_device_array(cp, rng.standard_normal(shape).astype(kind))
+
+    x, w, b, dy = array(2, 3, 8), array(8), array(8), array(2, 3, 8)
+    _, saved = fused.layernorm_forward(x, w, b, 1e-5)
+    fused.rmsnorm_forward(x, w, 1e-5)
+    for backward in (lambda: fused.layernorm_backward(saved, w, dy, array(8), array(8)),
+                     lambda: fused.rmsnorm_backward(saved, w, dy, array(8))):
+        with pytest.raises(device_work_error(cp)):  # the weight-gradient sums after the launch are CuPy's
+            backward()
+    fused.softmax_backward(fused.softmax_forward(x), dy)
+    fused.cross_entropy_with_grad(array(6, 11), fake_device_array(cp, np.arange(6, dtype=np.int64)), 0.5)
+    fused.gelu_backward(x, dy)
+    fused.swiglu_backward(fused.swiglu_forward(x, x)[1], dy)
+    q = array(2, 4, 3, 8)
+    fused.rope_backward(fused.rope_forward(q, array(3, 4), array(3, 4)), array(3, 4), array(3, 4))
+    fused.adamw_update(array(40), array(40), array(40), array(40), lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, step=3)
+    with pytest.raises(device_work_error(cp)):
+        fused.gelu_forward(x, b)  # x + bias is CuPy's own kernel
+    assert {e.partition("<")[0] for e, *_ in recorded.rows} == set(fused._ROW_KERNELS)
+    for launch in recorded.rows:
+        check_row_launch(*launch)
+    assert {name for name, _ in recorded.elementwise} == set(recorded.kernels) - {"gelu_forward"}
