@@ -240,16 +240,20 @@ def ckpt_import(hf_dir, out):
 @CONFIG_ARG
 @SET_OPTION
 @click.option("-n", "world_size", type=int, default=1, show_default=True, help="Number of ranks to plan for.")
+@click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
+              help="Attention to count: fused (cuDNN SDPA, no T x T matrix) or unfused. Default: fused for "
+                   "train.device = cuda in bf16/fp16.")
 @_user_errors
-def memory(config, overrides, world_size):
+def memory(config, overrides, world_size, attention):
     """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
     from mpitrain.config import load_config, resolve_layout
-    from mpitrain.plan.memory import memory_report, rank_param_count
+    from mpitrain.plan.memory import default_attention, memory_report, rank_param_count
 
     cfg = load_config(config, overrides)
     resolve_layout(cfg, world_size)
     n_params = rank_param_count(cfg)
-    report = memory_report(cfg, n_params)
+    attention = attention or default_attention(cfg.precision.compute, on_gpu=cfg.train.device == "cuda")
+    report = memory_report(cfg, n_params, attention=attention)
     shares = [f"its 1/{cfg.parallel.tp} tensor-parallel share"] if cfg.parallel.tp > 1 else []
     shares += ["of the first pipeline stage"] if cfg.parallel.pp > 1 else []
     where = f" (this rank's: {', '.join(shares)})" if shares else ""

@@ -15,21 +15,24 @@ from mpitrain.errors import MpitrainError
 @click.option("--seq", type=int, default=None, help="Sequence length (default: the model's).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per step (default: the model's).")
 @click.option("--top", type=int, default=8, show_default=True, help="Layouts to list.")
+@click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
+              help="Attention to count: fused (cuDNN SDPA, no T x T matrix) or unfused. Default: fused where the "
+                   "cluster computes in bf16/fp16.")
 @click.option("--json", "as_json", is_flag=True, help="Print the evaluated layouts as JSON.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None, help="Write the best layout's config.")
 @click.option("-n", "ranks", type=int, default=2, show_default=True, help="calibrate: local MPI ranks to measure.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="calibrate: where to write (default: configs/clusters/this-machine.toml).")
-def plan_command(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
+def plan_command(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path):
     """Which layout fits MODEL (preset or config) on CLUSTER (configs/clusters/NAME.toml), and how fast it runs.
     `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
     try:
-        _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path)
+        _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path)
     except MpitrainError as exc:  # a user error: one line on stderr, exit status 1
         raise click.ClickException(str(exc)) from None
 
 
-def _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ranks, out_path):
+def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path):
     # cli.py imports this module at start-up to list the command; the planner loads the model stack, so it is
     # imported when the command runs (mpitrain --help stays fast)
     from mpitrain.plan import search as planner
@@ -40,8 +43,9 @@ def _plan(model, cluster, gpus, seq, global_batch, top, as_json, emit_config, ra
         return
     if not cluster:
         raise click.UsageError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
-    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch)
-    click.echo(planner.as_json(found, spec, top) if as_json else planner.report(found, spec, name, cfg, gpus, top))
+    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch, attention)
+    click.echo(planner.as_json(found, spec, top) if as_json else
+               planner.report(found, spec, name, cfg, gpus, top, attention))
     if emit_config and found["fits"]:
         planner.emit_config(cfg, found["fits"][0], spec, emit_config)
         click.echo(f"wrote {emit_config}", err=as_json)

@@ -33,6 +33,11 @@ experts' matmuls run at the busiest rank's load, capacity_factor times the mean 
 routing, GShard's and Switch's customary capacity); the routed rows are gathered, weighted and scattered back
 (MOE_ROW_PASSES element passes per pick). Full recomputation runs the forward's elementwise work again; under cp
 the ring attention's backward recomputes the scores and probabilities of every pair (2 d T FLOPs per block and token).
+
+Attention: on a cluster computing in bf16/fp16 the estimate assumes cuDNN's fused SDPA (plan/memory.py's "fused"),
+unless asked for "unfused": no T x T scores or probabilities are saved or cross HBM (only each row's log-sum-exp), so
+recomputation repeats no T x T traffic either, and its matmuls skip the masked half of the scores but recompute
+Q K^T in backward (profile/flops.py, fused_attention_discount). Ring attention (cp > 1) keeps the unfused counts.
 """
 from __future__ import annotations
 
@@ -54,13 +59,15 @@ from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.memory import (
+    FUSED_DTYPES,
+    default_attention,
     memory_report,
     rank_model,
     rank_param_count,
     reduction_shares,
     shape_key,
 )
-from mpitrain.profile.flops import recomputed_flops_per_token
+from mpitrain.profile.flops import fused_attention_discount, recomputed_flops_per_token
 
 ADAM_BYTES_PER_PARAM = 36  # read master, m, v, grad (4 each), write master, m, v, and the compute-dtype copy
 ELEMENTWISE_PASSES = 4  # saved activations are written, read in backward, and their gradients written and read
@@ -159,9 +166,10 @@ class RankWork:
     moe_layers: int  # of this pipeline rank's blocks
     units: int  # the rank's blocks, and the embedding and head (one each on the first and last stage)
     tp_per_layer: int  # tp collectives per block and micro-batch: 2 gathers + 2 scatters, forward and backward
+    attention: str = "unfused"  # "fused": cuDNN's SDPA (module docstring); ring attention (cp > 1) is never fused
 
     @classmethod
-    def of(cls, cfg: Config, compute: str) -> RankWork:
+    def of(cls, cfg: Config, compute: str, attention: str = "unfused") -> RankWork:
         m_cfg, p, t = cfg.model, cfg.parallel, cfg.train
         layer_counts = stage_layer_counts(m_cfg.n_layer, p.pp * p.virtual_stages, p.stage_layers)
         layers = sum(layer_counts) // p.pp
@@ -171,15 +179,23 @@ class RankWork:
                    rows=t.micro_batch * m_cfg.seq_len // p.cp, layer_counts=layer_counts, layers=layers, moe=moe,
                    moe_layers=sum(moe.is_moe_block(i) for i in range(layers)),
                    units=layers + (2 if p.pp == 1 else 1),
-                   tp_per_layer=12 if cfg.memory.recompute == "full" else 8)
+                   tp_per_layer=12 if cfg.memory.recompute == "full" else 8,
+                   attention=attention if p.cp == 1 else "unfused")
 
 
-def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
-    """Memory per rank and step time, by part, of `layout` on `cluster` (module docstring)."""
+def cluster_attention(cluster: Cluster, attention: str | None = None) -> str:
+    """The attention path the estimate assumes: `attention` if given, else fused where the cluster computes in
+    bf16/fp16 (the GPU presets; a calibrated CPU machine computes in float32)."""
+    return attention or default_attention(cluster.compute, on_gpu=cluster.compute in FUSED_DTYPES)
+
+
+def estimate(base: Config, layout: Layout, cluster: Cluster, attention: str | None = None) -> dict:
+    """Memory per rank and step time, by part, of `layout` on `cluster` (module docstring); attention: "fused",
+    "unfused" or None (cluster_attention)."""
     cfg = layout_config(base, layout, cluster.compute)
-    p, work = cfg.parallel, RankWork.of(cfg, cluster.compute)
+    p, work = cfg.parallel, RankWork.of(cfg, cluster.compute, cluster_attention(cluster, attention))
     shape = _model_numbers(cfg, rank_model(cfg))
-    memory = rank_memory(cfg, cluster, work.element_bytes, shape["largest_unit"])
+    memory = rank_memory(cfg, cluster, work.element_bytes, shape["largest_unit"], work.attention)
     compute = compute_seconds(cfg, cluster, work, shape["flops_per_token"])
     comm, crosses = communication_seconds(cfg, cluster, work)
     zero_micro, reduce_exposed, gather_params = gradient_sync_seconds(cfg, cluster, work, compute["micro"],
@@ -205,13 +221,14 @@ def estimate(base: Config, layout: Layout, cluster: Cluster) -> dict:
             "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
 
 
-def rank_memory(cfg: Config, cluster: Cluster, element_bytes: int, largest_unit: int) -> dict:
+def rank_memory(cfg: Config, cluster: Cluster, element_bytes: int, largest_unit: int,
+                attention: str = "unfused") -> dict:
     """Bytes per rank: what the fullest pipeline stage holds, and the transient buffers beside it."""
     p = cfg.parallel
     transient = p.bucket_mb * 2**20 * 2  # a bucket being reduced and the next one filling
     if p.zero == 3:  # the unit being computed and the prefetched next one, gathered whole
         transient += 2 * largest_unit * element_bytes
-    stages = stage_memory(cfg)
+    stages = stage_memory(cfg, attention)
     held = max(stage["total"] for stage in stages.values())  # the fullest stage decides what fits
     total = held + transient
     return {"held": held, "transient": transient, "total": total, "rows": stages["first"]["bytes"],
@@ -226,6 +243,8 @@ def compute_seconds(cfg: Config, cluster: Cluster, work: RankWork, model_flops: 
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, work.layer_counts, cfg.memory.recompute)
     if p.cp > 1:  # ring attention's backward recomputes each pair's scores, S = Q K^T, from the saved lse
         hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(work.layer_counts)
+    if work.attention == "fused":
+        hardware_flops -= fused_attention_discount(m_cfg, sum(work.layer_counts), cfg.memory.recompute != "none")
     thin = gemm_shape_factor(work.rows, m_cfg.d_model / p.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
     matmul = hardware_flops * work.tokens / work.world / (cluster.peak_flops * cluster.matmul_efficiency_at(work.rows)
                                                           * thin)
@@ -246,11 +265,12 @@ def elementwise_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
     """Elementwise traffic at HBM bandwidth; it does not shrink with recomputation."""
     m_cfg, p, e = cfg.model, cfg.parallel, work.element_bytes
     # Korthikanti et al. 2022's activation bytes per layer and token at 2-byte elements (34 d + 5 heads T), split
-    # over tp (and T over cp), read and written a few times
-    per_token = (34 * m_cfg.d_model + 5 * m_cfg.n_head * m_cfg.seq_len / p.cp) / p.tp * e / 2
+    # over tp (and T over cp), read and written a few times; the fused attention keeps its scores on chip and moves
+    # only each row's float32 log-sum-exp (2 two-byte elements per head) instead of the 5 heads T
+    scores = 2 * m_cfg.n_head if work.attention == "fused" else 5 * m_cfg.n_head * m_cfg.seq_len / p.cp
+    per_token = (34 * m_cfg.d_model + scores) / p.tp * e / 2
     # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
     # (and under cp the ring's backward its probabilities, P = exp(S - lse))
-    scores = 5 * m_cfg.n_head * m_cfg.seq_len / p.cp
     again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
              scores * (p.cp > 1)) / p.tp * e / 2
     # per token; every tp rank routes all
@@ -353,12 +373,13 @@ def reduction_rings(cfg: Config, cluster: Cluster):
     return rings
 
 
-def stage_memory(cfg: Config) -> dict:
+def stage_memory(cfg: Config, attention: str = "unfused") -> dict:
     """memory_report of the first pipeline stage (the embedding, the most micro-batches in flight) and, under
     pipelining, of the last (the head and its logits): {"first": ..., "last": ...}."""
     pp = cfg.parallel.pp
     ranks = {"first": 0, "last": pp - 1} if pp > 1 else {"first": 0}
-    return {name: memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank) for name, pp_rank in ranks.items()}
+    return {name: memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank, attention)
+            for name, pp_rank in ranks.items()}
 
 
 def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:

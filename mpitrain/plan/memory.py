@@ -20,6 +20,11 @@ Under pipelining the stages differ: the first holds the embedding and the most m
 last holds the final norm, the head (and, with tied embeddings, a copy of the embedding matrix) and saves the
 head's (b, T, V/t) probabilities, but for fewer micro-batches (1F1B: 1). `pp_rank` picks the stage; the default 0
 is the first, the rank `mpitrain memory` describes.
+
+Attention (`attention`): "unfused" counts what the blocked numpy core and the cuBLAS core save, the probabilities
+(b, h, T, T) of every block; "fused" counts what cuDNN's fused SDPA saves on a GPU in bf16/fp16, the output
+(b, h, T, D) and each row's log-sum-exp (b, h, T) instead: no T x T term. Ring attention (parallel.cp > 1) saves
+those already, so the two counts agree there.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.moe import rank_experts
 from mpitrain.layers.recompute import apply_recompute
+from mpitrain.layers.ring_attention import lse_dtype
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.gpt import GPT, moe_note
 from mpitrain.optim.footprint import optimizer_row
@@ -43,6 +49,13 @@ from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 
 SHARDED = {"params": (3,), "grads": (2, 3), "optimizer": (1, 2, 3)}  # the ZeRO stages that split each kind
+ATTENTION_PATHS = ("fused", "unfused")
+FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's fused SDPA takes
+
+
+def default_attention(compute: str, on_gpu: bool) -> str:
+    """The attention path a run takes: cuDNN's fused SDPA for bf16/fp16 on a GPU, else the unfused core."""
+    return "fused" if on_gpu and compute in FUSED_DTYPES else "unfused"
 
 
 def bytes_per_param(compute: str) -> dict:
@@ -72,16 +85,18 @@ def state_formulas(compute: str, zero: int) -> dict:
     return formulas
 
 
-def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int = 0) -> int:
+def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int = 0, attention: str = "unfused") -> int:
     """Saved-state bytes of one micro-batch's forward on one rank (tp rank 0 of pipeline stage `pp_rank`): the arrays
     each sublayer declares that it saves (`saved_arrays` in mpitrain/layers, the declaration the layers are tested
     against), plus the rotary tables shared by all micro-batches; with a pipeline, times the micro-batches the stage
     holds at once (1F1B: p - pp_rank; GPipe: m). zb1p's backward_input hands a micro-batch's saved state over to its
     deferred weight-gradient work (each matmul's input and output gradient) until backward_weight: the peak is the
-    schedule's worst mix of the two."""
+    schedule's worst mix of the two. attention: "fused" or "unfused" (module docstring)."""
     p = cfg.parallel
     b = micro_batch or cfg.train.micro_batch
     per_micro_batch, shared = saved_bytes_per_micro_batch(cfg, b, pp_rank)
+    if attention == "fused":
+        per_micro_batch -= fused_attention_saving(cfg, b, pp_rank)
     if p.pp == 1:
         return per_micro_batch + shared
     micro_batches = cfg.train.global_batch // (p.dp * b)
@@ -139,6 +154,25 @@ def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int, pp_rank: int = 0)
         dtype = np.dtype(COMPUTE_DTYPES[cfg.precision.compute])
         _SAVED[key] = rank_model(cfg, pp_rank).saved_bytes(micro_batch, dtype)
     return _SAVED[key]
+
+
+def fused_attention_saving(cfg: Config, micro_batch: int, pp_rank: int = 0) -> int:
+    """Bytes of one micro-batch's saved state that the fused attention does not keep on pipeline rank pp_rank: each
+    block that keeps its attention's saved state (memory.recompute none there) holds the output (b, h, T, D) and
+    the log-sum-exp (b, h, T) instead of the probabilities (b, h, T, T); h: this tp rank's query heads. Nothing under
+    ring attention (parallel.cp > 1), which already keeps only those."""
+    if cfg.parallel.cp > 1:
+        return 0
+    dtype = np.dtype(COMPUTE_DTYPES[cfg.precision.compute])
+    b, t = micro_batch, cfg.model.seq_len
+    saving = 0
+    for unit in rank_model(cfg, pp_rank).units:
+        attention = getattr(unit, "attention", None)
+        if attention is None or unit.recompute != "none":
+            continue
+        rows = b * attention.heads * t
+        saving += rows * t * dtype.itemsize - rows * (attention.head_dim * dtype.itemsize + lse_dtype(dtype).itemsize)
+    return saving
 
 
 @functools.lru_cache(maxsize=512)  # mpitrain plan asks for the same schedules thousands of times
@@ -237,9 +271,9 @@ def reduction_shares(cfg: Config, pp_rank: int = 0) -> list[tuple[int, int]]:
     return [(dense, p.dp * p.cp)] + ([(experts, p.dp // p.ep)] if experts else [])
 
 
-def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
+def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str = "unfused") -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size), on pipeline rank
-    pp_rank (n_params: rank_param_count(cfg, pp_rank))."""
+    pp_rank (n_params: rank_param_count(cfg, pp_rank)); attention: "fused" or "unfused" (module docstring)."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     trainable, frozen_layouts = split_rank_layouts(cfg, pp_rank)
@@ -249,7 +283,7 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
         for kind, value in model_state_bytes(count, cfg.precision.compute, p.zero, ranks).items():
             state[kind] = state.get(kind, 0) + value
     state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
-    activations = activation_bytes(cfg, pp_rank=pp_rank)
+    activations = activation_bytes(cfg, pp_rank=pp_rank, attention=attention)
     formulas = state_formulas(cfg.precision.compute, p.zero)
     if frozen:
         formulas["params"] += f" + e*{frozen:,} frozen (LoRA: Psi counts only the {n_params - frozen:,} adapters)"
@@ -269,6 +303,8 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0) -> dict:
     formulas["params"] += moe_note(cfg)  # model.moe: experts held here, active parameters per token
     if p.cp > 1:
         formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
+    elif attention == "fused":
+        formulas["activations"] += ", fused attention (output and log-sum-exp, no T x T probabilities)"
     if cfg.memory.recompute != "none":  # the blocks' declaration already follows the mode
         blocks = f"first {cfg.memory.recompute_layers} blocks" if cfg.memory.recompute_layers else "all blocks"
         formulas["activations"] += f", memory.recompute = {cfg.memory.recompute} ({blocks} of each stage)"

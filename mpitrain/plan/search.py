@@ -16,7 +16,7 @@ from mpitrain.config import Config, to_toml, validate
 from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
 from mpitrain.plan.clusters import Cluster, load_cluster
-from mpitrain.plan.cost import Layout, estimate, layout_config
+from mpitrain.plan.cost import Layout, cluster_attention, estimate, layout_config
 from mpitrain.plan.presets import model_config
 
 GB = 1e9
@@ -63,15 +63,16 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
                        for recompute in recomputes]
 
 
-def search(cfg: Config, cluster: Cluster, gpus: int) -> dict:
-    """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count}}."""
+def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None) -> dict:
+    """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count}};
+    attention: "fused", "unfused" or None, the cluster's default (plan/cost.py, cluster_attention)."""
     fits, too_big, refused = [], [], {}
     for by_recompute in candidate_layouts(cfg, gpus, cluster):
         for layout in by_recompute:
             try:
-                result = estimate(cfg, layout, cluster)
+                result = estimate(cfg, layout, cluster, attention)
                 if not result["fits"] and layout.zero >= 1 and layout.recompute == "full":  # the last resort:
-                    offloaded = estimate(cfg, _with(layout, offload="host"), cluster)  # optimizer state off the GPU
+                    offloaded = estimate(cfg, _with(layout, offload="host"), cluster, attention)  # optimizer state off
                     result = offloaded if offloaded["fits"] else result
             except ConfigError as exc:
                 reason = str(exc).split(";")[0]
@@ -156,7 +157,21 @@ def format_table(found: dict, cluster: Cluster, top: int) -> str:
     return "\n".join(lines)
 
 
-def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int) -> str:
+def attention_line(cluster: Cluster, attention: str | None = None) -> str:
+    """One line: which attention the estimates assume."""
+    if cluster_attention(cluster, attention) == "fused":
+        return (f"attention: assumed fused (cuDNN SDPA, {cluster.compute}): no T x T scores saved or moved "
+                f"(--attention unfused for the cuBLAS count; ring attention under cp > 1 stays unfused)")
+    return "attention: unfused (T x T probabilities saved and moved)"
+
+
+def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int,
+           attention: str | None = None) -> str:
+    """The findings, then which attention they assume (last: the table's rows stay where scripts read them)."""
+    return _findings(found, cluster, model_name, cfg, gpus, top) + "\n" + attention_line(cluster, attention)
+
+
+def _findings(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int) -> str:
     fits = found["fits"]
     evaluated = len(fits) + len(found["too_big"])
     lines = [(f"{model_name} on {gpus} x {cluster.name} ({math.ceil(gpus / cluster.gpus_per_node)} node(s)), "
@@ -199,8 +214,9 @@ def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -
     Path(path).write_text(header + to_toml(chosen))
 
 
-def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None) -> tuple:
-    """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search.
+def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None,
+         attention: str | None = None) -> tuple:
+    """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search (attention: search's).
     Returns (cfg, name, cluster, found, gpus)."""
     cfg, name = model_config(model)
     cluster = load_cluster(cluster_name)
@@ -212,4 +228,4 @@ def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, globa
     if global_batch:
         cfg.train.global_batch = global_batch
     validate(cfg)
-    return cfg, name, cluster, search(cfg, cluster, gpus), gpus
+    return cfg, name, cluster, search(cfg, cluster, gpus, attention), gpus

@@ -7,7 +7,9 @@ with published numbers, and a kernel that skips masked blocks shows up as a high
 
 Hardware FLOPs (`hardware_flops_per_token`) add what recomputation runs again: a fully recomputed block repeats
 its forward (2 per matmul weight + 4 d s), a selective one repeats attention's products (4 d s). The ratio of the
-two is the price of the memory saved.
+two is the price of the memory saved. A fused causal attention (cuDNN's SDPA, FlashAttention's scheme) skips the
+masked half of the scores' tiles and recomputes Q K^T in backward: 7 products at half size, 7 d s per block instead
+of 12 (`fused_attention_discount`), and 2 d s instead of 4 when recomputed.
 
 Peak FLOP/s per rank, in this order: logging.peak_flops; the dense datasheet number of a known accelerator for the
 compute dtype (bf16/fp16 tensor cores, or tf32 for float32); else measured with a float32 matmul (CPU).
@@ -80,3 +82,10 @@ def recomputed_flops_per_token(model_cfg, layer_counts: list[int], mode: str, la
     attention = 4.0 * model_cfg.d_model * model_cfg.seq_len
     per_block = attention + (2.0 * block_matmul_weights(model_cfg) if mode == "full" else 0.0)
     return blocks * per_block
+
+
+def fused_attention_discount(model_cfg, blocks: int, recomputing: bool) -> float:
+    """FLOPs per token a fused causal attention does not run, against the whole 12 d s per block counted above (and
+    4 d s per recomputing block): 5 d s per block, 2 d s more per recomputed one (module docstring)."""
+    per_block = 5.0 + (2.0 if recomputing else 0.0)
+    return blocks * per_block * model_cfg.d_model * model_cfg.seq_len
