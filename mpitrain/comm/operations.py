@@ -130,7 +130,7 @@ class Handle:
     Holds the request it waits on (MPI's protocol: `Test()`, `Wait()`; None: already complete), its buffers so they
     cannot be freed before it completes, and the entered operation so that a wait on it is watched. What to do once
     it completes is added with `then` (e.g. a cast back to the caller's dtype): `wait()` returns the last
-    continuation's value. `timed` hands the seconds a blocking `wait()` took to a timer."""
+    continuation's value (`result`). `timed` hands the seconds a blocking `wait()` took to a timer."""
 
     def __init__(self, request=None, buffers=(), operation: Operation | None = None,
                  record: ProgressRecord | None = None):
@@ -140,13 +140,13 @@ class Handle:
         self._record = record
         self._continuations: list = []
         self._on_wait = None
-        self.value = None  # what wait() returns: the last continuation's result
+        self.result = None  # what wait() returns: the last continuation's value
 
     @classmethod
-    def completed(cls, value=None) -> Handle:
-        """Nothing in flight (a group of one, a blocking path); wait() returns `value`."""
+    def completed(cls, result=None) -> Handle:
+        """Nothing in flight (a group of one, a blocking path); wait() returns `result`."""
         handle = cls()
-        handle.value = value
+        handle.result = result
         return handle
 
     @classmethod
@@ -165,7 +165,7 @@ class Handle:
         """Run `continuation()` when the operation completes (at once if it has); its value is what wait() returns
         from then on. Returns the handle."""
         if self.done:
-            self.value = continuation()
+            self.result = continuation()
         else:
             self._continuations.append(continuation)
         return self
@@ -182,9 +182,9 @@ class Handle:
         return self.done
 
     def wait(self):
-        """Block until the operation completes; returns `value`."""
+        """Block until the operation completes; returns `result`."""
         if self._request is None:
-            return self.value
+            return self.result
         start, record = time.perf_counter(), self._record
         if record is None or self._operation is None:
             self._request.Wait()
@@ -195,14 +195,14 @@ class Handle:
         if self._on_wait is not None:
             self._on_wait(time.perf_counter() - start)
         self._complete()
-        return self.value
+        return self.result
 
     def _complete(self) -> None:
         self._request = None
         self._buffers = ()
         continuations, self._continuations = self._continuations, []
         for continuation in continuations:
-            self.value = continuation()
+            self.result = continuation()
 
 
 class _Awaiting:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.comm.operations import Handle
 from mpitrain.layers import ops
 from mpitrain.layers.precision import LOW_PRECISION, computes_in_float32
 from mpitrain.state.params import ParamSpec
@@ -72,6 +73,12 @@ class TensorParallel:
     def _timed(self, kind: str, start: float) -> None:
         self.seconds[kind] += time.perf_counter() - start
 
+    def _pending(self, kind: str, handle, result) -> Handle:
+        """The group's `handle` as a reduction in flight: its wait is charged to `kind`, wait() returns `result()`."""
+        def charge(seconds: float) -> None:
+            self.seconds[kind] += seconds
+        return Handle.after(handle).timed(charge).then(result)
+
     # bfloat16/float16 arrays are summed in float32 (MPI has no 16-bit float sum, and fp32 accumulation is the rule)
     # and moved as raw 16-bit words where nothing is summed (all-gather).
     def all_reduce(self, buf, op: str = "sum"):
@@ -85,14 +92,14 @@ class TensorParallel:
             self._timed("all_reduce", start)
         return buf
 
-    def start_all_reduce(self, buf) -> Pending:
+    def start_all_reduce(self, buf) -> Handle:
         if self.size == 1:
-            return Pending.done(buf)
+            return Handle.completed(buf)
         start = time.perf_counter()
         wide = _widened(buf)
         handle = self.group.iall_reduce(wide)
         self._timed("all_reduce", start)
-        return Pending(self, "all_reduce", handle, lambda: buf if wide is buf else wide.astype(buf.dtype))
+        return self._pending("all_reduce", handle, lambda: buf if wide is buf else wide.astype(buf.dtype))
 
     def gather_sequence(self, x):
         """(B, T/t, ...) chunks of every rank -> (B, T, ...); rank r's chunk goes to positions [r T/t, (r+1) T/t)."""
@@ -106,10 +113,10 @@ class TensorParallel:
         self._timed("all_gather", start)
         return _sequence_second(recv)
 
-    def start_reduce_scatter_sequence(self, x) -> Pending:
+    def start_reduce_scatter_sequence(self, x) -> Handle:
         """(B, T, ...) partial sums -> this rank's (B, T/t, ...) chunk of their sum; non-blocking."""
         if self.size == 1:
-            return Pending.done(x)
+            return Handle.completed(x)
         if x.shape[1] % self.size:
             raise ValueError(f"sequence parallelism: sequence length {x.shape[1]} is not divisible by tp = "
                              f"{self.size}")
@@ -118,7 +125,8 @@ class TensorParallel:
         recv = array_module(x).empty((send.shape[0] // self.size,) + send.shape[1:], dtype=send.dtype)
         handle = self.group.ireduce_scatter(send, recv)
         self._timed("reduce_scatter", start)
-        return Pending(self, "reduce_scatter", handle, lambda: _sequence_second(recv).astype(x.dtype, copy=False))
+        return self._pending("reduce_scatter", handle,
+                             lambda: _sequence_second(recv).astype(x.dtype, copy=False))
 
     def reduce_scatter_sequence(self, x):
         return self.start_reduce_scatter_sequence(x).wait()
@@ -135,7 +143,7 @@ class TensorParallel:
         """Before column-parallel linears: replicated input (copy_to_tp) or the all-gathered sequence."""
         return gather_from_sp_forward(self, x) if self.sequence_parallel else copy_to_tp_forward(self, x)
 
-    def start_enter_backward(self, dx) -> Pending:
+    def start_enter_backward(self, dx) -> Handle:
         """Gradient of `enter`, started without waiting (copy_to_tp's or gather_from_sp's backward in the table
         above): all-reduce, or reduce-scatter to this rank's sequence chunk."""
         if self.sequence_parallel:
@@ -148,25 +156,6 @@ class TensorParallel:
 
     def exit_backward(self, dy):
         return scatter_to_sp_backward(self, dy) if self.sequence_parallel else reduce_from_tp_backward(self, dy)
-
-
-class Pending:
-    """A reduction in flight; `wait()` completes it and returns the result array."""
-
-    def __init__(self, tp, kind, handle, result):
-        self.tp, self.kind, self.handle, self.result = tp, kind, handle, result
-
-    @classmethod
-    def done(cls, value) -> Pending:
-        return cls(None, None, None, lambda: value)
-
-    def wait(self):
-        if self.handle is not None:
-            start = time.perf_counter()
-            self.handle.wait()
-            self.tp._timed(self.kind, start)
-            self.handle = None
-        return self.result()
 
 
 def _widened(x):

@@ -7,8 +7,9 @@
                on every rank, so deterministic); all-reduce = that + an all_gather of the bf16 sums. Blocking: the
                group interface has no non-blocking all_to_all
 
-Every reduction returns a `Pending`; its result is ready (and its completion action run) once test() or wait() says
-so. reduce_scatter's result is a separate shard, in the reducer's sum dtype: the caller adds or copies it.
+Every reduction returns a `Handle` (comm/operations.py); its result is ready (and its completion action run) once
+test() or wait() says so. reduce_scatter's result is a separate shard, in the reducer's sum dtype: the caller adds or
+copies it.
 
 Every buffer made here is in the memory of the gradients handed in (the array module of the data: numpy, or CuPy on
 a GPU), so the caller can add or copy the result where its gradients live. The groups decide how device buffers
@@ -20,38 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from mpitrain.backend import BFLOAT16, array_module, wire_view
+from mpitrain.comm.operations import Handle
 from mpitrain.state.params import padded
 
 GRAD_REDUCE = ("float32", "bfloat16")
-
-
-class Pending:
-    """A reduction in flight (or done: handle None) and what to run once it completes."""
-
-    def __init__(self, handle=None, result=None, on_done=None):
-        self.handle, self.result, self._on_done = handle, result, on_done
-        if handle is None or getattr(handle, "done", False):
-            self._complete()
-
-    @property
-    def done(self) -> bool:
-        return self.handle is None
-
-    def test(self) -> bool:
-        if self.handle is not None and self.handle.test():
-            self._complete()
-        return self.done
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self._complete()
-
-    def _complete(self) -> None:
-        self.handle = None
-        if self._on_done is not None:
-            self._on_done()
-            self._on_done = None
 
 
 def add_into(target, values) -> None:
@@ -72,13 +45,13 @@ class GradReducer:
         else:
             self.mode = "native" if np.dtype(grad_dtype).itemsize >= 4 else "float32"
 
-    def all_reduce(self, buf) -> Pending:
+    def all_reduce(self, buf) -> Handle:
         """Sum `buf` over the group, in place."""
         if self.mode == "native":
-            return Pending(self.group.iall_reduce(buf))
+            return Handle.after(self.group.iall_reduce(buf))
         if self.mode == "float32":
             wide = buf.astype(np.float32)
-            return Pending(self.group.iall_reduce(wide), on_done=lambda: buf.__setitem__(Ellipsis, wide))
+            return Handle.after(self.group.iall_reduce(wide)).then(lambda: buf.__setitem__(Ellipsis, wide))
         xp, n = array_module(buf), self.group.size
         wire = xp.zeros(padded(buf.size, n), dtype=BFLOAT16)
         wire[:buf.size] = buf
@@ -86,18 +59,18 @@ class GradReducer:
         gathered = xp.empty_like(wire)
         self.group.all_gather(wire_view(own), wire_view(gathered))
         buf[...] = gathered[:buf.size]
-        return Pending()
+        return Handle.completed()
 
-    def reduce_scatter(self, send) -> Pending:
-        """This rank's block of the sum of `send` (group.size equal blocks) as `Pending.result`."""
+    def reduce_scatter(self, send) -> Handle:
+        """This rank's block of the sum of `send` (group.size equal blocks) as the handle's `result`."""
         xp, shard = array_module(send), send.size // self.group.size
         if self.mode == "native":
             received = xp.empty(shard, send.dtype)
-            return Pending(self.group.ireduce_scatter(send, received), received)
+            return Handle.after(self.group.ireduce_scatter(send, received)).then(lambda: received)
         if self.mode == "float32":
             received = xp.empty(shard, np.float32)
-            return Pending(self.group.ireduce_scatter(send.astype(np.float32), received), received)
-        return Pending(result=self._sum_own_block(send.astype(BFLOAT16, copy=False)))  # only read: no copy
+            return Handle.after(self.group.ireduce_scatter(send.astype(np.float32), received)).then(lambda: received)
+        return Handle.completed(self._sum_own_block(send.astype(BFLOAT16, copy=False)))  # only read: no copy
 
     def _sum_own_block(self, wire):
         """all_to_all of the bf16 blocks, then the fp32 sum of the N copies of this rank's block, in rank order."""

@@ -254,7 +254,7 @@ class ZeroState(StateStrategy):
             self.params.place(part, full.astype(backend.dtype, copy=False))
             if self.master is not None:
                 self.master_shard(part)[...] = full[slice(*self.window(part, local=True))]
-        self._pending: list = []  # (Pending, part)
+        self._pending: list = []  # (Handle, part)
         self._last_micro_batch = False
 
     # -- geometry
