@@ -7,17 +7,21 @@ Stages (`--stages a,b`; default: all; `--sizes` picks the bench models, default 
   environment    CuPy, NCCL, the GPU, MPI and mpiexec (always run: it says why later stages fail);
   gpu-tests      the GPU tests (fused kernels, attention's cuBLAS GEMMs, a bf16 step and the gradient reductions against
                  numpy or the CPU); a skipped GPU test counts as a failure;
-  nccl           the project's NcclGroup over a one-rank NCCL communicator (NCCL accepts one rank; on one GPU every
-                 real group shares it, so training never builds one): each collective on fp32 and bf16 device
-                 buffers against numpy, through the group's stream, events and handles;
+  attention      the fused causal attention (cuDNN) against cuBLAS's in bf16 on gpt2 and llama (GQA) shapes at 1024
+                 and 4096 tokens: output and dq/dk/dv error relative to the largest value (above 2e-2 fails), each
+                 path's time and the fused one's speed-up (gpu_check_attention.py);
+  nccl           the project's NcclGroup over a one-rank NCCL communicator: each collective on fp32 and bf16 device
+                 buffers against numpy (gpu_check_nccl.py);
   cpu-reference  configs/tiny.toml, 10 float64 steps on the CPU (the parity stages need it and add it);
   gpu-parity     one GPU against it: losses and final parameters within 1e-10;
-  dp2-staged     2 ranks sharing the GPU (NCCL refuses that: host-staged groups), dp 2, the same parity;
-  cp2-staged     2 ranks sharing the GPU, cp 2 (ring attention's K/V ring on device arrays), the same parity;
-  bench          `bench step` in bf16 per size: tokens/s, MFU against 989 TFLOP/s (the 1.3b one must reach 35%),
-                 the time breakdown, CuPy's pool high-water mark against what `mpitrain memory` plans.
+  bench          training steps in bf16 per size with the fused attention on, then off: tokens/s and MFU against 989
+                 TFLOP/s per path (the 1.3b one with the fused path must reach 40%), the time breakdown, CuPy's pool
+                 high-water mark against what `mpitrain memory` plans (gpu_check_bench.py);
+  dp2-staged     2 ranks sharing the GPU (NCCL refuses that: host-staged groups), dp 2, the same parity as gpu-parity;
+  cp2-staged     2 ranks sharing the GPU, cp 2 (ring attention's K/V ring on device arrays), the same parity.
 A stage starts only if its whole limit fits in what is left of the budget, else it is "not reached" (not a failure):
-run those in a second call with `--stages`. The default plan's limits add up to less than the budget.
+run those in a second call with `--stages`. In the default plan every stage through dp2-staged fits even if each
+earlier one runs to its limit; cp2-staged runs when they leave it its 40 s (print_plan says so).
 The end of the output: SUMMARY (one line per stage: verdict, seconds, its numbers), then "GPU CHECK PASSED",
 "GPU CHECK FAILED: ..." (exit 1) or "GPU CHECK INCOMPLETE: ..." with the command that finishes it (exit 2), then
 one JSON object with everything.
@@ -25,42 +29,38 @@ one JSON object with everything.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # compare_runs reads tests/test_train_parity.py
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+for _path in (HERE.parent, HERE):  # compare_runs reads tests/test_train_parity.py; the stages' modules sit here
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from gpu_check_attention import PARITY_LIMIT, attention, attention_inner  # noqa: E402
+from gpu_check_bench import BENCH_LIMIT_S, MFU_GOAL, MODELS, bench, bench_inner  # noqa: E402
+from gpu_check_nccl import NCCL_CHECKS, NCCL_DTYPES, nccl, nccl_inner  # noqa: E402
+from gpu_check_process import (  # noqa: E402
+    OPEN_MPI_AS_ROOT,
+    ROOT,
+    WORK_ROOT,
+    failed_output,
+    find_mpiexec,
+    inner,
+    json_lines,
+    run,
+    subprocess_env,
+)
+
 BUDGET_S = 450  # the whole call ends well inside one device command (600 s at most)
-WORK_ROOT = Path(tempfile.gettempdir()) / "mpitrain-gpu-check"
-H200_BF16_PEAK = 989e12
-MODELS = {  # gpt2 shapes, vocabulary 50304, 1024 tokens per sequence
-    "125m": {"model.n_layer": 12, "model.d_model": 768, "model.n_head": 12, "train.micro_batch": 8},
-    "350m": {"model.n_layer": 24, "model.d_model": 1024, "model.n_head": 16, "train.micro_batch": 8},
-    "1.3b": {"model.n_layer": 24, "model.d_model": 2048, "model.n_head": 16, "train.micro_batch": 4},
-}
-BENCH_LIMIT_S = {"125m": 60, "350m": 80, "1.3b": 140}  # 1.3b: its random init alone is ~1.3e9 host normals
 DEFAULT_SIZES = ("1.3b",)  # the MFU verdict; the smaller ones in a second call
-MFU_GOAL = 0.35  # the 1.3b bf16 run must reach it; 45%+ is the aim
 GPU_TESTS = ("tests/test_gpu_kernels.py", "tests/test_gpu_attention_glue.py", "tests/test_gpu_paths.py")
-NCCL_CHECKS = ("all_reduce", "iall_reduce", "reduce_scatter", "ireduce_scatter", "all_gather", "iall_gather",
-               "broadcast", "ibroadcast", "all_to_all", "all_to_allv", "send_recv")
-NCCL_DTYPES = ("float32", "bfloat16")
-# Open MPI's mpiexec refuses to run as root without both; MPICH ignores them.
-OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-SUBPROCESS_DEFAULTS = {"OMP_NUM_THREADS": "4", "MPIR_CVAR_POLLS_BEFORE_YIELD": "1",
-                       "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true",
-                       # one kernel cache for every stage, so each process reuses what the earlier ones compiled
-                       "CUPY_CACHE_DIR": str(WORK_ROOT / "cupy-kernel-cache")}
+__all__ = ["NCCL_CHECKS", "NCCL_DTYPES", "PARITY_LIMIT", "nccl_inner", "run", "subprocess_env"]  # for the tests
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ class Stage:
 STAGES = (
     Stage("environment", 20, "CuPy, NCCL, the GPU, MPI and mpiexec are there"),
     Stage("gpu-tests", 80, "the fused kernels, attention's GEMMs and a bf16 step match numpy/the CPU on the GPU"),
+    Stage("attention", 45, f"fused attention = cuBLAS's in bf16 (within {PARITY_LIMIT:g} of the largest value), "
+                           "and its speed-up"),
     Stage("nccl", 40, "NcclGroup's collectives (communicator, stream, events) on fp32/bf16 device buffers"),
     Stage("cpu-reference", 30, "the float64 CPU run the parity stages compare against"),
     Stage("gpu-parity", 45, "one GPU trains as the CPU does (float64, 1e-10)", ("cpu-reference",)),
@@ -81,6 +83,7 @@ STAGES = (
     Stage("cp2-staged", 40, "cp 2 ring attention on ranks sharing the GPU trains as the CPU does",
           ("cpu-reference",)),
 )
+BENCH_BEFORE = "dp2-staged"  # the bench stages go before it: the MFU verdict does not wait on host-staged ranks
 STAGE_KEYS = (*(stage.key for stage in STAGES), "bench")
 
 
@@ -91,7 +94,7 @@ def say(text: str) -> None:
 # ---- the plan ----------------------------------------------------------------------------------------------------
 def plan(stages: list[str] | None = None, sizes: list[str] | None = None) -> list[Stage]:
     """The stages one call runs, in order: the environment always, the stages asked for (all by default) and those
-    they need, then one bench stage per size."""
+    they need, with one bench stage per size before BENCH_BEFORE's place."""
     wanted = set(STAGE_KEYS if stages is None else [name.strip().lower() for name in stages if name.strip()])
     unknown = wanted - set(STAGE_KEYS)
     if unknown:
@@ -101,57 +104,23 @@ def plan(stages: list[str] | None = None, sizes: list[str] | None = None) -> lis
     if unknown:
         raise ValueError(f"unknown size(s) {', '.join(sorted(unknown))}; sizes: {', '.join(MODELS)}")
     wanted |= {"environment"} | {need for stage in STAGES if stage.key in wanted for need in stage.needs}
-    chosen = [stage for stage in STAGES if stage.key in wanted]
-    if "bench" in wanted:
-        chosen += [Stage(f"bench-{size}", BENCH_LIMIT_S[size], f"bf16 step speed and memory at {size}"
-                         + (f" (MFU >= {MFU_GOAL:.0%})" if size == "1.3b" else "")) for size in sizes]
-    return chosen
+    benches = [Stage(f"bench-{size}", BENCH_LIMIT_S[size], f"bf16 step speed, fused attention on and off, at {size}"
+                     + (f" (MFU >= {MFU_GOAL:.0%} with it on)" if size == "1.3b" else "")) for size in sizes]
+    split = [stage.key for stage in STAGES].index(BENCH_BEFORE)
+    chosen = [stage for stage in STAGES[:split] if stage.key in wanted]
+    chosen += benches if "bench" in wanted else []
+    return chosen + [stage for stage in STAGES[split:] if stage.key in wanted]
 
 
-def subprocess_env(base: dict[str, str]) -> dict[str, str]:
-    """The environment of every stage's process: the repository in front of PYTHONPATH (packages carried onto
-    PYTHONPATH stay visible), Open MPI allowed to run as root, and the defaults above unless already set."""
-    env = {**SUBPROCESS_DEFAULTS, **base, **OPEN_MPI_AS_ROOT}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [base.get("PYTHONPATH")])])
-    return env
-
-
-def run(command: list[str], limit_s: float, env: dict | None = None) -> tuple[int, str]:
-    """Run a command from the repository root in its own session; (exit status, output), 124 when it ran out of
-    time. The session is killed at the end: mpiexec's ranks too, which would otherwise keep the GPU and the pipe."""
-    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env({**os.environ, **(env or {})}), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=limit_s)
-        status = process.returncode
-    except subprocess.TimeoutExpired:
-        _kill_session(process)
-        try:
-            output, _ = process.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a descendant left the session and holds the pipe: give up on the rest
-            output = ""
-        output, status = (output or "") + f"\n(timed out after {limit_s:.0f} s)", 124
-    _kill_session(process)
-    return status, output
-
-
-def _kill_session(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):  # nothing of it is left
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def inner(name: str, limit_s: float, env: dict | None = None) -> tuple[int, str]:
-    """This script again, in its own process, running one of its --inner parts."""
-    return run([sys.executable, str(Path(__file__).resolve()), "--inner", name], limit_s, env)
-
-
-def json_lines(output: str, prefix: str) -> list[dict]:
-    """The JSON objects an inner part printed, one per line after `prefix` (what came before a crash survives)."""
-    return [json.loads(line[len(prefix):]) for line in output.splitlines() if line.startswith(prefix)]
-
-
-def failed_output(status: int, output: str) -> dict:
-    return {"output_tail": output[-3000:]} if status else {}
+def sure_to_start(stages: list[Stage], budget_s: float = BUDGET_S) -> list[str]:
+    """The stages that start even if every earlier one runs to its limit (the others wait on time left over)."""
+    sure, spent = [], 0.0
+    for stage in stages:
+        spent += stage.limit_s
+        if spent > budget_s:
+            break
+        sure.append(stage.key)
+    return sure
 
 
 # ---- environment -------------------------------------------------------------------------------------------------
@@ -205,121 +174,7 @@ def unexpected_skips(pytest_output: str) -> list[str]:
             if line.startswith("SKIPPED") and "a GPU is usable here" not in line]
 
 
-# ---- nccl: the project's NcclGroup over a one-rank communicator --------------------------------------------------
-NCCL_ELEMENTS, NCCL_PART = 1 << 18, 1000  # buffer length; all_to_allv's count (the rest must stay untouched)
-P2P_TAG = 0  # the pipeline's forward tag: the group gets an NCCL lane for it
-
-
-def nccl_inner(group_class=None) -> None:
-    """Prints "NCCL {...}" (the group), one "CHECK {...}" per collective and dtype, then "CLOSED {...}". Under
-    MPITRAIN_NCCL_STANDIN=1 the same code runs on numpy arrays through the host stand-in (how CI runs it).
-    group_class: NcclGroup, or a subclass with a planted defect (the tests show that the checks can fail)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from mpitrain.backend import BFLOAT16
-    from mpitrain.comm.nccl import HostRuntime, make_runtime
-    from mpitrain.comm.nccl_group import NcclGroup
-    runtime = make_runtime("cuda")
-    xp, api = (np, runtime.standin) if isinstance(runtime, HostRuntime) else (runtime.cupy, runtime.nccl)
-    group = (group_class or NcclGroup)(MPI.COMM_SELF, "nccl-check", runtime=runtime, p2p_tags=(P2P_TAG,))
-    print("NCCL " + json.dumps({"group": type(group).__name__, "runtime": runtime.description, "size": group.size,
-                                "communicators": len(group.communicators())}), flush=True)
-    rng = np.random.default_rng(0)
-    for dtype_name in NCCL_DTYPES:
-        host = rng.standard_normal(NCCL_ELEMENTS).astype(np.float32 if dtype_name == "float32" else BFLOAT16)
-        for name in NCCL_CHECKS:
-            check = {"name": name, "dtype": dtype_name}
-            try:
-                got, expected = nccl_case(group, name, host, xp, api, runtime)
-                wrong = int((bits(got) != bits(expected)).sum())
-                check.update(passed=wrong == 0, **({"wrong_elements": wrong} if wrong else {}))
-            except Exception as exc:  # noqa: BLE001 (one check failing must not hide the others)
-                check.update(passed=False, error=f"{type(exc).__name__}: {exc}")
-            print("CHECK " + json.dumps(check), flush=True)
-    for communicator in group.communicators():  # NCCL reports some errors only asynchronously
-        if hasattr(communicator, "check_async_error"):
-            communicator.check_async_error()
-    group.close()
-    print("CLOSED " + json.dumps({"communicators_left": len(group.communicators())}), flush=True)
-
-
-def bits(array):
-    """The array's bits as unsigned integers of its width: compared exactly, and bf16 needs no arithmetic."""
-    return array.view({2: "uint16", 4: "uint32", 8: "uint64"}[array.dtype.itemsize])
-
-
-def nccl_case(group, name: str, host, xp, api, runtime):
-    """Run `name` on device copies of `host`; (what it wrote, on the host; what numpy expects). On one rank every
-    collective hands back its input; an output buffer starts as a sentinel, so a short count shows."""
-    import numpy as np
-    sentinel = np.full_like(host, -7)
-    send, recv = (xp.array(bits(a), copy=True).view(a.dtype) for a in (host, sentinel))
-    expected = host
-    if name in ("all_reduce", "iall_reduce"):
-        out = send
-        _done(getattr(group, name)(send, op="sum"))
-    elif name in ("reduce_scatter", "ireduce_scatter", "all_gather", "iall_gather", "all_to_all"):
-        out = recv
-        _done(getattr(group, name)(send, recv))
-    elif name in ("broadcast", "ibroadcast"):
-        out = send
-        _done(getattr(group, name)(send, root=0))
-    elif name == "all_to_allv":
-        out, expected = recv, np.concatenate([host[:NCCL_PART], sentinel[NCCL_PART:]])
-        group.all_to_allv(send, [NCCL_PART], recv, [NCCL_PART])
-    elif name == "send_recv":
-        # A lone send to itself would hold its lane's stream until the receive queued behind it: NCCL's pattern is
-        # the pair inside one group call, issued together at its end (after the handles' events were recorded, so
-        # every stream is waited for before reading).
-        out = recv
-        api.groupStart()
-        try:
-            handles = [group.isend(send, 0, tag=P2P_TAG), group.irecv(recv, 0, tag=P2P_TAG)]
-        finally:
-            api.groupEnd()
-        wait_for_every_stream(runtime)
-        for handle in handles:
-            handle.wait()
-    else:
-        raise ValueError(f"no NCCL check named {name!r}")
-    return runtime.to_host(bits(out)).view(host.dtype), expected
-
-
-def _done(handle) -> None:
-    if handle is not None:  # the non-blocking forms: the compute stream waits on the group's event
-        handle.wait()
-
-
-def wait_for_every_stream(runtime) -> None:
-    from mpitrain.comm.nccl import HostRuntime
-    if isinstance(runtime, HostRuntime):
-        for stream in list(runtime.standin._streams.values()):  # the stand-in's streams progress when polled
-            stream.synchronize()
-    else:
-        runtime.cupy.cuda.runtime.deviceSynchronize()
-
-
-def nccl(limit_s: float) -> dict:
-    status, output = inner("nccl", limit_s)
-    checks = {f"{c['name']} {c['dtype']}": c for c in json_lines(output, "CHECK ")}
-    wanted = [f"{name} {dtype}" for dtype in NCCL_DTYPES for name in NCCL_CHECKS]
-    failed = [key for key in wanted if not checks.get(key, {}).get("passed")]
-    group = (json_lines(output, "NCCL ") or [{}])[-1]
-    closed = bool(json_lines(output, "CLOSED "))
-    passed = status == 0 and not failed and closed and group.get("size") == 1
-    return {"passed": passed, **group, "checks_passed": len(wanted) - len(failed), "checks": len(wanted),
-            "failed_checks": {key: checks.get(key, {"error": "not run"}) for key in failed}, "closed": closed,
-            **failed_output(not passed, output)}
-
-
 # ---- float64 parity against the CPU path -------------------------------------------------------------------------
-def find_mpiexec() -> str | None:
-    """gpu_check.sh's choice (MPIEXEC: the carried MPICH's), else the one beside this Python, else PATH's."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return os.environ.get("MPIEXEC") or (str(beside) if beside.exists() else shutil.which("mpiexec"))
-
-
 def train(out: Path, ranks: int, overrides: tuple[str, ...], limit_s: float) -> tuple[int, str]:
     args = [sys.executable, "-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(out),
             "--set", "data.synthetic=true", "--set", "precision.compute=float64", "--set", "train.steps=10"]
@@ -368,57 +223,6 @@ def parity(key: str, work: Path, limit_s: float) -> dict:
     return {"passed": result["parity_1e-10"], **result}
 
 
-# ---- bench step --------------------------------------------------------------------------------------------------
-def bench_settings(size: str) -> list[str]:
-    settings = {"model.arch": "gpt2", "model.vocab_size": 50304, "model.seq_len": 1024, **MODELS[size],
-                "precision.compute": "bfloat16", "train.device": "cuda", "train.collectives": "nccl",
-                "logging.peak_flops": H200_BF16_PEAK}
-    settings["train.global_batch"] = settings["train.micro_batch"]
-    return [f"{key}={value}" for key, value in settings.items()]
-
-
-def bench_inner(size: str) -> None:
-    """`mpitrain bench step` (prints its JSON), then this process's GPU memory against the plan."""
-    import cupy
-
-    from mpitrain.cli import main
-    from mpitrain.config import load_config, resolve_layout
-    from mpitrain.plan.memory import memory_report, rank_param_count
-    settings = bench_settings(size)
-    args = ["bench", "step", "configs/bench-small.toml", "--steps", "3", "--warmup", "2"]
-    for setting in settings:
-        args += ["--set", setting]
-    main(args, standalone_mode=False)
-    cupy.cuda.Device().synchronize()
-    pool = cupy.get_default_memory_pool()
-    free, total = cupy.cuda.runtime.memGetInfo()
-    cfg = load_config(str(ROOT / "configs/bench-small.toml"), settings)
-    resolve_layout(cfg, 1)
-    plan_bytes = memory_report(cfg, rank_param_count(cfg))
-    print("MEMORY " + json.dumps({"pool_high_water_bytes": pool.total_bytes(), "device_used_bytes": total - free,
-                                  "planned_bytes": plan_bytes["total"], "planned": plan_bytes["bytes"]}), flush=True)
-
-
-def bench(size: str, limit_s: float) -> dict:
-    # CUPY_TF32: the fp32 matmuls left in a bf16 step (e.g. ring attention, computed in fp32) on tensor cores
-    status, output = inner(f"bench-{size}", limit_s, env={"CUPY_TF32": "1"})
-    result: dict = {"status": status}
-    for line in output.splitlines():
-        if line.startswith("{") and '"tokens_per_s"' in line:
-            report = json.loads(line)
-            result.update({key: report.get(key) for key in ("n_params", "step_time_s", "tokens_per_s", "mfu",
-                                                            "breakdown")})
-        elif line.startswith("MEMORY "):
-            result.update(json.loads(line[len("MEMORY "):]))
-    if result.get("pool_high_water_bytes") and result.get("planned_bytes"):
-        result["pool/planned"] = round(result["pool_high_water_bytes"] / result["planned_bytes"], 3)
-    passed = status == 0 and result.get("mfu") is not None
-    if size == "1.3b":  # the verdict of the GPU path's speed
-        result["mfu_goal"] = MFU_GOAL
-        passed = passed and result["mfu"] >= MFU_GOAL
-    return {"passed": passed, **result, **failed_output(status, output)}
-
-
 # ---- running the plan ----------------------------------------------------------------------------------------------
 def body_of(stage: Stage, work: Path):
     """The function that runs `stage`, called with its time limit; returns a dict with "passed"."""
@@ -426,6 +230,8 @@ def body_of(stage: Stage, work: Path):
         return environment
     if stage.key == "gpu-tests":
         return gpu_tests
+    if stage.key == "attention":
+        return attention
     if stage.key == "nccl":
         return nccl
     if stage.key == "cpu-reference":
@@ -484,7 +290,9 @@ def verdict(results: dict[str, dict]) -> tuple[int, str]:
 
 SUMMARY_KEYS = ("seconds", "limit_s", "summary", "checks_passed", "checks", "loss_rel_error", "param_rel_error",
                 "host_staged", "n_params", "tokens_per_s", "mfu", "mfu_goal", "step_time_s", "pool_high_water_bytes",
-                "planned_bytes", "pool/planned", "breakdown", "error", "gpu", "cupy", "nccl_version", "mpi",
+                "planned_bytes", "pool/planned", "breakdown", "mfu_cublas", "tokens_per_s_cublas", "step_time_s_cublas",
+                "fused_step_speedup", "worst_error", "parity_limit", "fused_speedup", "failed_shapes", "error",
+                "error_cublas", "gpu", "cupy", "nccl_version", "mpi",
                 "mpiexec", "cupy_error", "mpi_error", "needs", "budget_left_s")
 
 
@@ -507,20 +315,24 @@ def print_plan(stages: list[Stage]) -> None:
     for stage in stages:
         needs = f" (needs {', '.join(stage.needs)})" if stage.needs else ""
         say(f"  {stage.key:<14} {stage.limit_s:>4.0f} s  {stage.settles}{needs}")
-    say(f"limits add up to {total:.0f} s of a {BUDGET_S} s budget"
-        + ("" if total < BUDGET_S else ": the last stages will be reported not reached"))
+    waiting = [stage.key for stage in stages if stage.key not in sure_to_start(stages)]
+    say(f"limits add up to {total:.0f} s of a {BUDGET_S} s budget" + (
+        f"; {', '.join(waiting)}: started only if the stages before leave the time, else not reached"
+        if waiting else ""))
     env = subprocess_env(dict(os.environ))
     shown = ("PYTHONPATH", "CUPY_CACHE_DIR", *OPEN_MPI_AS_ROOT)
     say("stage processes get: " + " ".join(f"{name}={env[name]}" for name in shown)
         + f"; mpiexec: {find_mpiexec()}")
 
 
-INNER_PARTS = ("environment", "nccl", *(f"bench-{size}" for size in MODELS))
+INNER_PARTS = ("environment", "attention", "nccl", *(f"bench-{size}" for size in MODELS))
 
 
 def run_inner(part: str) -> None:
     if part == "environment":
         environment_inner()
+    elif part == "attention":
+        attention_inner()
     elif part == "nccl":
         nccl_inner()
     else:

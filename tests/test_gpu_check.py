@@ -5,8 +5,10 @@ every check passes there, and a group with a wrong count fails its check.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,9 +16,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from mpitrain.backend import BFLOAT16, nbytes_of
 from mpitrain.comm.nccl import STANDIN_ENV
+from mpitrain.layers import ops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
@@ -37,10 +42,21 @@ def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 # ---- the plan ------------------------------------------------------------------------------------------------------
 def test_the_default_plan_fits_its_budget_and_settles_the_most_first():
     stages = gpu_check.plan()
-    assert sum(stage.limit_s for stage in stages) < gpu_check.BUDGET_S
-    assert keys(stages) == ["environment", "gpu-tests", "nccl", "cpu-reference", "gpu-parity", "dp2-staged",
-                            "cp2-staged", "bench-1.3b"]
+    assert keys(stages) == ["environment", "gpu-tests", "attention", "nccl", "cpu-reference", "gpu-parity",
+                            "bench-1.3b", "dp2-staged", "cp2-staged"]
+    # the MFU verdict and everything before it start even if every earlier stage runs to its limit
+    sure = gpu_check.sure_to_start(stages)
+    assert sure == keys(stages)[:-1]
+    assert sum(stage.limit_s for stage in stages if stage.key in sure) <= gpu_check.BUDGET_S
     assert set(gpu_check.BENCH_LIMIT_S) == set(gpu_check.MODELS)
+    assert gpu_check.MFU_GOAL == 0.40
+
+
+def test_only_what_fits_after_every_earlier_limit_is_sure_to_start():
+    stage = gpu_check.Stage
+    stages = [stage("a", 100, ""), stage("b", 300, ""), stage("c", 60, ""), stage("d", 10, "")]
+    assert gpu_check.sure_to_start(stages, budget_s=450) == ["a", "b"]
+    assert gpu_check.sure_to_start(stages, budget_s=460) == ["a", "b", "c"]
 
 
 def test_stages_and_sizes_select_with_what_they_need():
@@ -60,10 +76,16 @@ def test_dry_run_prints_the_selected_plan_and_runs_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")]
     assert listed == ["environment", "bench-125m", "bench-350m"]
-    assert "limits add up to 160 s of a 450 s budget" in done.stdout
+    assert "limits add up to 160 s of a 450 s budget\n" in done.stdout
     assert not list(tmp_path.iterdir())
     default = run_script("--dry-run")
-    assert "limits add up to 435 s of a 450 s budget\n" in default.stdout
+    listed = [line.split()[0] for line in default.stdout.splitlines() if line.startswith("  ")]
+    assert listed == keys(gpu_check.plan())
+    assert "  attention        45 s  fused attention = cuBLAS's in bf16 (within 0.02 of the largest value)" in (
+        default.stdout)
+    assert ("limits add up to 480 s of a 450 s budget; cp2-staged: started only if the stages before leave the time, "
+            "else not reached\n") in default.stdout
+    assert keys(gpu_check.plan(["attention"])) == ["environment", "attention"]
     assert run_script("--dry-run", "--stages", "gpu").returncode == 2  # argparse's error: unknown stage
 
 
@@ -162,7 +184,182 @@ def test_finish_command_runs_what_was_not_reached():
     assert gpu_check.finish_command(["cp2-staged", "bench-125m", "bench-1.3b"]) == (
         "bash benchmarks/gpu_check.sh --stages cp2-staged,bench --sizes 125m,1.3b")
     assert keys(gpu_check.plan(["cp2-staged", "bench"], ["125m", "1.3b"])) == [
-        "environment", "cpu-reference", "cp2-staged", "bench-125m", "bench-1.3b"]
+        "environment", "cpu-reference", "bench-125m", "bench-1.3b", "cp2-staged"]
+
+
+# ---- the fused-attention stage -------------------------------------------------------------------------------------
+attention_check = importlib.import_module("gpu_check_attention")  # beside gpu_check, which put it on sys.path
+
+
+def test_the_attention_stage_covers_gpt2_and_llama_shapes_at_1024_and_4096_tokens():
+    shapes = {(s.model, s.heads, s.kv_heads, s.head_dim, s.tokens) for s in attention_check.ATTENTION_SHAPES}
+    assert shapes == {(model, heads, kv, d, t) for model, heads, kv, d in (("gpt2", 12, 12, 64), ("llama", 8, 2, 64),
+                                                                           ("llama", 8, 2, 128)) for t in (1024, 4096)}
+    assert attention_check.PARITY_LIMIT == 2e-2
+    assert attention_check.PATHS == ("cudnn", "cublas")
+
+
+def test_the_error_is_the_largest_difference_relative_to_the_largest_value():
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((16, 32))
+    largest = np.abs(want).max()
+    assert attention_check.relative_to_largest(want.copy(), want) == 0.0
+    for planted in (0.01, 0.05):  # one element off by `planted` of the largest value, anywhere, either sign
+        got = want.copy()
+        got[3, 7] -= planted * largest
+        assert attention_check.relative_to_largest(got, want) == pytest.approx(planted)
+        assert attention_check.relative_to_largest(1e3 * got, 1e3 * want) == pytest.approx(planted)  # any scale
+    near_zero = np.argmin(np.abs(want))
+    got = want.copy()
+    got.flat[near_zero] += 1e-3 * largest  # huge relative to that element, small against the tensor
+    assert attention_check.relative_to_largest(got, want) == pytest.approx(1e-3)
+    got.flat[0] = np.nan
+    assert attention_check.relative_to_largest(got, want) == math.inf
+    assert attention_check.relative_to_largest(want, np.where(want > 0, np.inf, want)) == math.inf
+    assert attention_check.relative_to_largest(np.zeros(4), np.zeros(4)) == 0.0
+    assert attention_check.relative_to_largest(np.ones(4), np.zeros(4)) == math.inf
+    with pytest.raises(ValueError, match="shapes differ"):
+        attention_check.relative_to_largest(want, want.T)
+
+
+def attention_results(q, k, v, dout, bias):
+    """out, dq, dk, dv of the project's numpy attention (the CPU path), as float32."""
+    (out, _), saved = ops.attention_forward(q, k, v, bias)
+    grads = ops.attention_backward(saved, dout)
+    return {name: np.asarray(array, np.float32) for name, array in zip(("out", "dq", "dk", "dv"), (out, *grads))}
+
+
+def test_bf16_rounding_passes_the_parity_limit_and_a_forgotten_mask_or_a_wrong_gradient_fails_it():
+    rng = np.random.default_rng(1)
+    b, h, kv, t, d = 2, 4, 2, 48, 16  # grouped-query, as llama's
+    q, dout = (rng.standard_normal((b, h, t, d)) for _ in range(2))
+    k, v = (rng.standard_normal((b, kv, t, d)) for _ in range(2))
+    reference = attention_results(q, k, v, dout, ops.causal_bias(t, t, np, np.float64))
+    low = [array.astype(BFLOAT16) for array in (q, k, v, dout)]
+    bf16 = attention_results(*low, ops.causal_bias(t, t, np, BFLOAT16))
+    errors = attention_check.parity_errors(bf16, reference)
+    assert set(errors) == {"out", "dq", "dk", "dv"}
+    assert 0 < max(errors.values()) < attention_check.PARITY_LIMIT / 2, errors
+    assert attention_check.within_limit(errors)
+    unmasked = attention_results(*low, np.zeros((t, t), BFLOAT16))  # a fused path that forgot it is causal
+    assert not attention_check.within_limit(attention_check.parity_errors(unmasked, reference))
+    wrong_dk = {**bf16, "dk": bf16["dk"] * 1.05}
+    errors = attention_check.parity_errors(wrong_dk, reference)
+    assert errors["dk"] > attention_check.PARITY_LIMIT and not attention_check.within_limit(errors)
+    assert not attention_check.within_limit({**errors, "dk": math.nan})
+
+
+def test_the_attention_verdict_needs_every_shape_within_the_limit():
+    shapes = attention_check.ATTENTION_SHAPES[:2]
+    times = {"cudnn": {"forward": 1.0, "backward": 3.0}, "cublas": {"forward": 4.0, "backward": 6.0}}
+    speedup = attention_check.speedups(times)
+    assert speedup == {"forward": 4.0, "backward": 2.0, "both": 2.5}
+
+    def record(shape, error):
+        errors = {"out": 1e-3, "dq": error, "dk": 2e-3, "dv": 2e-3}
+        return {"shape": shape.name, "errors": errors, "passed": attention_check.within_limit(errors),
+                "speedup": speedup}
+
+    good = [record(shape, 4e-3) for shape in shapes]
+    result = attention_check.attention_verdict(0, good, shapes)
+    assert result["passed"] and result["worst_error"] == 4e-3 and "failed_shapes" not in result
+    assert result["fused_speedup"] == {shape.name: 2.5 for shape in shapes}
+    planted = [good[0], record(shapes[1], 3e-2)]
+    result = attention_check.attention_verdict(0, planted, shapes)
+    assert not result["passed"] and list(result["failed_shapes"]) == [shapes[1].name]
+    assert result["worst_error"] == 3e-2
+    result = attention_check.attention_verdict(0, good[:1], shapes)
+    assert not result["passed"] and result["failed_shapes"] == {shapes[1].name: "not run"}
+    assert not attention_check.attention_verdict(1, good, shapes)["passed"]  # the process failed
+
+
+class FakeCupy:
+    """The few CuPy names shape_record uses, over numpy (events time nothing: every call takes "1 ms")."""
+    float32 = np.float32
+    asarray = staticmethod(np.asarray)
+    asnumpy = staticmethod(np.asarray)
+
+    class cuda:  # cupy.cuda
+        class Event:
+            def record(self):
+                pass
+
+            def synchronize(self):
+                pass
+
+        @staticmethod
+        def get_elapsed_time(start, end):
+            return 1.0 * attention_check.REPEATS
+
+
+class FakeOps:
+    """ops' attention switched by the stage's switch: "cublas" runs the numpy ops (which save the T x T
+    probabilities, as the cuBLAS path does); "cudnn" runs `fused`, which saves q, k, v and the mask only."""
+    def __init__(self, fused_bias=None, keeps_probs=False):
+        self.fused_bias, self.keeps_probs = fused_bias, keeps_probs
+
+    @staticmethod
+    def causal_bias(t_q, t_k, xp, dtype):
+        return ops.causal_bias(t_q, t_k, np, dtype)  # xp is FakeCupy
+
+    def attention_forward(self, q, k, v, bias):
+        if os.environ[attention_check.ATTENTION_SWITCH] == "cublas":
+            return ops.attention_forward(q, k, v, bias)
+        bias = bias if self.fused_bias is None else self.fused_bias
+        result, saved = ops.attention_forward(q, k, v, bias)
+        return result, (saved if self.keeps_probs else ("fused", q, k, v, bias))
+
+    def attention_backward(self, saved, dout):
+        if isinstance(saved[0], str):  # ("fused", q, k, v, bias)
+            saved = ops.attention_forward(*saved[1:])[1]
+        return ops.attention_backward(saved, dout)
+
+
+def test_a_shape_record_compares_the_fused_results_with_cublas_and_sees_a_fallback():
+    shape = attention_check.AttentionShape("llama", 4, 2, 16, 2048)  # batch 4
+    assert shape.batch == attention_check.TOKENS_PER_SHAPE // 2048
+    small = shape._replace(tokens=32)
+    record = attention_check.shape_record(FakeCupy, FakeOps(), nbytes_of, small)
+    assert record["passed"] and max(record["errors"].values()) < 1e-6, record
+    assert record["speedup"] == {"forward": 1.0, "backward": 1.0, "both": 1.0}
+    assert record["saved_bytes"]["cudnn"] < record["saved_bytes"]["cublas"]
+    unmasked = attention_check.shape_record(FakeCupy, FakeOps(fused_bias=np.zeros((32, 32), BFLOAT16)), nbytes_of,
+                                            small)
+    assert not unmasked["passed"] and unmasked["errors"]["out"] > attention_check.PARITY_LIMIT
+    fell_back = attention_check.shape_record(FakeCupy, FakeOps(keeps_probs=True), nbytes_of, small)
+    assert not fell_back["passed"] and "fell back" in fell_back["error"]
+    assert os.environ.get(attention_check.ATTENTION_SWITCH) is None  # the switch is put back
+
+
+# ---- the bench stage -----------------------------------------------------------------------------------------------
+bench_check = importlib.import_module("gpu_check_bench")
+
+
+def bench_output(mfu_fused, mfu_cublas=0.30, cublas_error=None):
+    cublas = {"error": cublas_error} if cublas_error else {"step_time_s": 0.12, "tokens_per_s": 34000.0,
+                                                           "mfu": mfu_cublas, "breakdown": {}}
+    return "\n".join([
+        "MODEL " + json.dumps({"n_params": 1_300_000_000}),
+        "PATH " + json.dumps({"path": "cudnn", "step_time_s": 0.1, "tokens_per_s": 41000.0, "mfu": mfu_fused,
+                              "breakdown": {}}),
+        "MEMORY " + json.dumps({"pool_high_water_bytes": 30e9, "planned_bytes": 25e9, "planned": {}}),
+        "PATH " + json.dumps({"path": "cublas", **cublas})])
+
+
+def test_the_bench_reports_both_paths_and_the_1_3b_fused_run_settles_the_mfu_goal():
+    result = bench_check.bench_verdict("1.3b", 0, bench_output(0.41))
+    assert result["passed"] and result["mfu"] == 0.41 and result["mfu_cublas"] == 0.30
+    assert result["fused_step_speedup"] == 1.2 and result["pool/planned"] == 1.2 and result["mfu_goal"] == 0.40
+    assert result["n_params"] == 1_300_000_000
+    assert not bench_check.bench_verdict("1.3b", 0, bench_output(0.39))["passed"]  # below the goal
+    assert bench_check.bench_verdict("125m", 0, bench_output(0.25))["passed"]  # the goal is 1.3b's
+    off_failed = bench_check.bench_verdict("1.3b", 0, bench_output(0.45, cublas_error="CUDARuntimeError: x"))
+    assert not off_failed["passed"] and off_failed["error_cublas"] == "CUDARuntimeError: x"
+    assert not bench_check.bench_verdict("1.3b", 1, bench_output(0.45))["passed"]
+    settings = dict(setting.split("=", 1) for setting in bench_check.bench_settings("1.3b"))
+    assert settings["precision.compute"] == "bfloat16" and settings["model.d_model"] == "2048"
+    steps = len(bench_check.PATHS) * (bench_check.WARMUP_STEPS + bench_check.TIMED_STEPS)
+    assert settings["train.steps"] == str(steps)
 
 
 # ---- the NCCL stage ----------------------------------------------------------------------------------------------
