@@ -80,3 +80,44 @@ def test_pipeline_activation_estimate_of_the_first_and_last_stage(schedule):
     assert first["estimated"] == first["measured"], first  # the declared bytes times the schedule's peak
     assert last["estimated"] == last["measured"], last
     assert last["estimated"] != first["estimated"]  # the stages differ: one number for both would not do
+
+
+def _activations(seq_len: int, attention: str, *overrides: str) -> int:
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.plan.memory import activation_bytes
+    cfg = load_config("configs/tiny.toml", ["precision.compute=bfloat16", f"model.seq_len={seq_len}", *overrides])
+    resolve_layout(cfg, 1)
+    return activation_bytes(cfg, attention=attention)
+
+
+@pytest.mark.parametrize("arch", [["model.arch=gpt2"], ["model.arch=llama", "model.n_kv_head=2"]])
+def test_fused_attention_count_has_no_t_squared_term(arch):
+    """The fused attention saves the output and each row's float32 log-sum-exp instead of the (b, h, T, T)
+    probabilities: doubling T doubles its count, while the unfused count gains the T x T term per block."""
+    b, layers, heads, head_dim, t = 4, 2, 4, 8, 32  # configs/tiny.toml: micro-batch 4, 2 blocks of 4 heads of 8
+    fused = {n: _activations(n, "fused", *arch) for n in (t, 2 * t)}
+    unfused = {n: _activations(n, "unfused", *arch) for n in (t, 2 * t)}
+    assert fused[2 * t] == 2 * fused[t]
+    probabilities = layers * b * heads * 2  # bf16 bytes of the T x T matrices per T^2
+    assert unfused[2 * t] - 2 * unfused[t] == probabilities * (2 * t) ** 2 - 2 * probabilities * t ** 2
+    instead = layers * b * heads * t * (head_dim * 2 + 4)  # the output (bf16) and log-sum-exp (float32)
+    assert fused[t] == unfused[t] - probabilities * t ** 2 + instead
+
+
+@pytest.mark.parametrize("overrides", [["memory.recompute=selective"], ["memory.recompute=full"],
+                                       ["parallel.cp=2", "parallel.dp=1", "train.micro_batch=4"]])
+def test_fused_and_unfused_counts_agree_where_no_probabilities_are_kept(overrides):
+    """Recomputing blocks keep no probabilities, and ring attention (cp > 1) keeps the output and log-sum-exp
+    already: the fused count changes nothing there."""
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.plan.memory import activation_bytes
+    cfg = load_config("configs/tiny.toml", ["precision.compute=bfloat16", *overrides])
+    resolve_layout(cfg, cfg.parallel.cp)
+    assert activation_bytes(cfg, attention="fused") == activation_bytes(cfg, attention="unfused")
+
+
+def test_default_attention_is_fused_only_on_a_gpu_in_bf16_or_fp16():
+    from mpitrain.plan.memory import default_attention
+    assert [default_attention(compute, on_gpu) for compute, on_gpu in
+            [("bfloat16", True), ("float16", True), ("float32", True), ("bfloat16", False)]] == \
+        ["fused", "fused", "unfused", "unfused"]

@@ -322,3 +322,35 @@ def test_experts_run_at_the_busiest_rank_load_and_recomputation_repeats_the_forw
     shape = {cp: gemm_shape_factor(m.seq_len // cp, m.d_model) for cp in (1, 2)}
     assert matmul[2] * shape[2] / (matmul[1] * shape[1]) == pytest.approx(
         (flops + 2 * m.d_model * m.seq_len * m.n_layer) / flops)
+
+
+def _elementwise_and_memory(seq_len: int, recompute: str, attention: str | None) -> tuple[float, float]:
+    """(elementwise seconds per token, activation bytes) of a 1-GPU layout of the tiny model on h100 (bf16)."""
+    base = load_config("configs/tiny.toml", BASE + [f"model.seq_len={seq_len}"])
+    run = estimate(base, Layout(dp=1, tp=1, pp=1, zero=0, recompute=recompute), load_cluster("h100"), attention)
+    return run["parts"]["elementwise"] / (base.train.global_batch * seq_len), run["memory"]["rows"]["activations"]
+
+
+def test_fused_attention_recomputation_repeats_no_t_squared_traffic():
+    """On a bf16 GPU cluster the estimate assumes the fused attention: what selective recomputation adds to the
+    elementwise traffic per token does not grow with T (unfused: the T x T scores, linear in T per token), and the
+    saved activations are fewer."""
+    added = {}
+    for attention in (None, "unfused"):  # None: the cluster's default, fused on h100
+        for t in (32, 64):
+            none, memory = _elementwise_and_memory(t, "none", attention)
+            added[attention, t] = _elementwise_and_memory(t, "selective", attention)[0] - none
+            if attention is None:
+                assert memory < _elementwise_and_memory(t, "none", "unfused")[1]
+    assert added[None, 64] == pytest.approx(added[None, 32])
+    assert added["unfused", 64] == pytest.approx(2 * added["unfused", 32])
+
+
+def test_plan_says_which_attention_it_assumes():
+    h100 = load_cluster("h100")
+    found = {"fits": [], "too_big": [], "refused": {}}
+    cfg = load_config("configs/tiny.toml", BASE)
+    assert "assumed fused" in report(found, h100, "tiny", cfg, 1, 8).splitlines()[-1]
+    assert report(found, h100, "tiny", cfg, 1, 8, "unfused").splitlines()[-1].startswith("attention: unfused")
+    float32 = dataclasses.replace(h100, compute="float32")
+    assert report(found, float32, "tiny", cfg, 1, 8).splitlines()[-1].startswith("attention: unfused")
