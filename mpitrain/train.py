@@ -23,6 +23,7 @@ from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError
+from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.gpt import GPT
@@ -267,6 +268,9 @@ class Trainer:
                     f"per step{replicas}, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
         lines = [headline, f"MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per rank ({self.peak_source})",
                  self.mesh.describe_placement()]
+        if t.device == "cuda":
+            m = cfg.model
+            lines.append(describe_attention_path(self.backend.dtype, m.n_head, m.kv_heads, m.head_dim, p.cp > 1))
         if p.pp > 1 or p.virtual_stages > 1:
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""

@@ -1,12 +1,13 @@
-"""Attention's batched products on the GPU through cuBLAS strided-batched GEMM (fp32 accumulation), the twins of
-ops.attention_forward / ops.attention_backward for CuPy arrays (chosen where those ops are defined, with
-kernels/dispatch.py's gpu_twin_for_gemm_dtypes).
+"""Attention on the GPU, the twins of ops.attention_forward / ops.attention_backward for CuPy arrays (chosen where
+those ops are defined, with kernels/dispatch.py's gpu_twin_for_gemm_dtypes): cuDNN's fused SDPA
+(kernels/cudnn_attention.py) for bf16/fp16 with the causal mask or none, when cuDNN is installed; otherwise, and for
+fp32, batched products through cuBLAS strided-batched GEMM (fp32 accumulation).
 
 CuPy 14's batched matmul fails on bf16 and silently upcasts fp16, so q k^T, p v and the backward's four products go
 through `gemmStridedBatchedEx` in the data's own dtype (`batched_matmul`). The scores and their gradient come out of
 cuBLAS in fp32 and the softmax runs in fp32; the probabilities are rounded to the data dtype once, for the p v product
-and for what is saved (the same memory as the numpy ops' cast rule keeps). The T x T scores are still materialised: a
-flash-style kernel that never holds them is NOT built yet.
+and for what is saved (the same memory as the numpy ops' cast rule keeps). The T x T scores are materialised on this
+path; the fused one never holds them.
 
 The glue is written over an injected `matmul` so it runs on CPU too: `gemm_strided_batched_args` is the pure
 function that turns row-major shapes into cuBLAS's column-major arguments, and the tests check it, and these two
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.kernels import cudnn_attention
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
@@ -151,9 +153,91 @@ def gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):
     return batched_matmul(a, b, transpose_a, transpose_b, out_dtype=out_dtype)
 
 
+# ---- the twins of ops.attention_forward / attention_backward: cuDNN's fused SDPA, else the GEMMs above -----------
+class FusedSaved(NamedTuple):
+    """What the fused forward keeps for its backward: no probabilities, the output and its float32 Stats."""
+    q: object
+    k: object
+    v: object
+    out: object
+    stats: object
+    causal: bool
+
+
+def cudnn_mask(bias, t_q: int, t_k: int):
+    """True when `bias` is the causal triangle (0 where key <= query, -inf above), False when it masks nothing
+    (None or 0.0), None for any other mask (cuDNN's graphs here take only those two: the cuBLAS path then).
+
+    An array bias is checked on the device against the triangle: one device-to-host bool per forward, the price
+    of taking the ops' bias contract as it is. Ring attention's blocks (layers/ring_attention.py) would fit as
+    they are: a full block is no mask, a diagonal block the square causal one; but the ring computes in float32
+    (its log-sum-exp merge and block_grads backward), so its blocks keep the cuBLAS path."""
+    if bias is None:
+        return False
+    if getattr(bias, "ndim", 0) == 0:
+        return False if float(bias) == 0.0 else None
+    if tuple(bias.shape) != (t_q, t_k) or t_q != t_k:
+        return None
+    xp = array_module(bias)
+    above = xp.arange(t_k)[None, :] > xp.arange(t_q)[:, None]
+    return True if bool(xp.all(xp.where(above, bias == -xp.inf, bias == 0))) else None
+
+
+def fused_attention_reason(dtype, heads: int, kv_heads: int, head_dim: int, graphs=cudnn_attention.GRAPHS) -> str:
+    """Why attention of these heads would not run fused by cuDNN ('' when it would, shapes permitting)."""
+    cudnn, why = graphs.cudnn()
+    if cudnn is None:
+        return why
+    key = cudnn_attention.SdpaKey("forward", 1, heads, kv_heads, 1, 1, head_dim, np.dtype(dtype).name, False)
+    return cudnn_attention.unsupported_reason(key)
+
+
+def describe_attention_path(dtype, heads: int, kv_heads: int, head_dim: int, ring: bool = False,
+                            graphs=cudnn_attention.GRAPHS) -> str:
+    """The banner's one line on which attention runs on the GPU (`ring`: context parallelism's ring attention)."""
+    if ring:
+        return "attention: ring attention, float32 blocks through cuBLAS batched GEMMs (context parallelism)"
+    why = fused_attention_reason(dtype, heads, kv_heads, head_dim, graphs)
+    if not why:
+        return f"attention: cuDNN fused SDPA ({np.dtype(dtype).name})"
+    return f"attention: cuBLAS batched GEMMs ({why})"
+
+
+def fused_mask(q, k, bias):
+    """The `causal` flag cuDNN's graph runs these arrays with, or None: the cuBLAS path (cuDNN missing, a dtype
+    or shape it does not take, another mask). The cheap checks come before cudnn_mask's device check."""
+    if fused_attention_reason(q.dtype, q.shape[1], k.shape[1], q.shape[3]):
+        return None
+    causal = cudnn_mask(bias, q.shape[2], k.shape[2])
+    if causal is None or cudnn_attention.unsupported_reason(cudnn_attention.sdpa_key("forward", q, k, causal)):
+        return None
+    return causal
+
+
 def gpu_attention_forward(q, k, v, bias):
-    return attention_forward(q, k, v, bias, gpu_matmul)
+    causal = fused_mask(q, k, bias)
+    if causal is None:
+        return attention_forward(q, k, v, bias, gpu_matmul)
+    try:
+        out, stats = cudnn_attention.forward(q, k, v, causal)
+    except cudnn_attention.SdpaDeclined:
+        return attention_forward(q, k, v, bias, gpu_matmul)
+    lse = stats.reshape(stats.shape[:3]).astype(q.dtype, copy=False)
+    return (out, lse), FusedSaved(q, k, v, out, stats, causal)
 
 
 def gpu_attention_backward(saved, dout):
-    return attention_backward(saved, dout, gpu_matmul)
+    if not isinstance(saved, FusedSaved):
+        return attention_backward(saved, dout, gpu_matmul)
+    try:
+        return cudnn_attention.backward(saved.q, saved.k, saved.v, saved.out, saved.stats, dout, saved.causal)
+    except cudnn_attention.SdpaDeclined:  # the forward ran fused, its backward did not plan: the GEMMs' backward
+        t = saved.q.shape[2]
+        bias = _causal_bias(t, array_module(saved.q)) if saved.causal else None
+        _, probs_saved = attention_forward(saved.q, saved.k, saved.v, bias, gpu_matmul)
+        return attention_backward(probs_saved, dout, gpu_matmul)
+
+
+def _causal_bias(t: int, xp):
+    above = xp.arange(t)[None, :] > xp.arange(t)[:, None]
+    return xp.where(above, -xp.inf, 0.0).astype(np.float32)

@@ -8,8 +8,8 @@ kernel; nothing here imports CuPy, which kernels/fused.py and kernels/attention.
                                 same rule as the numpy ops (layers/precision.py), the accumulators kept in theirs
     gpu_twin_in_low_precision   bf16/fp16 CuPy arrays, in their own dtype: the linears' GEMMs on tensor cores
                                 (cuBLAS accumulates in fp32); fp32/fp64 CuPy linears keep the op's code
-    gpu_twin_for_gemm_dtypes    bf16/fp16/fp32 CuPy arrays: attention's strided-batched GEMMs (float64 keeps the
-                                op's code, CuPy's matmul)
+    gpu_twin_for_gemm_dtypes    bf16/fp16/fp32 CuPy arrays: attention (cuDNN's fused SDPA for bf16/fp16 where
+                                installed, else strided-batched GEMMs; float64 keeps the op's code, CuPy's matmul)
 """
 
 from __future__ import annotations

@@ -456,7 +456,9 @@ def attention_forward(q, k, v, bias):
 
     On numpy the work runs in layers/attention_core.py (blocks of query rows, one product per block over a stack
     of heads, masked key blocks skipped); CuPy float64 takes the whole batch in one product (whole_forward), the
-    other CuPy dtypes cuBLAS's batched GEMMs (kernels/attention.py).
+    other CuPy dtypes kernels/attention.py: cuDNN's fused SDPA for bf16/fp16 under the causal mask or none when
+    cuDNN is installed (saved then holds q, k, v, the output and cuDNN's float32 log-sum-exp instead of the
+    probabilities), else cuBLAS's batched GEMMs.
     """
     if _xp(q) is not np:
         return attention_core.whole_forward(q, k, v, bias)
