@@ -33,11 +33,11 @@ def make_optimizer(optim_cfg, state, placement=None):
     """placement: where AdamW's moments live (mpitrain/state/offload.py); the lean optimizers keep theirs on the
     device (their state is small: offloading it is not supported)."""
     o, segments = optim_cfg, state.optimizer_segments()
-    name = getattr(o, "name", "adamw")
+    name = o.name
     if name == "adamw":
         hyper = AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay)
         return AdamW(segments, hyper) if placement is None else AdamW(segments, hyper, placement=placement)
-    if placement is not None and getattr(placement, "kind", "none") != "none":
+    if placement is not None and placement.kind != "none":
         raise ConfigError(f"memory.offload = {placement.kind!r} moves AdamW's moments only; optim.name = {name!r} "
                           "keeps its small state on the device: set memory.offload = 'none'")
     if name == "adam8bit":
@@ -47,7 +47,7 @@ def make_optimizer(optim_cfg, state, placement=None):
                         exchanges=blocks.segment_cuts(layout, runs, adam8bit.BLOCK))
     if name == "adafactor":
         layout = state.checkpoint_layout()
-        momentum = getattr(o, "adafactor_momentum", "int4")
+        momentum = o.adafactor_momentum
         int4 = momentum == "int4" and o.adafactor_beta1
         return Adafactor(segments, segment_matrices(layout), weight_decay=o.weight_decay, beta1=o.adafactor_beta1,
                          tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],

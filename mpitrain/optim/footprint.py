@@ -65,7 +65,7 @@ def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
     p, e = cfg.parallel, np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     itemsize = 4 if e < 4 else e  # the state's dtype: the master weights' (fp32 under bf16/fp16)
     state = lean_state_bytes(name, layouts, p.zero, p.dp, itemsize, cfg.optim.momentum, cfg.optim.adafactor_beta1,
-                             getattr(cfg.optim, "adafactor_momentum", "int4"))
+                             cfg.optim.adafactor_momentum)
     _, windows = segment_windows(layouts, p.zero, p.dp)
     master = 4 * sum(b - a for a, b in windows) if e < 4 else 0
     n = sum(b - a for a, b in windows)  # the parameters this rank's optimizer updates
