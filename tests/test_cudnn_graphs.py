@@ -116,6 +116,18 @@ def test_the_banner_says_which_attention_runs():
     assert "ring" in attention.describe_attention_path(ml_dtypes.bfloat16, 12, 12, 64, ring=True, graphs=present)
 
 
+def test_the_switch_keeps_cublas(monkeypatch):
+    present = cudnn_attention.SdpaGraphs(importer=lambda: (object(), ""))
+    monkeypatch.setenv(attention.ATTENTION_SWITCH, "cublas")
+    assert attention.describe_attention_path(ml_dtypes.bfloat16, 12, 12, 64, graphs=present) == \
+        "attention: cuBLAS batched GEMMs (MPITRAIN_ATTENTION=cublas)"
+    q, k = np.zeros((1, 4, 8, 64), ml_dtypes.bfloat16), np.zeros((1, 4, 8, 64), ml_dtypes.bfloat16)
+    assert attention.fused_mask(q, k, None) is None
+    monkeypatch.setenv(attention.ATTENTION_SWITCH, "flash")
+    with pytest.raises(ValueError, match="MPITRAIN_ATTENTION='flash': allowed cudnn, cublas"):
+        attention.fused_mask(q, k, None)
+
+
 def test_the_cache_plans_a_key_once_and_remembers_a_decline():
     class Declined(Exception):
         pass

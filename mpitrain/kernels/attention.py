@@ -1,7 +1,8 @@
 """Attention on the GPU, the twins of ops.attention_forward / ops.attention_backward for CuPy arrays (chosen where
 those ops are defined, with kernels/dispatch.py's gpu_twin_for_gemm_dtypes): cuDNN's fused SDPA
 (kernels/cudnn_attention.py) for bf16/fp16 with the causal mask or none, when cuDNN is installed; otherwise, and for
-fp32, batched products through cuBLAS strided-batched GEMM (fp32 accumulation).
+fp32, batched products through cuBLAS strided-batched GEMM (fp32 accumulation). The environment variable
+MPITRAIN_ATTENTION=cublas keeps the GEMMs everywhere (benchmarks compare the two paths).
 
 CuPy 14's batched matmul fails on bf16 and silently upcasts fp16, so q k^T, p v and the backward's four products go
 through `gemmStridedBatchedEx` in the data's own dtype (`batched_matmul`). The scores and their gradient come out of
@@ -16,6 +17,7 @@ functions, against np.matmul through a numpy emulation of the cuBLAS call.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -183,8 +185,22 @@ def cudnn_mask(bias, t_q: int, t_k: int):
     return True if bool(xp.all(xp.where(above, bias == -xp.inf, bias == 0))) else None
 
 
+ATTENTION_SWITCH = "MPITRAIN_ATTENTION"  # "cublas" keeps the GEMMs; "cudnn" (the default) fuses where it applies
+ATTENTION_PATHS = ("cudnn", "cublas")
+
+
+def attention_switch(environ=os.environ) -> str:
+    """The path the environment asks for, read at each call (benchmarks time both paths in one process)."""
+    path = environ.get(ATTENTION_SWITCH, "cudnn")
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"{ATTENTION_SWITCH}={path!r}: allowed {', '.join(ATTENTION_PATHS)}")
+    return path
+
+
 def fused_attention_reason(dtype, heads: int, kv_heads: int, head_dim: int, graphs=cudnn_attention.GRAPHS) -> str:
     """Why attention of these heads would not run fused by cuDNN ('' when it would, shapes permitting)."""
+    if attention_switch() == "cublas":
+        return f"{ATTENTION_SWITCH}=cublas"
     cudnn, why = graphs.cudnn()
     if cudnn is None:
         return why
