@@ -291,7 +291,7 @@ def verdict(results: dict[str, dict]) -> tuple[int, str]:
 SUMMARY_KEYS = ("seconds", "limit_s", "summary", "checks_passed", "checks", "loss_rel_error", "param_rel_error",
                 "host_staged", "n_params", "tokens_per_s", "mfu", "mfu_goal", "step_time_s", "pool_high_water_bytes",
                 "planned_bytes", "pool/planned", "breakdown", "mfu_cublas", "tokens_per_s_cublas", "step_time_s_cublas",
-                "fused_step_speedup", "worst_error", "parity_limit", "fused_speedup", "failed_shapes", "error",
+                "fused_step_speedup", "worst_error", "parity_limit", "per_shape", "failed_shapes", "error",
                 "error_cublas", "gpu", "cupy", "nccl_version", "mpi",
                 "mpiexec", "cupy_error", "mpi_error", "needs", "budget_left_s")
 

@@ -5,7 +5,8 @@ of 64 and of 128, at 1024 and 4096 tokens. Both paths run through the attention 
 
 Per shape: the output's and dq/dk/dv's largest difference relative to the largest value of the cuBLAS result (above
 PARITY_LIMIT fails the stage), each path's forward and backward time (CUDA events) and the fused one's speed-up.
-A "fused" run that saves as much as the cuBLAS one (its T x T probabilities) fell back to it: the stage fails.
+Which path really ran is read off what it saved (the cuBLAS path keeps its T x T probabilities): a forced path
+that did not run (a fused path that fell back, a switch not honoured) fails the stage.
 """
 from __future__ import annotations
 
@@ -111,8 +112,31 @@ def elapsed_ms(cupy, call, repeats: int = REPEATS) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / repeats
 
 
+def saved_arrays(saved) -> list:
+    if isinstance(saved, dict):
+        saved = list(saved.values())
+    if isinstance(saved, (tuple, list)):
+        return [array for item in saved for array in saved_arrays(item)]
+    return [saved] if hasattr(saved, "shape") else []
+
+
+def ran_path(saved, tokens: int) -> str:
+    """Which path ran, read off what attention saved for T = `tokens` (not a head width): the cuBLAS path keeps its
+    probabilities, one key per column (last axis T); the fused one keeps nothing that wide (q, k, v, out, stats)."""
+    return "cublas" if any(array.shape[-1] == tokens for array in saved_arrays(saved)) else "cudnn"
+
+
+def path_in_use(cupy, ops, tokens: int = 256, head_dim: int = 64) -> str:
+    """The path that one small causal bf16 attention call takes now (ran_path of what it saved)."""
+    from mpitrain.backend import BFLOAT16
+    q = cupy.asarray(np.zeros((1, 2, tokens, head_dim), np.uint16)).view(BFLOAT16)
+    _, saved = ops.attention_forward(q, q, q, ops.causal_bias(tokens, tokens, cupy, BFLOAT16))
+    return ran_path(saved, tokens)
+
+
 def run_path(cupy, ops, nbytes_of, inputs: dict, path: str) -> dict:
-    """One path on `inputs`: its results on the host (float32), its times and the bytes its saved state holds."""
+    """One path on `inputs`: its results on the host (float32), its times, which path really ran and the bytes its
+    saved state holds."""
     q, k, v, bias, dout = (inputs[name] for name in ("q", "k", "v", "bias", "dout"))
     with attention_path(path):
         (out, _), saved = ops.attention_forward(q, k, v, bias)
@@ -120,7 +144,7 @@ def run_path(cupy, ops, nbytes_of, inputs: dict, path: str) -> dict:
         times = {"forward": elapsed_ms(cupy, lambda: ops.attention_forward(q, k, v, bias)),
                  "backward": elapsed_ms(cupy, lambda: ops.attention_backward(saved, dout))}
     host = {name: cupy.asnumpy(array.astype(cupy.float32)) for name, array in zip(("out", *GRADIENTS), (out, *grads))}
-    return {"results": host, "ms": times, "saved_bytes": nbytes_of(saved)}
+    return {"results": host, "ms": times, "ran": ran_path(saved, q.shape[2]), "saved_bytes": nbytes_of(saved)}
 
 
 def device_inputs(cupy, ops, shape: AttentionShape, seed: int = 0) -> dict:
@@ -140,16 +164,16 @@ def shape_record(cupy, ops, nbytes_of, shape: AttentionShape) -> dict:
     record = {"shape": shape.name, "batch": shape.batch}
     inputs = device_inputs(cupy, ops, shape)
     runs = {path: run_path(cupy, ops, nbytes_of, inputs, path) for path in PATHS}
-    # the cuBLAS path saves its (B, H, T, T) probabilities; the fused one, O(T) per row (out, lse)
-    fell_back = runs["cudnn"]["saved_bytes"] >= runs["cublas"]["saved_bytes"]
+    wrong_path = {f"{ATTENTION_SWITCH}={path}": run["ran"] for path, run in runs.items() if run["ran"] != path}
     errors = parity_errors(runs["cudnn"]["results"], runs["cublas"]["results"])
     times = {path: run["ms"] for path, run in runs.items()}
-    record.update(errors=errors, passed=within_limit(errors) and not fell_back, ms=times, speedup=speedups(times),
+    record.update(errors=errors, passed=within_limit(errors) and not wrong_path, ms=times, speedup=speedups(times),
                   fused_tflops={direction: round(flops / (times["cudnn"][direction] * 1e9), 1) for direction, flops
                                 in (("forward", shape.causal_flops()), ("backward", 2.5 * shape.causal_flops()))},
                   saved_bytes={path: run["saved_bytes"] for path, run in runs.items()})
-    if fell_back:
-        record["error"] = "the fused run saved as much as the cuBLAS one (its T x T probabilities): it fell back"
+    if wrong_path:  # a fused path that fell back, or a switch not honoured: its numbers would compare nothing
+        record["error"] = "the switch did not take: " + ", ".join(f"{switch} ran {ran}" for switch, ran in
+                                                                  wrong_path.items())
     return record
 
 
@@ -169,15 +193,23 @@ def attention_inner(shapes=ATTENTION_SHAPES) -> None:
 
 
 # ---- the stage -----------------------------------------------------------------------------------------------------
+def shape_line(record: dict) -> str:
+    """One shape in a few words, for the summary: its worst error and the fused path's speed-ups."""
+    if "errors" not in record:
+        return record.get("error", "not run")
+    speedup = record["speedup"]
+    return (f"max error {max(record['errors'].values()):.1e}, fused {speedup['both']:.2f}x faster "
+            f"(forward {speedup['forward']:.2f}x, backward {speedup['backward']:.2f}x)")
+
+
 def attention_verdict(status: int, records: list[dict], shapes=ATTENTION_SHAPES) -> dict:
-    """passed: every shape ran and is within the limit; the worst error and each shape's speed-up, for the summary."""
+    """passed: every shape ran and is within the limit; the worst error and each shape's line, for the summary."""
     found = {record["shape"]: record for record in records}
     failed = {shape.name: found[shape.name].get("error") or found[shape.name].get("errors") if shape.name in found
               else "not run" for shape in shapes if not found.get(shape.name, {}).get("passed")}
     errors = [error for record in records for error in record.get("errors", {}).values()]
     return {"passed": status == 0 and not failed, "worst_error": max(errors, default=None),
-            "parity_limit": PARITY_LIMIT, "fused_speedup": {name: r["speedup"]["both"] for name, r in found.items()
-                                                           if "speedup" in r},
+            "parity_limit": PARITY_LIMIT, "per_shape": {name: shape_line(record) for name, record in found.items()},
             **({"failed_shapes": failed} if failed else {}), "shapes": found}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from gpu_check_attention import PATHS, attention_path
+from gpu_check_attention import ATTENTION_SWITCH, PATHS, attention_path, path_in_use
 from gpu_check_process import ROOT, failed_output, inner, json_lines
 
 H200_BF16_PEAK = 989e12
@@ -58,11 +58,13 @@ def pool_against_plan(cupy, cfg) -> dict:
 
 def bench_inner(size: str) -> None:
     """Prints "MODEL {...}", one "PATH {...}" per attention path (fused first, then "MEMORY {...}": the pool then
-    holds the fused steps' high-water mark), an exception being that path's error."""
+    holds the fused steps' high-water mark), an exception being that path's error; "ran": the path a small
+    attention call took under the same switch."""
     import cupy
     from mpi4py import MPI
 
     from mpitrain.config import load_config, resolve_layout
+    from mpitrain.layers import ops
     from mpitrain.train import Trainer
     cfg = load_config(str(ROOT / BENCH_CONFIG), bench_settings(size))
     trainer = Trainer(cfg, MPI.COMM_WORLD)
@@ -70,7 +72,8 @@ def bench_inner(size: str) -> None:
     for number, path in enumerate(PATHS):
         try:
             with attention_path(path):
-                report = {"path": path, **time_steps(trainer, number * (WARMUP_STEPS + TIMED_STEPS))}
+                report = {"path": path, "ran": path_in_use(cupy, ops),
+                          **time_steps(trainer, number * (WARMUP_STEPS + TIMED_STEPS))}
         except Exception as exc:  # noqa: BLE001 (the other path still measures)
             report = {"path": path, "error": f"{type(exc).__name__}: {exc}"}
         print("PATH " + json.dumps(report, default=str), flush=True)
@@ -93,7 +96,11 @@ def bench_verdict(size: str, status: int, output: str) -> dict:
         result.update(memory)
     if result.get("pool_high_water_bytes") and result.get("planned_bytes"):
         result["pool/planned"] = round(result["pool_high_water_bytes"] / result["planned_bytes"], 3)
-    passed = status == 0 and result.get("mfu") is not None and result.get("mfu_cublas") is not None
+    wrong = {f"{ATTENTION_SWITCH}={path}": paths[path]["ran"] for path in PATHS
+             if paths.get(path, {}).get("ran", path) != path}
+    if wrong:  # the two numbers would not be the fused path on and off
+        result["switch_error"] = ", ".join(f"{switch} ran {ran}" for switch, ran in wrong.items())
+    passed = status == 0 and not wrong and result.get("mfu") is not None and result.get("mfu_cublas") is not None
     if size == "1.3b":  # the verdict of the GPU path's speed
         result["mfu_goal"] = MFU_GOAL
         passed = passed and result["mfu"] >= MFU_GOAL

@@ -263,7 +263,8 @@ def test_the_attention_verdict_needs_every_shape_within_the_limit():
     good = [record(shape, 4e-3) for shape in shapes]
     result = attention_check.attention_verdict(0, good, shapes)
     assert result["passed"] and result["worst_error"] == 4e-3 and "failed_shapes" not in result
-    assert result["fused_speedup"] == {shape.name: 2.5 for shape in shapes}
+    assert result["per_shape"][shapes[0].name] == (
+        "max error 4.0e-03, fused 2.50x faster (forward 4.00x, backward 2.00x)")
     planted = [good[0], record(shapes[1], 3e-2)]
     result = attention_check.attention_verdict(0, planted, shapes)
     assert not result["passed"] and list(result["failed_shapes"]) == [shapes[1].name]
@@ -271,6 +272,16 @@ def test_the_attention_verdict_needs_every_shape_within_the_limit():
     result = attention_check.attention_verdict(0, good[:1], shapes)
     assert not result["passed"] and result["failed_shapes"] == {shapes[1].name: "not run"}
     assert not attention_check.attention_verdict(1, good, shapes)["passed"]  # the process failed
+
+
+def test_which_path_ran_is_read_off_what_attention_saved():
+    t, d = 40, 8
+    q = np.ones((1, 2, t, d), np.float32)
+    _, numpy_saved = ops.attention_forward(q, q, q, ops.causal_bias(t, t, np, np.float32))
+    assert attention_check.ran_path(numpy_saved, t) == "cublas"  # it keeps the probabilities, as cuBLAS's path
+    fused_saved = {"q": q, "k": q, "v": q, "out": q, "stats": np.ones((1, 2, t, 1), np.float32), "causal": True}
+    assert attention_check.ran_path(fused_saved, t) == "cudnn"
+    assert attention_check.ran_path(fused_saved, d) == "cublas"  # T must not be a head width
 
 
 class FakeCupy:
@@ -307,12 +318,18 @@ class FakeOps:
             return ops.attention_forward(q, k, v, bias)
         bias = bias if self.fused_bias is None else self.fused_bias
         result, saved = ops.attention_forward(q, k, v, bias)
-        return result, (saved if self.keeps_probs else ("fused", q, k, v, bias))
+        return result, (saved if self.keeps_probs else ("fused", q, k, v, Mask(bias)))
 
     def attention_backward(self, saved, dout):
-        if isinstance(saved[0], str):  # ("fused", q, k, v, bias)
-            saved = ops.attention_forward(*saved[1:])[1]
+        if isinstance(saved[0], str):  # ("fused", q, k, v, Mask)
+            saved = ops.attention_forward(*saved[1:4], saved[4].bias)[1]
         return ops.attention_backward(saved, dout)
+
+
+class Mask:
+    """The fused fake's mask, out of sight of ran_path (the real fused path keeps none)."""
+    def __init__(self, bias):
+        self.bias = bias
 
 
 def test_a_shape_record_compares_the_fused_results_with_cublas_and_sees_a_fallback():
@@ -327,7 +344,8 @@ def test_a_shape_record_compares_the_fused_results_with_cublas_and_sees_a_fallba
                                             small)
     assert not unmasked["passed"] and unmasked["errors"]["out"] > attention_check.PARITY_LIMIT
     fell_back = attention_check.shape_record(FakeCupy, FakeOps(keeps_probs=True), nbytes_of, small)
-    assert not fell_back["passed"] and "fell back" in fell_back["error"]
+    assert not fell_back["passed"]
+    assert fell_back["error"] == "the switch did not take: MPITRAIN_ATTENTION=cudnn ran cublas"
     assert os.environ.get(attention_check.ATTENTION_SWITCH) is None  # the switch is put back
 
 
@@ -335,13 +353,13 @@ def test_a_shape_record_compares_the_fused_results_with_cublas_and_sees_a_fallba
 bench_check = importlib.import_module("gpu_check_bench")
 
 
-def bench_output(mfu_fused, mfu_cublas=0.30, cublas_error=None):
-    cublas = {"error": cublas_error} if cublas_error else {"step_time_s": 0.12, "tokens_per_s": 34000.0,
-                                                           "mfu": mfu_cublas, "breakdown": {}}
+def bench_output(mfu_fused, mfu_cublas=0.30, cublas_error=None, fused_ran="cudnn"):
+    cublas = {"error": cublas_error} if cublas_error else {"ran": "cublas", "step_time_s": 0.12,
+                                                           "tokens_per_s": 34000.0, "mfu": mfu_cublas, "breakdown": {}}
     return "\n".join([
         "MODEL " + json.dumps({"n_params": 1_300_000_000}),
-        "PATH " + json.dumps({"path": "cudnn", "step_time_s": 0.1, "tokens_per_s": 41000.0, "mfu": mfu_fused,
-                              "breakdown": {}}),
+        "PATH " + json.dumps({"path": "cudnn", "ran": fused_ran, "step_time_s": 0.1, "tokens_per_s": 41000.0,
+                              "mfu": mfu_fused, "breakdown": {}}),
         "MEMORY " + json.dumps({"pool_high_water_bytes": 30e9, "planned_bytes": 25e9, "planned": {}}),
         "PATH " + json.dumps({"path": "cublas", **cublas})])
 
@@ -356,6 +374,8 @@ def test_the_bench_reports_both_paths_and_the_1_3b_fused_run_settles_the_mfu_goa
     off_failed = bench_check.bench_verdict("1.3b", 0, bench_output(0.45, cublas_error="CUDARuntimeError: x"))
     assert not off_failed["passed"] and off_failed["error_cublas"] == "CUDARuntimeError: x"
     assert not bench_check.bench_verdict("1.3b", 1, bench_output(0.45))["passed"]
+    fell_back = bench_check.bench_verdict("1.3b", 0, bench_output(0.45, fused_ran="cublas"))
+    assert not fell_back["passed"] and fell_back["switch_error"] == "MPITRAIN_ATTENTION=cudnn ran cublas"
     settings = dict(setting.split("=", 1) for setting in bench_check.bench_settings("1.3b"))
     assert settings["precision.compute"] == "bfloat16" and settings["model.d_model"] == "2048"
     steps = len(bench_check.PATHS) * (bench_check.WARMUP_STEPS + bench_check.TIMED_STEPS)
