@@ -180,17 +180,18 @@ def test_the_cache_plans_a_key_once_and_remembers_a_decline():
 @pytest.mark.skipif(not GPU_USABLE, reason=f"cuDNN's fused attention needs a CUDA GPU: {GPU_REASON}")
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
-def test_fused_attention_matches_the_numpy_ops(cudnn, dtype, heads, kv_heads):
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_attention_matches_the_numpy_ops(cudnn, dtype, heads, kv_heads, causal):
     import cupy as cp
     rng = np.random.default_rng(11)
     b, t, d = 2, 128, 64
     q = rng.standard_normal((b, heads, t, d)).astype(np.float32)
     k, v = (rng.standard_normal((b, kv_heads, t, d)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    bias = ops.causal_bias(t, t, np, np.float32)
+    bias = ops.causal_bias(t, t, np, np.float32) if causal else 0.0
     (out, lse), saved = attention.gpu_attention_forward(*(cp.asarray(x.astype(dtype)) for x in (q, k, v)),
-                                                        cp.asarray(bias))
-    assert isinstance(saved, attention.FusedSaved) and saved.causal and saved.stats.dtype == np.float32
+                                                        cp.asarray(bias) if causal else bias)
+    assert isinstance(saved, attention.FusedSaved) and saved.causal is causal and saved.stats.dtype == np.float32
     grads = attention.gpu_attention_backward(saved, cp.asarray(dout.astype(dtype)))
     (want, want_lse), ref_saved = ops.attention_forward(q, k, v, bias)
     for got, ref in zip((out, lse, *grads), (want, want_lse, *ops.attention_backward(ref_saved, dout))):

@@ -103,8 +103,9 @@ def test_gemm_attention_glue_in_bf16_stays_within_bf16_rounding_of_fp32():
 
 @pytest.mark.skipif(not GPU_USABLE, reason=f"cuBLAS attention needs a CUDA GPU: {GPU_REASON}")
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_gpu_gemm_attention_matches_the_numpy_ops(dtype):
+def test_gpu_gemm_attention_matches_the_numpy_ops(dtype, monkeypatch):
     import cupy as cp
+    monkeypatch.setenv(attention.ATTENTION_SWITCH, "cublas")  # bf16 would go to cuDNN's fused SDPA where installed
     rng = np.random.default_rng(3)
     q, k, v = _qkv(rng, 2, 4, 2, 32, 16, np.float32)
     bias = ops.causal_bias(32, 32, np, np.float32)

@@ -2,7 +2,7 @@
 the T x T scores never exist in memory, forward and backward each run as one fused graph.
 
 One graph per SdpaKey (direction, shape, dtype, causal mask), validated, planned and built at its first use and
-kept in `GRAPHS`, the one per-shape cache, beside one cuDNN handle per device and the answer of importing cudnn.
+kept in `GRAPHS`, the one per-shape cache, beside the cuDNN handles and the answer of importing cudnn.
 Grouped-query attention (llama's n_kv_head < n_head) is native: K/V keep their Hkv heads, cuDNN sums dK/dV over
 each group.
 
@@ -18,6 +18,7 @@ What runs where: building and validating a graph (`build_graph`) needs no device
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -129,11 +130,12 @@ class SdpaDeclined(RuntimeError):
 
 class SdpaGraphs:
     """The per-shape graph cache: SdpaKey -> its planned graph (or why cuDNN declined it); and one cuDNN handle
-    per device. Planning needs the device, so it happens at a key's first execution."""
+    per (device, thread), since cuDNN forbids sharing a handle between threads. Planning needs the device, so it
+    happens at a key's first execution."""
 
     def __init__(self, importer=None, builder=None):
         self._planned: dict[SdpaKey, PlannedGraph | str] = {}
-        self._handles: dict[int, object] = {}
+        self._handles: dict[tuple[int, int], object] = {}
         self._importer, self._builder = importer or import_cudnn, builder or build_graph
         self._import = None  # the importer's answer, asked once: a failed import searches sys.path every time
 
@@ -159,9 +161,10 @@ class SdpaGraphs:
         return self._planned[key]
 
     def handle(self, cudnn, device_id: int):
-        if device_id not in self._handles:
-            self._handles[device_id] = cudnn.create_handle()
-        return self._handles[device_id]
+        where = (device_id, threading.get_ident())
+        if where not in self._handles:
+            self._handles[where] = cudnn.create_handle()
+        return self._handles[where]
 
 
 GRAPHS = SdpaGraphs()
