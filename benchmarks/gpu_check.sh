@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path's device check; its stages, limits and output are described in benchmarks/gpu_check.py. From the
 # repository root, on a lent device machine (one call, with a 540 s limit; nothing comes from the network):
-#     bash benchmarks/gpu_check.sh                                 the default plan, under 450 s
-#     bash benchmarks/gpu_check.sh --stages bench --sizes 125m,350m   a second call: what the first did not reach
+#     bash benchmarks/gpu_check.sh                                 the default plan, under 450 s (the fused
+#                                                                  attention's parity and speed-up, MFU at 1.3b)
+#     bash benchmarks/gpu_check.sh --stages bench --sizes 125m,350m   a second call: the smaller models, fused
+#                                                                  attention on and off
 #     bash benchmarks/gpu_check.sh --dry-run                        the plan and its limits, no GPU needed
 # The log also goes to $OUT/gpu_check.log when $OUT is set. The last lines are the SUMMARY (one line per stage),
 # then "GPU CHECK PASSED" (exit 0), "GPU CHECK FAILED: ..." (exit 1) or "GPU CHECK INCOMPLETE: ..." (exit 2).
