@@ -53,6 +53,9 @@ def test_every_model_graph_builds_and_validates(cudnn, key):
     want = {"forward": {"o": [b, h, t, d], "stats": [b, h, t, 1]},
             "backward": {"dQ": [b, h, t, d], "dK": [b, hkv, t, d], "dV": [b, hkv, t, d]}}[key.direction]
     assert {t.uid: list(t.dim) for t in graph.get_outputs()} == {cudnn_attention.UID[n]: w for n, w in want.items()}
+    # what forward()/backward() bind, by uid, is exactly what the graph reads and writes
+    bound = {t.uid for t in graph.get_inputs() + graph.get_outputs()}
+    assert bound == {cudnn_attention.UID[name] for name in cudnn_attention.OPERANDS[key.direction]}
 
 
 def test_ring_attention_full_block_graph_validates(cudnn):

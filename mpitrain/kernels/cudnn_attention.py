@@ -28,6 +28,9 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 # cuDNN's support matrix for training SDPA (forward and backward) on sm80-sm90: head dims up to 128, multiples of 8
 MAX_HEAD_DIM = 128
 UID = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "dO": 6, "dQ": 7, "dK": 8, "dV": 9}
+# The buffers each direction's graph binds, in the order forward() and backward() hand them over
+OPERANDS = {"forward": ("q", "k", "v", "o", "stats"),
+            "backward": ("q", "k", "v", "o", "stats", "dO", "dQ", "dK", "dV")}
 
 
 class SdpaKey(NamedTuple):
@@ -170,8 +173,8 @@ class SdpaGraphs:
 GRAPHS = SdpaGraphs()
 
 
-def _execute(key: SdpaKey, buffers: dict, graphs: SdpaGraphs) -> None:
-    """Run the key's graph on CuPy's current stream over `buffers` (uid name -> contiguous CuPy array)."""
+def _execute(key: SdpaKey, arrays: tuple, graphs: SdpaGraphs) -> None:
+    """Run the key's graph on CuPy's current stream over `arrays`, contiguous CuPy arrays in OPERANDS' order."""
     import cupy as cp
     cudnn, why = graphs.cudnn()
     if cudnn is None:
@@ -180,8 +183,8 @@ def _execute(key: SdpaKey, buffers: dict, graphs: SdpaGraphs) -> None:
     handle = graphs.handle(cudnn, cp.cuda.Device().id)
     cudnn.set_stream(handle=handle, stream=cp.cuda.get_current_stream().ptr)
     workspace = cp.empty(max(planned.workspace_bytes, 1), np.uint8)
-    planned.graph.execute({UID[name]: array.data.ptr for name, array in buffers.items()}, workspace.data.ptr,
-                          handle=handle)
+    pointers = {UID[name]: array.data.ptr for name, array in zip(OPERANDS[key.direction], arrays, strict=True)}
+    planned.graph.execute(pointers, workspace.data.ptr, handle=handle)
 
 
 def forward(q, k, v, causal: bool, graphs: SdpaGraphs = GRAPHS):
@@ -192,7 +195,7 @@ def forward(q, k, v, causal: bool, graphs: SdpaGraphs = GRAPHS):
     key = sdpa_key("forward", q, k, causal)
     out = cp.empty(q.shape, q.dtype)
     stats = cp.empty(q.shape[:3] + (1,), np.float32)
-    _execute(key, {"q": q, "k": k, "v": v, "o": out, "stats": stats}, graphs)
+    _execute(key, (q, k, v, out, stats), graphs)
     return out, stats
 
 
@@ -203,6 +206,5 @@ def backward(q, k, v, out, stats, dout, causal: bool, graphs: SdpaGraphs = GRAPH
     dout = cp.ascontiguousarray(dout.astype(q.dtype, copy=False))
     key = sdpa_key("backward", q, k, causal)
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
-    _execute(key, {"q": q, "k": k, "v": v, "o": out, "stats": stats, "dO": dout, "dQ": dq, "dK": dk, "dV": dv},
-             graphs)
+    _execute(key, (q, k, v, out, stats, dout, dq, dk, dv), graphs)
     return dq, dk, dv
