@@ -48,8 +48,11 @@ def time_steps(trainer, first_step: int) -> dict:
             "breakdown": gather_summary(trainer.mesh.world, breakdown)}
 
 
-def pool_against_plan(cupy, cfg) -> dict:
+def pool_against_plan(cupy, size: str) -> dict:
+    from mpitrain.config import load_config, resolve_layout
     from mpitrain.plan.memory import memory_report, rank_param_count
+    cfg = load_config(str(ROOT / BENCH_CONFIG), bench_settings(size))  # its own: resolve_layout writes into it
+    resolve_layout(cfg, 1)
     planned = memory_report(cfg, rank_param_count(cfg))
     free, total = cupy.cuda.runtime.memGetInfo()
     return {"pool_high_water_bytes": cupy.get_default_memory_pool().total_bytes(), "device_used_bytes": total - free,
@@ -63,7 +66,7 @@ def bench_inner(size: str) -> None:
     import cupy
     from mpi4py import MPI
 
-    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.config import load_config
     from mpitrain.layers import ops
     from mpitrain.train import Trainer
     cfg = load_config(str(ROOT / BENCH_CONFIG), bench_settings(size))
@@ -79,8 +82,7 @@ def bench_inner(size: str) -> None:
         print("PATH " + json.dumps(report, default=str), flush=True)
         if number == 0:
             cupy.cuda.Device().synchronize()
-            resolve_layout(cfg, 1)
-            print("MEMORY " + json.dumps(pool_against_plan(cupy, cfg)), flush=True)
+            print("MEMORY " + json.dumps(pool_against_plan(cupy, size)), flush=True)
 
 
 def bench_verdict(size: str, status: int, output: str) -> dict:

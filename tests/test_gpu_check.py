@@ -382,6 +382,21 @@ def test_the_bench_reports_both_paths_and_the_1_3b_fused_run_settles_the_mfu_goa
     assert settings["train.steps"] == str(steps)
 
 
+def test_the_bench_times_steps_through_the_trainer_on_the_cpu():
+    """time_steps on configs/tiny.toml in float32 on the CPU: the Trainer's names it reads exist and add up."""
+    from mpi4py import MPI
+
+    from mpitrain.config import load_config
+    from mpitrain.train import Trainer
+    cfg = load_config(str(REPO_ROOT / "configs/tiny.toml"), ["data.synthetic=true", "train.steps=12",
+                                                           "logging.peak_flops=1e12"])
+    trainer = Trainer(cfg, MPI.COMM_SELF)
+    report = bench_check.time_steps(trainer, bench_check.WARMUP_STEPS + bench_check.TIMED_STEPS)
+    assert report["tokens_per_s"] == pytest.approx(trainer.tokens_per_step / report["step_time_s"])
+    assert report["mfu"] == pytest.approx(trainer.model.flops_per_token() * report["tokens_per_s"] / 1e12)
+    assert report["breakdown"]
+
+
 # ---- the NCCL stage ----------------------------------------------------------------------------------------------
 def test_the_nccl_stage_names_each_collective_on_fp32_and_bf16():
     for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv"):
