@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 CUDNN_DTYPES = ("bfloat16", "float16")
-# cuDNN's support matrix for training SDPA (forward and backward) on sm80-sm90: head dims up to 128, multiples of 8
+# Head dims cuDNN's training SDPA (forward and backward) takes on sm80-sm90 across 9.x releases: multiples of 8 up
+# to 128 (wider ones depend on the release and the GPU: kept on cuBLAS rather than failing at planning)
 MAX_HEAD_DIM = 128
 UID = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "dO": 6, "dQ": 7, "dK": 8, "dV": 9}
 # The buffers each direction's graph binds, in the order forward() and backward() hand them over
