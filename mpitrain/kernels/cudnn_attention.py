@@ -184,8 +184,10 @@ def _execute(key: SdpaKey, arrays: tuple, graphs: SdpaGraphs) -> None:
     handle = graphs.handle(cudnn, cp.cuda.Device().id)
     cudnn.set_stream(handle=handle, stream=cp.cuda.get_current_stream().ptr)
     workspace = cp.empty(max(planned.workspace_bytes, 1), np.uint8)
+    # Bare addresses: the graph's declaration says what the bytes mean (CuPy's bf16 has no array-interface
+    # spelling); the workspace goes as an array, so that its size travels with it.
     pointers = {UID[name]: array.data.ptr for name, array in zip(OPERANDS[key.direction], arrays, strict=True)}
-    planned.graph.execute(pointers, workspace.data.ptr, handle=handle)
+    planned.graph.execute(pointers, workspace, handle=handle)
 
 
 def forward(q, k, v, causal: bool, graphs: SdpaGraphs = GRAPHS):
