@@ -137,6 +137,11 @@ def environment_inner() -> None:
                     gpus=cupy.cuda.runtime.getDeviceCount(), cuda_runtime=cupy.cuda.runtime.runtimeGetVersion())
     except Exception as exc:  # noqa: BLE001 (report whatever is missing and go on)
         info["cupy_error"] = f"{type(exc).__name__}: {exc}"
+    try:  # the fused attention's: its absence fails the attention stage, not this one
+        import cudnn
+        info["cudnn"] = f"frontend {cudnn.__version__}, library {cudnn.backend_version()}"
+    except Exception as exc:  # noqa: BLE001
+        info["cudnn_error"] = f"{type(exc).__name__}: {exc}"
     try:
         from mpi4py import MPI
         info["mpi"] = MPI.Get_library_version().splitlines()[0]
@@ -292,8 +297,8 @@ SUMMARY_KEYS = ("seconds", "limit_s", "summary", "checks_passed", "checks", "los
                 "host_staged", "n_params", "tokens_per_s", "mfu", "mfu_goal", "step_time_s", "pool_high_water_bytes",
                 "planned_bytes", "pool/planned", "breakdown", "mfu_cublas", "tokens_per_s_cublas", "step_time_s_cublas",
                 "fused_step_speedup", "worst_error", "parity_limit", "per_shape", "failed_shapes", "error",
-                "error_cublas", "gpu", "cupy", "nccl_version", "mpi",
-                "mpiexec", "cupy_error", "mpi_error", "needs", "budget_left_s")
+                "error_cublas", "switch_error", "gpu", "cupy", "nccl_version", "cudnn", "mpi", "mpiexec",
+                "cupy_error", "cudnn_error", "mpi_error", "needs", "budget_left_s")
 
 
 def summary(results: dict[str, dict]) -> str:

@@ -14,6 +14,10 @@
 # and carry it (run's carry: [".gpu_wheels"]; it is git-ignored). When it holds the wheel, MPICH is installed under
 # a private prefix and used for both ends, the library mpi4py loads (MPI4PY_LIBMPI) and the mpiexec that starts the
 # ranks, so they always match; if mpi4py ignores MPI4PY_LIBMPI, the machine's MPI is used instead.
+# The fused attention needs cuDNN's Python frontend (and cuda-bindings, which it imports); if the machine lacks them,
+# carry their wheels in the same folder (about 20 MB; the cuDNN library itself must be there, e.g. torch's):
+#     pip download nvidia-cudnn-frontend==1.32.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 --no-deps \
+#         --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 -d .gpu_wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -33,6 +37,22 @@ if [ -n "$wheel" ] && [ "${1:-}" != "--dry-run" ]; then
         fi
     else
         echo "gpu_check: installing $wheel failed; using the machine's MPI" >&2
+    fi
+fi
+# cuDNN's Python frontend (the fused attention) and the CUDA bindings it imports, from carried wheels, each only
+# where the machine's Python lacks it: unpacked under a private directory put in front of PYTHONPATH
+PY_TARGET=${TMPDIR:-/tmp}/mpitrain-gpu-check/python
+carried=()
+if [ "${1:-}" != "--dry-run" ]; then
+    "$PYTHON" -c 'import cudnn' 2>/dev/null || carried+=($(compgen -G ".gpu_wheels/nvidia_cudnn_frontend-*.whl"))
+    "$PYTHON" -c 'import cuda.bindings.driver' 2>/dev/null || carried+=($(compgen -G ".gpu_wheels/cuda_bindings-*.whl") \
+        $(compgen -G ".gpu_wheels/cuda_pathfinder-*.whl"))
+fi
+if [ ${#carried[@]} -gt 0 ]; then
+    if "$PYTHON" -m pip install -q --no-index --no-deps --upgrade --target "$PY_TARGET" "${carried[@]}"; then
+        export PYTHONPATH="$PY_TARGET${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "gpu_check: installing ${carried[*]} failed; the attention stage will say what is missing" >&2
     fi
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true

@@ -180,6 +180,27 @@ def test_a_stage_whose_input_failed_is_blocked_and_the_check_fails():
     assert gpu_check.verdict(results) == (1, "GPU CHECK FAILED: cpu-reference; blocked by them: gpu-parity")
 
 
+def test_the_summary_gives_both_attention_paths_and_each_shape_in_one_line_per_stage():
+    shape = attention_check.ATTENTION_SHAPES[0].name
+    results = {
+        "environment": {"verdict": "passed", "cudnn": "frontend 1.32.0, library 92801"},
+        "attention": {"verdict": "FAILED", "worst_error": 0.03, "parity_limit": 0.02,
+                      "per_shape": {shape: "max error 3.0e-02, fused 2.50x faster"},
+                      "failed_shapes": {shape: {"dq": 0.03}}, "shapes": {shape: {"ms": {}}}},
+        "bench-1.3b": {"verdict": "FAILED", "mfu": 0.41, "mfu_cublas": 0.30, "fused_step_speedup": 1.2,
+                       "tokens_per_s_cublas": 34000.0, "switch_error": "MPITRAIN_ATTENTION=cublas ran cudnn",
+                       "breakdown_cublas": {"forward": 0.1}},
+    }
+    lines = dict(line.strip().split(": ", 1) for line in gpu_check.summary(results).splitlines()[1:])
+    assert "frontend 1.32.0" in lines["environment"]
+    shown = json.loads(lines["attention"].removeprefix("FAILED "))
+    assert shown == {"worst_error": 0.03, "parity_limit": 0.02, "per_shape": results["attention"]["per_shape"],
+                     "failed_shapes": results["attention"]["failed_shapes"]}  # not every shape's record
+    shown = json.loads(lines["bench-1.3b"].removeprefix("FAILED "))
+    assert shown == {key: value for key, value in results["bench-1.3b"].items()
+                     if key not in ("verdict", "breakdown_cublas")}
+
+
 def test_finish_command_runs_what_was_not_reached():
     assert gpu_check.finish_command(["cp2-staged", "bench-125m", "bench-1.3b"]) == (
         "bash benchmarks/gpu_check.sh --stages cp2-staged,bench --sizes 125m,1.3b")
