@@ -139,9 +139,11 @@ def environment_inner() -> None:
         info["cupy_error"] = f"{type(exc).__name__}: {exc}"
     try:  # the fused attention's: its absence fails the attention stage, not this one
         import cudnn
-        info["cudnn"] = f"frontend {cudnn.__version__}, library {cudnn.backend_version()}"
+        info["cudnn"] = f"frontend {cudnn.__version__}"
+        info["cudnn"] += f", library {cudnn.backend_version()}"
     except Exception as exc:  # noqa: BLE001
-        info["cudnn_error"] = f"{type(exc).__name__}: {exc}"
+        missing = " (the cuDNN library, e.g. nvidia-cudnn-cu13's, did not load)" if "cudnn" in info else ""
+        info["cudnn_error"] = f"{type(exc).__name__}: {exc}{missing}"
     try:
         from mpi4py import MPI
         info["mpi"] = MPI.Get_library_version().splitlines()[0]
