@@ -5,8 +5,8 @@ up, puts the log under $OUT when set); `--dry-run` prints the plan without a GPU
 
 Stages (`--stages a,b`; default: all; `--sizes` picks the bench models, default 1.3b):
   environment    CuPy, NCCL, the GPU, MPI and mpiexec (always run: it says why later stages fail);
-  gpu-tests      the GPU tests (fused kernels, attention's cuBLAS GEMMs, a bf16 step and the gradient reductions against
-                 numpy or the CPU); a skipped GPU test counts as a failure;
+  gpu-tests      the GPU tests (fused kernels, attention's cuBLAS GEMMs and cuDNN graphs, a bf16 step and the gradient
+                 reductions against numpy or the CPU); a skipped GPU test counts as a failure;
   attention      the fused causal attention (cuDNN) against cuBLAS's in bf16 on gpt2 and llama (GQA) shapes at 1024
                  and 4096 tokens: output and dq/dk/dv error relative to the largest value (above 2e-2 fails), each
                  path's time and the fused one's speed-up (gpu_check_attention.py);
@@ -59,7 +59,8 @@ from gpu_check_process import (  # noqa: E402
 
 BUDGET_S = 450  # the whole call ends well inside one device command (600 s at most)
 DEFAULT_SIZES = ("1.3b",)  # the MFU verdict; the smaller ones in a second call
-GPU_TESTS = ("tests/test_gpu_kernels.py", "tests/test_gpu_attention_glue.py", "tests/test_gpu_paths.py")
+GPU_TESTS = ("tests/test_gpu_kernels.py", "tests/test_gpu_attention_glue.py", "tests/test_cudnn_graphs.py",
+             "tests/test_gpu_paths.py")
 __all__ = ["NCCL_CHECKS", "NCCL_DTYPES", "PARITY_LIMIT", "nccl_inner", "run", "subprocess_env"]  # for the tests
 
 
@@ -73,7 +74,7 @@ class Stage:
 
 STAGES = (
     Stage("environment", 20, "CuPy, NCCL, the GPU, MPI and mpiexec are there"),
-    Stage("gpu-tests", 80, "the fused kernels, attention's GEMMs and a bf16 step match numpy/the CPU on the GPU"),
+    Stage("gpu-tests", 80, "fused kernels, attention (GEMMs, cuDNN) and a bf16 step match numpy/the CPU on the GPU"),
     Stage("attention", 45, f"fused attention = cuBLAS's in bf16 (within {PARITY_LIMIT:g} of the largest value), "
                            "and its speed-up"),
     Stage("nccl", 40, "NcclGroup's collectives (communicator, stream, events) on fp32/bf16 device buffers"),

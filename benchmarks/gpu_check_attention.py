@@ -19,11 +19,13 @@ from typing import NamedTuple
 import numpy as np
 from gpu_check_process import failed_output, inner, json_lines
 
-PARITY_LIMIT = 2e-2  # bf16 keeps 8 bits of mantissa: two correct roundings differ by far less
+from mpitrain.kernels.attention import ATTENTION_PATHS, ATTENTION_SWITCH
+
+PARITY_LIMIT = 2e-2  # bf16 rounding alone: 3e-3 to 6e-3 against float64 (numpy, these head widths); two paths, ~2x
 TOKENS_PER_SHAPE = 8192  # batch = this / sequence length: the same work per token at 1024 and 4096
 REPEATS = 10  # timed calls per path and direction, after one untimed call (graph building, kernel compiling)
-PATHS = ("cudnn", "cublas")  # fused first: the cuBLAS one is the reference
-ATTENTION_SWITCH = "MPITRAIN_ATTENTION"  # its values: PATHS
+PATHS = ("cudnn", "cublas")  # the switch's values (ATTENTION_SWITCH), fused first: the cuBLAS one is the reference
+assert set(PATHS) == set(ATTENTION_PATHS), f"{ATTENTION_SWITCH} takes {ATTENTION_PATHS}"
 
 
 class AttentionShape(NamedTuple):
@@ -89,7 +91,7 @@ def speedups(times_ms: dict[str, dict[str, float]]) -> dict[str, float]:
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def attention_path(path: str):
-    """Force one attention path for what runs inside (the switch is read at each attention call)."""
+    """Force one attention path for what runs inside (kernels/attention.py reads the switch at each call)."""
     before = os.environ.get(ATTENTION_SWITCH)
     os.environ[ATTENTION_SWITCH] = path
     try:
