@@ -187,11 +187,11 @@ def attention_inner(shapes=ATTENTION_SHAPES) -> None:
     from mpitrain.layers import ops
     for shape in shapes:
         try:
+            cupy.get_default_memory_pool().free_all_blocks()  # the shape before's (T = 4096: several GB)
             record = shape_record(cupy, ops, nbytes_of, shape)
         except Exception as exc:  # noqa: BLE001 (one shape failing must not hide the others)
             record = {"shape": shape.name, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
         print("SHAPE " + json.dumps(record), flush=True)
-        cupy.get_default_memory_pool().free_all_blocks()
 
 
 # ---- the stage -----------------------------------------------------------------------------------------------------
