@@ -14,7 +14,7 @@ Time of one step on the slowest rank (the first pipeline stage):
               all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
               + rank skew + step_overhead_s
 
-Collectives are rings (design.md): all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
+Collectives are rings, as groups count them: all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
 all-gather and reduce-scatter (n-1)/n in n-1. A group runs on the intra-node link when all its ranks share a node
 (mesh order pp, dp, cp, tp with tp fastest: a group of size n and stride s spans n*s consecutive ranks), else on
 the inter-node link. Gradient reduction overlaps the backward of the micro-batch that produces it (as far as the
