@@ -319,10 +319,15 @@ def train_command(run_dir: Path, *settings: str) -> list[str]:
 
 
 def stop_rank_when_at_step(process, run_dir: Path, rank: int, step: int) -> int:
-    """SIGSTOP `rank` (its pid from its heartbeat) once its heartbeat shows `step`; returns the pid."""
+    """SIGSTOP `rank` (its pid from its heartbeat) once its heartbeat shows `step` while it still runs; returns the
+    pid. A rank whose heartbeat already says "finished" is never stopped: it would be stopped inside MPI's
+    finalize, where no watchdog looks, and the job would hang instead of showing the recovery."""
     path = run_dir / "heartbeat" / f"rank_{rank:05d}.json"
     while process.poll() is None:
         record = HeartbeatFiles(path.parent, rank).read(rank) if path.exists() else None
+        if record and record.get("state") != "running":
+            finish_job(process)
+            pytest.fail(f"rank {rank} {record.get('state')} before a heartbeat showed it at step {step}")
         if record and record.get("step", 0) >= step:
             os.kill(record["pid"], signal.SIGSTOP)
             return record["pid"]
@@ -460,8 +465,11 @@ def test_stopped_rank_under_launch_restarts_and_ends_with_the_losses_of_an_unint
     assert sorted(expected) == list(range(1, 121))
 
     run_dir = tmp_path / "run"
+    # heartbeats come about once a second and the tiny job's 120 steps take about one: every step slowed 10x
+    # (sleeps only, the numbers are untouched) so that a heartbeat shows rank 1 at step 25 while it runs
     process = start_job([sys.executable, "-m", "mpitrain", "launch", "-n", "2", "--max-restarts", "1",
-                         "configs/tiny.toml", "--out", str(run_dir), *tiny_settings(*RESTART_SETTINGS)])
+                         "configs/tiny.toml", "--out", str(run_dir), *tiny_settings(*RESTART_SETTINGS)],
+                        env={"MPITRAIN_FAULT": "slow:factor=10"})
     stop_rank_when_at_step(process, run_dir, rank=1, step=25)
     result = finish_job(process, timeout=2 * JOB_DEADLINE_S)
     output = result.stdout + result.stderr
