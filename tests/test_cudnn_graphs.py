@@ -108,6 +108,25 @@ def test_the_mask_cudnn_runs_is_read_from_the_bias():
     assert attention.cudnn_mask(-1.0, 16, 16) is None
 
 
+def test_a_mask_array_is_read_once_and_its_verdict_kept_for_that_array():
+    """The model hands one causal mask array to every layer and step: read on the device once, not per call."""
+    reads = []
+
+    class CountingMask(np.ndarray):
+        def __eq__(self, other):
+            reads.append(1)
+            return np.asarray(self) == other
+
+        __hash__ = None  # as ndarray's: arrays are not hashable
+
+    causal = ops.causal_bias(16, 16, np, np.float32).view(CountingMask)
+    assert [attention.cudnn_mask(causal, 16, 16) for _ in range(5)] == [True] * 5
+    assert len(reads) == 2  # one where(...) over the triangle: its == -inf and its == 0
+    other = np.full((16, 16), -1.0, np.float32).view(CountingMask)
+    assert attention.cudnn_mask(other, 16, 16) is None and attention.cudnn_mask(other, 16, 16) is None
+    assert len(reads) == 4
+
+
 def test_the_banner_says_which_attention_runs():
     missing = cudnn_attention.SdpaGraphs(importer=lambda: (None, "cuDNN not installed"))
     assert attention.describe_attention_path(ml_dtypes.bfloat16, 12, 12, 64, graphs=missing) == \

@@ -170,19 +170,34 @@ def cudnn_mask(bias, t_q: int, t_k: int):
     """True when `bias` is the causal triangle (0 where key <= query, -inf above), False when it masks nothing
     (None or 0.0), None for any other mask (cuDNN's graphs here take only those two: the cuBLAS path then).
 
-    An array bias is checked on the device against the triangle: one device-to-host bool per forward, the price
-    of taking the ops' bias contract as it is. Ring attention's blocks (layers/ring_attention.py) would fit as
-    they are: a full block is no mask, a diagonal block the square causal one; but the ring computes in float32
-    (its log-sum-exp merge and block_grads backward), so its blocks keep the cuBLAS path."""
+    An array bias is checked on the device against the triangle once: one device-to-host bool per mask array, the
+    verdict kept for the same array (the model's mask is one array per sequence length). Ring attention's blocks
+    (layers/ring_attention.py) would fit as they are: a full block is no mask, a diagonal block the square causal
+    one; but the ring computes in float32 (its log-sum-exp merge and block_grads backward), so its blocks keep the
+    cuBLAS path."""
     if bias is None:
         return False
     if getattr(bias, "ndim", 0) == 0:
         return False if float(bias) == 0.0 else None
     if tuple(bias.shape) != (t_q, t_k) or t_q != t_k:
         return None
+    known = _MASK_VERDICTS.get(id(bias))
+    if known is not None and known[0] is bias:
+        return known[1]
     xp = array_module(bias)
     above = xp.arange(t_k)[None, :] > xp.arange(t_q)[:, None]
-    return True if bool(xp.all(xp.where(above, bias == -xp.inf, bias == 0))) else None
+    verdict = True if bool(xp.all(xp.where(above, bias == -xp.inf, bias == 0))) else None
+    if len(_MASK_VERDICTS) >= MASK_VERDICTS_KEPT:
+        _MASK_VERDICTS.pop(next(iter(_MASK_VERDICTS)))
+    _MASK_VERDICTS[id(bias)] = (bias, verdict)
+    return verdict
+
+
+# The model builds its causal mask once per sequence length (GPT.context) and hands the same array to every layer and
+# step: its verdict is read from the device once, not once per attention call (each read waits for the queue).
+# Keyed by id, with the array itself held so that its id cannot be reused by another; the oldest entry goes first.
+MASK_VERDICTS_KEPT = 4
+_MASK_VERDICTS: dict[int, tuple[object, bool | None]] = {}
 
 
 ATTENTION_SWITCH = "MPITRAIN_ATTENTION"  # "cublas" keeps the GEMMs; "cudnn" (the default) fuses where it applies

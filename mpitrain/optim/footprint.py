@@ -5,6 +5,9 @@ matrix cut by a shard boundary is counted unfactored, as it runs (tests/test_opt
 """
 from __future__ import annotations
 
+import numpy as np
+
+from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.optim import quant4
 from mpitrain.optim.adam8bit import BLOCK
 from mpitrain.optim.blocks import block_count, segment_runs
@@ -56,9 +59,6 @@ FORMULAS = {"sgd": "momentum: s*Psi", "adam8bit": "moments 1 + 1 byte + 2 scales
 def optimizer_row(cfg, layouts) -> tuple[int, str] | None:
     """(bytes, formula) of the optimizer row of `mpitrain memory` for a lean optimizer (None for adamw): master
     weights (fp32, when the compute dtype is lower) + the optimizer's state, on rank 0."""
-    import numpy as np
-
-    from mpitrain.backend import COMPUTE_DTYPES
     name = cfg.optim.name
     if name == "adamw":
         return None
