@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mpitrain.config_moe import validate_moe
-from mpitrain.config_rules import OPTIMIZERS, SCHEDULE_KINDS, positive_degree, require
+from mpitrain.config_rules import OPTIMIZERS, SCHEDULE_KINDS, did_you_mean, positive_degree, require
 from mpitrain.errors import ConfigError
 from mpitrain.layout_checks import (
     validate_context_parallel,
@@ -245,7 +245,8 @@ def config_from_dict(raw: dict, source: str = "config") -> Config:
     cfg = Config()
     for section_name, section_values in raw.items():
         if section_name not in _section_names():
-            raise ConfigError(f"unknown config section [{section_name}] in {source}; "
+            hint = did_you_mean(section_name, _section_names(), "[{}]")
+            raise ConfigError(f"unknown config section [{section_name}] in {source}; {hint}"
                               f"allowed: {', '.join(_section_names())}")
         if not isinstance(section_values, dict):
             raise ConfigError(f"config section [{section_name}] in {source} must be a table of keys")
@@ -254,7 +255,8 @@ def config_from_dict(raw: dict, source: str = "config") -> Config:
         for key, value in section_values.items():
             full = f"{section_name}.{key}"
             if key not in known:
-                raise ConfigError(f"unknown config key {full} in {source}; "
+                hint = did_you_mean(key, known, section_name + ".{}")
+                raise ConfigError(f"unknown config key {full} in {source}; {hint}"
                                   f"allowed in [{section_name}]: {', '.join(sorted(known))}")
             setattr(section, known[key], _coerce(full, value, getattr(section, known[key])))
     return cfg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mpitrain.config_rules import did_you_mean
 from mpitrain.errors import ConfigError
 
 
@@ -25,8 +26,9 @@ class MoeSettings:
         values = {}
         for key, value in raw.items():
             if key not in cls.__dataclass_fields__:
-                raise ConfigError(f"unknown config key model.moe.{key}; allowed: "
-                                  f"{', '.join(cls.__dataclass_fields__)}")
+                raise ConfigError(f"unknown config key model.moe.{key}; "
+                                  f"{did_you_mean(key, cls.__dataclass_fields__, 'model.moe.{}')}"
+                                  f"allowed: {', '.join(cls.__dataclass_fields__)}")
             kind = type(getattr(defaults, key))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
                                                                                   not isinstance(value, int)):

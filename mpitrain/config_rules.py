@@ -2,6 +2,8 @@
 `require` for any condition and `positive_degree` for a parallel degree or a count of ranks."""
 from __future__ import annotations
 
+import difflib
+
 from mpitrain.errors import ConfigError
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")  # parallel.schedule (mpitrain/parallel/schedule.py)
@@ -21,3 +23,10 @@ def positive_degree(key: str, value, error: type[Exception] = ConfigError) -> in
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise error(f"{key} must be a positive integer, got {value!r}")
     return value
+
+
+def did_you_mean(word: str, choices, shown_as: str = "{}") -> str:
+    """'did you mean X? ' for the closest of `choices` to a mistyped `word` (X is `shown_as` filled with it, e.g.
+    "[{}]" or "train.{}"), or '' when none is close: the hint goes before the list of what is allowed."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {shown_as.format(close[0])}? " if close else ""

@@ -110,3 +110,21 @@ def test_edge_values_that_mean_off_are_still_accepted():
     cfg = load_config("configs/tiny.toml", ["fault.straggler_factor=0", "optim.lr=0", "optim.clip=0",
                                             "model.init_std=0", 'data.path=""', "data.synthetic=true"])
     assert cfg.fault.straggler_factor == 0 and cfg.optim.lr == 0
+
+
+@pytest.mark.parametrize("overrides, hint", [
+    (["train.stpes=3"], "unknown config key train.stpes in --set; did you mean train.steps? allowed in [train]:"),
+    (["modle.arch=gpt2"], "unknown config section [modle] in --set; did you mean [model]? allowed:"),
+    (["model.moe={experts = 4, topk = 2}"],
+     "unknown config key model.moe.topk; did you mean model.moe.top_k? allowed:"),
+])
+def test_a_typo_gets_the_key_it_was_probably_meant_to_be(overrides, hint):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", overrides)
+    assert hint in str(info.value)
+
+
+def test_a_key_like_no_other_gets_no_guess():
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", ["train.zzzzqq=1"])
+    assert "did you mean" not in str(info.value) and "allowed in [train]:" in str(info.value)
