@@ -164,6 +164,7 @@ class FusedSaved(NamedTuple):
     out: object
     stats: object
     causal: bool
+    bias: object  # the forward's mask, for the GEMMs' backward if the fused one declines to plan
 
 
 def cudnn_mask(bias, t_q: int, t_k: int):
@@ -254,7 +255,7 @@ def gpu_attention_forward(q, k, v, bias):
     except cudnn_attention.SdpaDeclined:
         return attention_forward(q, k, v, bias, gpu_matmul)
     lse = stats.reshape(stats.shape[:3]).astype(q.dtype, copy=False)
-    return (out, lse), FusedSaved(q, k, v, out, stats, causal)
+    return (out, lse), FusedSaved(q, k, v, out, stats, causal, bias)
 
 
 def gpu_attention_backward(saved, dout):
@@ -263,12 +264,6 @@ def gpu_attention_backward(saved, dout):
     try:
         return cudnn_attention.backward(saved.q, saved.k, saved.v, saved.out, saved.stats, dout, saved.causal)
     except cudnn_attention.SdpaDeclined:  # the forward ran fused, its backward did not plan: the GEMMs' backward
-        t = saved.q.shape[2]
-        bias = _causal_bias(t, array_module(saved.q)) if saved.causal else None
-        _, probs_saved = attention_forward(saved.q, saved.k, saved.v, bias, gpu_matmul)
+        _, probs_saved = attention_forward(saved.q, saved.k, saved.v, saved.bias, gpu_matmul)
         return attention_backward(probs_saved, dout, gpu_matmul)
 
-
-def _causal_bias(t: int, xp):
-    above = xp.arange(t)[None, :] > xp.arange(t)[:, None]
-    return xp.where(above, -xp.inf, 0.0).astype(np.float32)
