@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from mpitrain.config_moe import validate_moe
-from mpitrain.config_rules import OPTIMIZERS, SCHEDULE_KINDS, did_you_mean, positive_degree, require
+from mpitrain.config_rules import (
+    DECAY_SHAPES,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    SCHEDULE_KINDS,
+    did_you_mean,
+    positive_degree,
+    require,
+)
 from mpitrain.errors import ConfigError
 from mpitrain.layout_checks import (
     validate_context_parallel,
@@ -91,6 +99,9 @@ class TrainConfig:
     init_from: str = ""  # a checkpoint or run dir: its weights only (any layout), fresh optimizer, from step 0
     collectives: str = "mpi"  # nccl: GPU groups through NCCL (comm/nccl.py); needs device = "cuda"
     thread_replicas: int = 0  # split a micro-batch's rows over this many threads (parallel/replicas.py); 0: auto
+    # [start, increment, ramp_samples]: the global batch grows from `start` sequences by `increment` until it is
+    # global_batch after ramp_samples samples (Megatron's --rampup-batch-size; optim/schedule.BatchRamp); []: off
+    batch_rampup: list = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +109,9 @@ class OptimConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
+    schedule: str = "cosine"  # after the warm-up: cosine | linear (to min_lr) | constant | wsd (optim/schedule.py)
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps decays to min_lr (stable at lr before)
+    decay_shape: str = "linear"  # wsd's decay: linear | cosine | sqrt (1 - sqrt of the decay's progress)
     weight_decay: float = 0.1
     clip: float = 1.0  # global gradient-norm clip; 0 disables
     beta1: float = 0.9
@@ -154,6 +168,9 @@ class FaultConfig:
     sdc_every: int = 0  # every N steps compare a hash of the parameters across data-parallel replicas; 0: off
     skip_steps: list = field(default_factory=list)  # steps (from 1) whose update is skipped on purpose
     mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
+    # each rank keeps its last N group operations (comm/flight.py), written to RUN_DIR/flight/ on a hang, a failure
+    # or SIGUSR2/SIGTERM for `mpitrain doctor hang`; 0: off
+    flight_ops: int = 256
 
 
 @dataclass
@@ -200,6 +217,8 @@ ALLOWED = {
     "memory.offload": ("none", "host", "disk"),
     "memory.recompute": ("none", "selective", "full"),
     "parallel.schedule": SCHEDULE_KINDS,
+    "optim.schedule": LR_SCHEDULES,
+    "optim.decay_shape": DECAY_SHAPES,
 }
 DEGREES = ("parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.cp", "parallel.ep")  # dp = 0: auto
 
@@ -325,7 +344,7 @@ def validate(cfg: Config) -> None:
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
-              "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
+              "fault.mtbf_hours", "fault.flight_ops", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
               "memory.recompute_layers", "train.thread_replicas"]
     for key in nonneg:
         section, name = key.split(".")
@@ -353,11 +372,32 @@ def validate(cfg: Config) -> None:
             f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
     require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+    _validate_schedules(cfg)
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
             "by this factor), or 0 to turn straggler reports off")
     require(cfg.data.synthetic or cfg.data.path.strip() != "",
             "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
+
+
+def _validate_schedules(cfg: Config) -> None:
+    """optim.decay_fraction, the wsd decay's room after the warm-up, and train.batch_rampup's three numbers."""
+    o, t = cfg.optim, cfg.train
+    require(0 < o.decay_fraction <= 1, f"config key optim.decay_fraction = {o.decay_fraction} must be in (0, 1]")
+    decay = max(1, round(o.decay_fraction * t.steps))  # optim/schedule.wsd_decay_steps
+    require(o.schedule != "wsd" or o.warmup_steps + decay <= t.steps,
+            f"config key optim.decay_fraction = {o.decay_fraction}: the wsd decay's {decay} steps and "
+            f"optim.warmup_steps = {o.warmup_steps} do not fit in train.steps = {t.steps}")
+    if not t.batch_rampup:
+        return
+    require(len(t.batch_rampup) == 3, f"config key train.batch_rampup = {t.batch_rampup} must be [start, increment, "
+                                      "ramp_samples] (Megatron's --rampup-batch-size), or [] for none")
+    start, increment, ramp_samples = t.batch_rampup
+    require(start > 0 and increment > 0 and ramp_samples > 0,
+            f"config key train.batch_rampup = {t.batch_rampup}: start, increment and ramp_samples must be > 0")
+    require(start <= t.global_batch and (t.global_batch - start) % increment == 0,
+            f"config key train.batch_rampup = {t.batch_rampup}: train.global_batch = {t.global_batch} must be "
+            f"start = {start} plus a whole number of increments of {increment}")
 
 
 def _require_finite_floats(cfg: Config) -> None:
@@ -394,7 +434,28 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
             f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
             f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
             f"train.global_batch or train.micro_batch")
+    _validate_ramp_layout(cfg)
     validate_optimizer_layout(cfg)
+
+
+def _validate_ramp_layout(cfg: Config) -> None:
+    """Every global batch of train.batch_rampup splits into whole micro-batches on every dp rank (and, for the
+    interleaved schedule, into a multiple of parallel.pp of them): the first size that does not is named."""
+    t, p = cfg.train, cfg.parallel
+    if not t.batch_rampup:
+        return
+    start, increment, _ = t.batch_rampup
+    per_step = p.dp * t.micro_batch
+    interleaved = p.schedule == "interleaved" and p.virtual_stages > 1
+    for size in range(start, t.global_batch + 1, increment):
+        require(size % per_step == 0,
+                f"config key train.batch_rampup = {t.batch_rampup}: its global batch of {size} is not a multiple of "
+                f"parallel.dp * train.micro_batch = {p.dp} * {t.micro_batch} = {per_step}; make start and "
+                f"increment multiples of {per_step}")
+        require(not interleaved or (size // per_step) % p.pp == 0,
+                f"config key train.batch_rampup = {t.batch_rampup}: its global batch of {size} is "
+                f"{size // per_step} micro-batches, which the interleaved schedule needs to be a multiple of "
+                f"parallel.pp = {p.pp}")
 
 
 def grad_accumulation_steps(cfg: Config) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import CheckpointManager
+from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.comm.nccl import make_group_factory
@@ -30,7 +31,7 @@ from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
-from mpitrain.optim.schedule import lr_at
+from mpitrain.optim.schedule import lr_at, make_batch_ramp
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
@@ -63,6 +64,8 @@ class StepResult:
     compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
     breakdown: dict | None = None  # profile/breakdown.py: {part: seconds} of this rank, and step_s
     verdict: int = GOOD  # resilience/guard.py: GOOD, or why the update was skipped
+    stop_requested: bool = False  # some rank was asked to stop (learnt with the verdict, in the same all-reduce)
+    global_batch: int = 0  # sequences in this step's global batch (train.batch_rampup grows it)
 
     @property
     def skipped(self) -> bool:
@@ -79,7 +82,8 @@ class Trainer:
         resolve_layout(cfg, world_size)
         p = cfg.parallel
         validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.train_data, self.val_data, self.tokenizer = make_samplers(cfg)
+        self.ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
+        self.train_data, self.val_data, self.tokenizer = make_samplers(cfg, self.ramp)
         self.tokenizer_description = self.tokenizer.description() if self.tokenizer is not None else None
         nodes = discover_nodes(world_comm) if cfg.train.device == "cuda" else None  # a GPU per node-local rank
         self.backend = make_backend(cfg.train.device, cfg.precision.compute,
@@ -103,10 +107,10 @@ class Trainer:
         # a rank with several cores splits its micro-batches' rows over thread replicas where the layout allows
         self.replicas = replica_count(cfg, tiles.thread_count())
         self.pipeline = self._build_pipeline()
+        self._programs = {self.accumulation: self.pipeline.program}  # this rank's program per micro-batch count
         if p.zero == 3 and p.pp > 1 and world_rank == 0:
             warn_zero3_with_pipeline(p.pp, self.accumulation)
-        self.rows_per_rank = cfg.train.global_batch // p.dp
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len  # the full batch's (the ramp's last)
         self.peak_flops, self.peak_source = peak_flops(cfg.logging.peak_flops, self.backend, cfg.precision.compute)
         self.recomputed_flops = recomputed_flops_per_token(cfg.model, stage_layer_counts(
             cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers), cfg.memory.recompute,
@@ -140,14 +144,29 @@ class Trainer:
     def is_logger(self) -> bool:
         return self.mesh.world.rank == 0
 
-    def _rows(self, micro: int) -> range:
-        first = self.mesh.dp_rank * self.rows_per_rank + micro * self.cfg.train.micro_batch
+    def _rows(self, micro: int, global_batch: int) -> range:
+        first = self.mesh.dp_rank * (global_batch // self.cfg.parallel.dp) + micro * self.cfg.train.micro_batch
         return range(first, first + self.cfg.train.micro_batch)
 
-    def _micro_batch(self, data, batch: int, micro: int):
-        """(inputs, targets) of this rank: its dp rows, and of each row its cp rank's zig-zag chunks."""
-        cp, rows = self.mesh.cp, data.global_batch_rows(batch, self._rows(micro))
+    def _micro_batch(self, data, batch: int, micro: int, global_batch: int):
+        """(inputs, targets) of this rank: its dp rows of a global batch of `global_batch` sequences, and of each row
+        its cp rank's zig-zag chunks."""
+        cp, rows = self.mesh.cp, data.global_batch_rows(batch, self._rows(micro, global_batch))
         return tuple(split_sequence(part, cp.size, cp.rank) for part in rows)
+
+    def batch_size(self, batch: int) -> int:
+        """Sequences in the global batch of data batch `batch` (train.batch_rampup, else train.global_batch)."""
+        return self.ramp.batch_size(batch) if self.ramp is not None else self.cfg.train.global_batch
+
+    def _use_batch_size(self, global_batch: int) -> None:
+        """Point the pipeline at the program of this many sequences' micro-batches (built once per count: the
+        schedule is a pure function of it, so every rank builds the same one)."""
+        p = self.cfg.parallel
+        micro_batches = global_batch // (p.dp * self.cfg.train.micro_batch)
+        if micro_batches not in self._programs:
+            self._programs[micro_batches] = make_schedule(p.schedule, p.pp, micro_batches,
+                                                          p.virtual_stages)[self.mesh.pp_rank]
+        self.pipeline.use_program(self._programs[micro_batches], micro_batches)
 
     def train_step(self, step: int, measure_bubble: bool = False) -> StepResult:
         """One optimizer step. measure_bubble: gather the pipeline ranks' timelines to the logging rank afterwards
@@ -159,26 +178,30 @@ class Trainer:
         self.breakdown.start_step()
         state.zero_grads()
         loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
-        dloss = loss_scale / self.tokens_per_step  # the loss is the mean over every token of the global batch
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
-        loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro), dloss)
+        global_batch = self.batch_size(batch)  # a batch ramp counts in batches, as the samples consumed do
+        if self.ramp is not None:
+            self._use_batch_size(global_batch)
+        tokens = global_batch * cfg.model.seq_len
+        dloss = loss_scale / tokens  # the loss is the mean over every token of this step's global batch
+        loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro, global_batch), dloss)
         aux = self.model.pop_aux_losses()  # model.moe
-        self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, self.tokens_per_step)
+        self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, tokens)
         loss_sum += aux_sum  # MoE auxiliary losses are part of the loss (their gradients already are)
         compute = compute_seconds(self.pipeline.timeline.events)
         compute += inject_slowdown(self.faults, step + 1, compute)
         self.guard.inject(step + 1, self.optimizer.segments)
         self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
-        loss = self._total(loss_sum) / self.tokens_per_step
-        verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
+        loss = self._total(loss_sum) / tokens
+        verdict, stop_requested = self.guard.step_verdict(step + 1, loss, grad_norm, stop_here())  # same everywhere
         if verdict == NONFINITE_GRAD and self.loss_scale.dynamic:
             verdict = OVERFLOW  # float16: the scale was too large for this step's gradients, no sign of trouble
         if verdict in (GOOD, OVERFLOW):
             self.loss_scale.update(grad_norm if verdict == GOOD else math.inf)  # halves on overflow
         self.guard.record(verdict, loss)
         o = cfg.optim
-        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
+        lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps, o.schedule, o.decay_fraction, o.decay_shape)
         if verdict == GOOD:
             self.optimizer.step(lr, clip_scale(grad_norm, o.clip) / loss_scale)
         state.after_step()
@@ -189,16 +212,17 @@ class Trainer:
         parts = self.breakdown.finish_step()
         self.run_summary.add(parts)
         result = StepResult(step, loss, lr, grad_norm, parts["step_s"], merge_counters(groups),
-                            compute_seconds=compute, verdict=verdict, breakdown=parts)
+                            compute_seconds=compute, verdict=verdict, breakdown=parts, global_batch=global_batch,
+                            stop_requested=stop_requested)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
                 result.bubble = bubble_fraction(merge_events(gathered))
         return result
 
-    def _fetch(self, batch: int, micro: int):
+    def _fetch(self, batch: int, micro: int, global_batch: int):
         with self.breakdown.part("data"):
-            return self._micro_batch(self.train_data, batch, micro)
+            return self._micro_batch(self.train_data, batch, micro, global_batch)
 
     def global_grad_norm(self) -> float:
         """The norm of the whole model's gradient: squares summed over the groups each tensor is split over (tp),
@@ -221,12 +245,13 @@ class Trainer:
         loss_sum = 0.0
         for batch in range(self.cfg.train.eval_batches):
             loss_sum += self.pipeline.forward_only(
-                lambda micro, batch=batch: self._micro_batch(self.val_data, batch, micro),
+                lambda micro, batch=batch: self._micro_batch(self.val_data, batch, micro, self.cfg.train.global_batch),
                 self.accumulation)
         return self._total(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 
     def metrics(self, result: StepResult) -> dict:
-        tokens_per_s = self.tokens_per_step / result.seconds
+        batch_tokens = result.global_batch * self.cfg.model.seq_len
+        tokens_per_s = batch_tokens / result.seconds
         mfu = self.model.flops_per_token() * tokens_per_s / self.cluster_peak_flops
         hardware_mfu = (self.model.flops_per_token() + self.recomputed_flops) * tokens_per_s / self.cluster_peak_flops
         self.recent_step_s = (self.recent_step_s + [result.seconds])[-20:]
@@ -234,7 +259,7 @@ class Trainer:
         # "step" counts from 1, as the console and the checkpoints do: row N is the state of step_N
         record = {"step": result.step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "hardware_mfu": hardware_mfu, "eta_s": eta_s,
-                  "step_time_s": result.seconds,
+                  "step_time_s": result.seconds, "global_batch": result.global_batch, "batch_tokens": batch_tokens,
                   "comm_bytes": result.comm_bytes, "time": time.time()}  # time: wall clock, for time lost
         if self.loss_scale.dynamic:
             record["loss_scale"], record["overflow_steps"] = self.loss_scale.scale, self.loss_scale.skipped
@@ -268,6 +293,8 @@ class Trainer:
                     f"per step{replicas}, {cfg.precision.compute} on {t.device}; run dir {run_dir}")
         lines = [headline, f"MFU against {self.peak_flops / 1e12:.3g} TFLOP/s per rank ({self.peak_source})",
                  self.mesh.describe_placement()]
+        if self.ramp is not None:
+            lines.append(self.ramp.describe())
         if t.device == "cuda":
             m = cfg.model
             lines.append(describe_attention_path(self.backend.dtype, m.n_head, m.kv_heads, m.head_dim, p.cp > 1))
@@ -278,8 +305,10 @@ class Trainer:
         return lines
 
 
-def make_samplers(cfg: Config) -> tuple:
-    """(train sampler, validation sampler, tokenizer or None): synthetic tokens, or data.path's token file."""
+def make_samplers(cfg: Config, ramp=None) -> tuple:
+    """(train sampler, validation sampler, tokenizer or None): synthetic tokens, or data.path's token file. ramp:
+    train.batch_rampup's BatchRamp, which places each step's rows in the token file (synthetic rows are a pure
+    function of (step, row) already)."""
     if cfg.data.synthetic:
         m, t = cfg.model, cfg.train
         return (SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed),
@@ -288,7 +317,8 @@ def make_samplers(cfg: Config) -> tuple:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
                           f"{cfg.data.path} ({dataset.vocab_size} tokens)")
-    train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed)
+    train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
+                                                  ramp)
     return train_data, val_data, dataset.tokenizer
 
 
@@ -304,11 +334,21 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
     writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's watchdog
     writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
     with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
-        return _train(cfg, world_comm, run_dir, echo, resume, watchdog.progress)
+        progress = watchdog.progress
+        if cfg.fault.flight_ops:  # the last operations, for `mpitrain doctor hang` (comm/flight.py)
+            progress.flight = FlightRecorder(cfg.fault.flight_ops, Path(run_dir) / "flight", world_comm.Get_rank())
+        try:
+            return _train(cfg, world_comm, run_dir, echo, resume, progress)
+        except BaseException as exc:
+            if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+                progress.flight.write("failure", progress)  # before abort_on_error ends the job
+            raise
 
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
     trainer = Trainer(cfg, world_comm, progress, run_dir)
+    if progress.flight is not None:
+        progress.flight.phase = trainer.breakdown.current_part  # what a flight record says the rank was doing
     logger, t = trainer.is_logger, cfg.train
     say = echo if logger else (lambda text: None)
     manager = trainer.checkpoint_manager(cfg.checkpoint.directory(run_dir), cfg.checkpoint.keep, say)
@@ -317,7 +357,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     with RunLog(cfg, run_dir, start, echo if logger else None) as log:
         log.banner(trainer.banner(run_dir))
         with Resilience(cfg, trainer.mesh, trainer.faults, trainer.guard, progress, run_dir,
-                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience:
+                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience, \
+                flight_signals(progress):  # after the stop request's handlers: SIGTERM writes, then asks to stop
             step = start
             while step < t.steps:
                 done = step + 1
@@ -337,7 +378,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                     step = restored
                     continue
                 checkpoints.poll()
-                stopping = resilience.stop_reason(done)
+                stopping = resilience.stop_reason(done, result.stop_requested)
                 resilience.check_replicas(done, saving=stopping is not None or checkpoints.due(done))
                 if stopping:
                     return checkpoints.save_and_stop(done, stopping)

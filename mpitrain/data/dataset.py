@@ -104,11 +104,13 @@ class BatchSampler:
 
     The split is cut into windows of seq_len + 1 tokens starting every seq_len tokens (inputs = window[:-1],
     targets = window[1:]). Global sample g = s * global_batch + row belongs to epoch g // n_windows, which visits
-    the windows in the order of a permutation seeded by (seed, epoch).
+    the windows in the order of a permutation seeded by (seed, epoch). With a batch ramp (train.batch_rampup: an
+    object with batch_size(s) and samples_before(s), optim/schedule.BatchRamp) step s has its own batch size and
+    g = samples_before(s) + row: still a pure function of the step.
     """
 
-    def __init__(self, dataset, split, seq_len, global_batch, seed):
-        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+    def __init__(self, dataset, split, seq_len, global_batch, seed, ramp=None):
+        self.seq_len, self.global_batch, self.seed, self.ramp = seq_len, global_batch, seed, ramp
         n_tokens = dataset.n_tokens(split)
         if n_tokens < seq_len + 1:
             raise DataError(f"the {split} split of {dataset.path} has {n_tokens} tokens, fewer than "
@@ -126,18 +128,26 @@ class BatchSampler:
             self._permutations[epoch] = rng.permutation(self.n_windows)
         return self._permutations[epoch]
 
+    def _first_sample(self, step):
+        return self.ramp.samples_before(step) if self.ramp is not None else step * self.global_batch
+
+    def batch_size(self, step):
+        """Sequences in the global batch of `step`."""
+        return self.ramp.batch_size(step) if self.ramp is not None else self.global_batch
+
     def epoch_of(self, step):
         """The epoch that the first row of `step` belongs to."""
-        return step * self.global_batch // self.n_windows
+        return self._first_sample(step) // self.n_windows
 
     def global_batch_rows(self, step, rows):
         """(inputs, targets), int64 of shape (len(rows), seq_len): only `rows` of step `step`'s global batch."""
+        size = self.batch_size(step)
         if isinstance(rows, slice):
-            rows = range(*rows.indices(self.global_batch))
+            rows = range(*rows.indices(size))
         rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.global_batch):
-            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the global batch of {self.global_batch}")
-        epochs, positions = np.divmod(step * self.global_batch + rows, self.n_windows)
+        if rows.size and (rows.min() < 0 or rows.max() >= size):
+            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the global batch of {size}")
+        epochs, positions = np.divmod(self._first_sample(step) + rows, self.n_windows)
         windows = np.array([self._permutation(e)[p] for e, p in zip(epochs.tolist(), positions.tolist())],
                            dtype=np.int64)
         token_index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
@@ -158,7 +168,8 @@ def _id_range(data, into=None) -> tuple[int, int]:
     return low, high
 
 
-def train_and_val_samplers(dataset, seq_len, global_batch, seed):
-    """The trainer's two samplers; val uses seed + VAL_SEED_OFFSET and is read as steps 0..eval_batches-1."""
-    return (BatchSampler(dataset, "train", seq_len, global_batch, seed),
+def train_and_val_samplers(dataset, seq_len, global_batch, seed, ramp=None):
+    """The trainer's two samplers; val uses seed + VAL_SEED_OFFSET and is read as steps 0..eval_batches-1, always in
+    whole global batches (a batch ramp, `ramp`, is the training batches' only)."""
+    return (BatchSampler(dataset, "train", seq_len, global_batch, seed, ramp),
             BatchSampler(dataset, "val", seq_len, global_batch, seed + VAL_SEED_OFFSET))

@@ -157,6 +157,12 @@ class PipelineExecutor:
         }
 
     # -- entry points
+    def use_program(self, program: list[Instruction], micro_batches: int) -> None:
+        """Run the steps from now on with another program of the same schedule, over `micro_batches` micro-batches
+        (train.batch_rampup: the micro-batch count grows with the global batch)."""
+        self.program = program
+        self.gradients.micro_batches = micro_batches
+
     def run_step(self, batch, loss_scale: float) -> float:
         """Forward and backward every micro-batch through this rank's chunks, then reduce the gradients.
         batch(micro) -> (input ids, targets) as host arrays; loss_scale: d(loss)/d(loss sum), 1 / tokens of the
