@@ -15,7 +15,6 @@ from pathlib import Path
 from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import CheckpointManager
-from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.comm.nccl import make_group_factory
@@ -64,7 +63,6 @@ class StepResult:
     compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
     breakdown: dict | None = None  # profile/breakdown.py: {part: seconds} of this rank, and step_s
     verdict: int = GOOD  # resilience/guard.py: GOOD, or why the update was skipped
-    stop_requested: bool = False  # some rank was asked to stop (learnt with the verdict, in the same all-reduce)
     global_batch: int = 0  # sequences in this step's global batch (train.batch_rampup grows it)
 
     @property
@@ -194,7 +192,7 @@ class Trainer:
         self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / tokens
-        verdict, stop_requested = self.guard.step_verdict(step + 1, loss, grad_norm, stop_here())  # same everywhere
+        verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
         if verdict == NONFINITE_GRAD and self.loss_scale.dynamic:
             verdict = OVERFLOW  # float16: the scale was too large for this step's gradients, no sign of trouble
         if verdict in (GOOD, OVERFLOW):
@@ -212,8 +210,7 @@ class Trainer:
         parts = self.breakdown.finish_step()
         self.run_summary.add(parts)
         result = StepResult(step, loss, lr, grad_norm, parts["step_s"], merge_counters(groups),
-                            compute_seconds=compute, verdict=verdict, breakdown=parts, global_batch=global_batch,
-                            stop_requested=stop_requested)
+                            compute_seconds=compute, verdict=verdict, breakdown=parts, global_batch=global_batch)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
@@ -334,21 +331,11 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
     writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's watchdog
     writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
     with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
-        progress = watchdog.progress
-        if cfg.fault.flight_ops:  # the last operations, for `mpitrain doctor hang` (comm/flight.py)
-            progress.flight = FlightRecorder(cfg.fault.flight_ops, Path(run_dir) / "flight", world_comm.Get_rank())
-        try:
-            return _train(cfg, world_comm, run_dir, echo, resume, progress)
-        except BaseException as exc:
-            if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
-                progress.flight.write("failure", progress)  # before abort_on_error ends the job
-            raise
+        return _train(cfg, world_comm, run_dir, echo, resume, watchdog.progress)
 
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
     trainer = Trainer(cfg, world_comm, progress, run_dir)
-    if progress.flight is not None:
-        progress.flight.phase = trainer.breakdown.current_part  # what a flight record says the rank was doing
     logger, t = trainer.is_logger, cfg.train
     say = echo if logger else (lambda text: None)
     manager = trainer.checkpoint_manager(cfg.checkpoint.directory(run_dir), cfg.checkpoint.keep, say)
@@ -357,8 +344,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     with RunLog(cfg, run_dir, start, echo if logger else None) as log:
         log.banner(trainer.banner(run_dir))
         with Resilience(cfg, trainer.mesh, trainer.faults, trainer.guard, progress, run_dir,
-                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience, \
-                flight_signals(progress):  # after the stop request's handlers: SIGTERM writes, then asks to stop
+                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience:
             step = start
             while step < t.steps:
                 done = step + 1
@@ -378,7 +364,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
                     step = restored
                     continue
                 checkpoints.poll()
-                stopping = resilience.stop_reason(done, result.stop_requested)
+                stopping = resilience.stop_reason(done)
                 resilience.check_replicas(done, saving=stopping is not None or checkpoints.due(done))
                 if stopping:
                     return checkpoints.save_and_stop(done, stopping)
