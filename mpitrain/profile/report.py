@@ -1,11 +1,14 @@
 """`mpitrain report RUN_DIR`: a run's health at a glance, from the files the run writes as it goes.
 
+    config.toml      the resolved config: the layout named in the titles (a timeline is a pipeline's only if pp > 1)
     metrics.jsonl    one row per logged step: loss, val_loss, tokens/s, MFU, comm_bytes, breakdown (every rank's)
-    timeline.json    the pipeline events of the last logged step, every rank (profile/breakdown.gather_step)
+    timeline.json    the events of the last logged step, every rank (profile/breakdown.gather_step)
 
-Panels: loss and validation loss; tokens/s and MFU; the stacked time breakdown per step (mean over ranks, so the
-stack is the mean step time); bytes sent per kind per step; the Gantt chart of one step per rank. Reading tolerates
-a torn last line, so it works on a run still going. Needs matplotlib (pip install 'mpitrain[plot]').
+Panels, one above the other so the step axes line up (a slow step shows in every panel at the same x): loss and
+validation loss; tokens/s and MFU; the stacked time breakdown per step (mean over ranks, so the stack is the mean
+step time); bytes sent per kind per step; the last logged step per rank. Each legend sits to the right of its own
+panel, outside the data. Reading tolerates a torn last line, so it works on a run still going. Needs matplotlib
+(pip install 'mpitrain[report]').
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import contextlib
 import html
 import io
 import json
+import tomllib
 from itertools import pairwise
 from pathlib import Path
 
@@ -21,11 +25,12 @@ from mpitrain.errors import MpitrainError
 from mpitrain.profile.breakdown import COMM_PREFIX, ordered_parts
 from mpitrain.profile.jsonl import read_records
 
-PANEL_TITLES = ("Loss", "Throughput and MFU", "Time breakdown per step (mean over ranks)",
-                "Bytes sent per step (rank 0)", "Pipeline timeline")
 _EVENT_COLORS = {"forward": "#4c72b0", "backward": "#55a868", "backward_input": "#55a868",
                  "backward_weight": "#c44e52", "reduce_grads": "#8172b2"}
 _WAIT_COLOR = "#bbbbbb"
+_TOKENS_COLOR, _MFU_COLOR = "#4c72b0", "#dd8452"
+# Sizes for a PNG read at 100% zoom: 12 x 16 inches at 100 dpi, text at 11 pt (about 15 pixels high).
+FIGURE_INCHES, DPI, FONT_PT = (12, 16), 100, 11
 
 
 def load_run(run_dir) -> tuple[list[dict], dict | None]:
@@ -42,11 +47,53 @@ def load_run(run_dir) -> tuple[list[dict], dict | None]:
     return rows, timeline
 
 
+def load_config(run_dir) -> dict:
+    """RUN_DIR/config.toml as a dict; {} when the run has none (the titles then name no layout)."""
+    with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
+        return tomllib.loads((Path(run_dir) / "config.toml").read_text())
+    return {}
+
+
+def panel_titles(config: dict, step) -> list[str]:
+    """The five panels' titles; the last one calls the timeline a pipeline's only when the run has pp > 1."""
+    parallel = config.get("parallel", {})
+    pp = parallel.get("pp")
+    if pp is None:
+        timeline = f"Timeline of step {step}, per rank"
+    elif pp > 1:
+        schedule = parallel.get("schedule", "1f1b")
+        chunks = parallel.get("virtual_stages", 1)
+        shape = f"{schedule}, pp = {pp}" + (f", {chunks} chunks per rank" if schedule == "interleaved" else "")
+        timeline = f"Pipeline timeline of step {step} ({shape})"
+    else:
+        timeline = f"Step {step} per rank: forward, backward, gradient reduction (no pipeline: pp = 1)"
+    return ["Loss", "Throughput and MFU", "Time breakdown per step (mean over ranks)",
+            "Bytes sent per step (rank 0)", timeline]
+
+
+def layout_words(config: dict) -> str:
+    """'dp 2 tp 1 pp 1 cp 1 ep 1, ZeRO-0' from the resolved config, '' without one."""
+    parallel = config.get("parallel", {})
+    if not parallel:
+        return ""
+    degrees = " ".join(f"{name} {parallel.get(name, 1)}" for name in ("dp", "tp", "pp", "cp", "ep"))
+    return f"{degrees}, ZeRO-{parallel.get('zero', 0)}"
+
+
 def mean_breakdown(row: dict) -> dict:
     """The row's breakdown averaged over ranks (parts a rank lacks count 0)."""
     ranks = row.get("breakdown") or []
     keys = {key for parts in ranks for key in parts}
     return {key: sum(parts.get(key, 0.0) for parts in ranks) / len(ranks) for key in keys} if ranks else {}
+
+
+def _legend_beside(axes, handles=None, labels=None):
+    """The legend to the right of its own panel, top-aligned with it: it never covers data, and a reader finds it
+    level with the panel it explains."""
+    options = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0, "fontsize": FONT_PT - 1}
+    if handles is None:
+        return axes.legend(**options)
+    return axes.legend(handles, labels, **options)
 
 
 def _plot_loss(axes, rows):
@@ -57,22 +104,27 @@ def _plot_loss(axes, rows):
         axes.plot(*zip(*val), "o-", label="validation loss")
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats/token)")
-    axes.legend(fontsize=8)
+    _legend_beside(axes)
 
 
 def _plot_throughput(axes, rows):
+    """tokens/s on the left axis, MFU on the right; each axis is coloured like its series, and the legend (beside
+    the panel) names both."""
     steps = [row["step"] for row in rows]
-    axes.plot(steps, [row["tokens_per_s"] for row in rows], color="#4c72b0", label="tokens/s")
+    axes.plot(steps, [row["tokens_per_s"] for row in rows], color=_TOKENS_COLOR, label="tokens/s (left axis)")
     axes.set_xlabel("step")
-    axes.set_ylabel("tokens/s")
+    axes.set_ylabel("tokens/s", color=_TOKENS_COLOR)
     mfu_axes = axes.twinx()
-    mfu_axes.plot(steps, [100 * row["mfu"] for row in rows], "o", markersize=4, color="#dd8452", label="MFU")
+    mfu_axes.plot(steps, [100 * row["mfu"] for row in rows], "o", markersize=4, color=_MFU_COLOR,
+                  label="MFU (right axis)")
     if any(row.get("hardware_mfu", row["mfu"]) != row["mfu"] for row in rows):  # recomputation: more hardware work
         mfu_axes.plot(steps, [100 * row.get("hardware_mfu", row["mfu"]) for row in rows], "x", color="#c44e52",
-                      label="hardware MFU")
-    mfu_axes.set_ylabel("MFU (%)")
+                      label="hardware MFU (right axis)")
+    mfu_axes.set_ylabel("MFU (%)", color=_MFU_COLOR)
     lines = axes.get_lines() + mfu_axes.get_lines()
-    axes.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="lower right")
+    # Beside the panel as the others, but past the MFU axis's tick labels and name (the twin's tight box).
+    legend = _legend_beside(mfu_axes, lines, [line.get_label() for line in lines])
+    legend.set_bbox_to_anchor((1.09, 1.0), transform=mfu_axes.transAxes)
 
 
 def _plot_breakdown(axes, rows):
@@ -94,7 +146,7 @@ def _plot_breakdown(axes, rows):
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.set_xlabel("step")
     axes.set_ylabel("time (ms)")
-    axes.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _legend_beside(axes)
 
 
 def _bar_width(steps) -> float:
@@ -124,9 +176,9 @@ def _plot_bytes(axes, rows):
         axes.bar(steps, heights, bottom=bottom, label=kind, width=_bar_width(steps))
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.set_xlabel("step")
-    axes.set_ylabel("MB sent (ring-algorithm bytes)")
+    axes.set_ylabel("MB sent\n(ring-algorithm bytes)")
     if kinds:
-        axes.legend(fontsize=7)
+        _legend_beside(axes)
 
 
 def _plot_gantt(axes, timeline):
@@ -143,49 +195,63 @@ def _plot_gantt(axes, timeline):
     ranks = timeline.get("ranks") or 1 + max(event["rank"] for event in events)
     axes.set_yticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
     axes.invert_yaxis()
-    axes.set_xlabel(f"time in step {timeline.get('step')} (ms)")
+    axes.set_xlabel("time since the step began (ms)")
     from matplotlib.patches import Patch
 
-    axes.legend(handles=[Patch(color=_EVENT_COLORS["forward"], label="forward"),
-                         Patch(color=_EVENT_COLORS["backward"], label="backward / input grad"),
-                         Patch(color=_EVENT_COLORS["backward_weight"], label="weight grad"),
-                         Patch(color=_EVENT_COLORS["reduce_grads"], label="reduce grads"),
-                         Patch(color=_WAIT_COLOR, label="send / recv")], fontsize=7, ncol=5,
-                loc="lower left", bbox_to_anchor=(0.0, 1.08), frameon=False)
+    kinds = {event["kind"] for event in events}
+    entries = [("forward", "forward"), ("backward", "backward" if "backward_input" not in kinds else "input grad"),
+               ("backward_weight", "weight grad"), ("reduce_grads", "reduce grads")]
+    handles = [Patch(color=_EVENT_COLORS[kind], label=label) for kind, label in entries
+               if kind in kinds or (kind == "backward" and "backward_input" in kinds)]
+    if kinds - set(_EVENT_COLORS):
+        handles.append(Patch(color=_WAIT_COLOR, label="send / recv"))
+    _legend_beside(axes, handles, [handle.get_label() for handle in handles])
+
+
+def build_figure(run_dir):
+    """The report of `run_dir` as a matplotlib Figure (its axes carry the titles and legends tests read back)."""
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MpitrainError("mpitrain report needs matplotlib: pip install 'mpitrain[report]'") from None
+    rows, timeline = load_run(run_dir)
+    config = load_config(run_dir)
+    step = (timeline or {}).get("step", rows[-1]["step"])
+    with matplotlib.rc_context({"font.size": FONT_PT, "axes.titlesize": FONT_PT + 1}):
+        figure = Figure(figsize=FIGURE_INCHES, dpi=DPI, layout="constrained")
+        grid = figure.add_gridspec(5, 1, height_ratios=(1, 1, 1.2, 1, 1.2))
+        panels = [figure.add_subplot(grid[i, 0]) for i in range(5)]
+        for axes, draw, data in zip(panels, (_plot_loss, _plot_throughput, _plot_breakdown, _plot_bytes,
+                                             _plot_gantt), (rows, rows, rows, rows, timeline)):
+            draw(axes, data)
+        for axes, title in zip(panels, panel_titles(config, step)):
+            axes.set_title(title, loc="left")
+        total = config.get("train", {}).get("steps")
+        head = f"{Path(run_dir).resolve().name}: step {rows[-1]['step']}" + (f" of {total}" if total else "")
+        layout = layout_words(config)
+        figure.suptitle(head + (f"  ({layout})" if layout else ""), fontsize=FONT_PT + 2)
+    return figure
 
 
 def render(run_dir, out) -> list[str]:
     """Draw the report of `run_dir` into `out` (.png, or .html embedding the PNG and the last row); returns the
     panels' titles."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise MpitrainError("mpitrain report needs matplotlib: pip install 'mpitrain[plot]'") from None
     out = Path(out)
     if out.suffix not in (".png", ".html"):
         raise MpitrainError(f"--out {out}: the report is written as .png or .html")
-    rows, timeline = load_run(run_dir)
-    figure = Figure(figsize=(15, 12), layout="constrained")
-    grid = figure.add_gridspec(3, 2)
-    panels = [figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1]), figure.add_subplot(grid[1, 0]),
-              figure.add_subplot(grid[1, 1]), figure.add_subplot(grid[2, :])]
-    for axes, draw, data in zip(panels, (_plot_loss, _plot_throughput, _plot_breakdown, _plot_bytes, _plot_gantt),
-                                (rows, rows, rows, rows, timeline)):
-        draw(axes, data)
-    titles = list(PANEL_TITLES)
-    for axes, title in zip(panels, titles):
-        axes.set_title(title, loc="left", fontsize=11)
-    figure.suptitle(f"{Path(run_dir).resolve().name}: step {rows[-1]['step']}", fontsize=12)
+    figure = build_figure(run_dir)
+    titles = [axes.get_title(loc="left") for axes in figure.axes if axes.get_title(loc="left")]
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=70, metadata={"Title": "mpitrain report",
-                                                            "Description": " | ".join(titles)})
+    figure.savefig(buffer, format="png", metadata={"Title": "mpitrain report", "Description": " | ".join(titles)})
     if out.suffix == ".png":
         out.write_bytes(buffer.getvalue())
     else:
+        rows, _ = load_run(run_dir)
         image = base64.b64encode(buffer.getvalue()).decode()
         last = html.escape(json.dumps({k: v for k, v in rows[-1].items() if k != "breakdown"}, indent=1))
         out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>mpitrain report</title></head>"
-                       f"<body><h1>{html.escape(str(run_dir))}</h1><img alt='{' | '.join(titles)}' "
+                       f"<body><h1>{html.escape(str(run_dir))}</h1><img alt='{html.escape(' | '.join(titles))}' "
                        f"src='data:image/png;base64,{image}'><h2>Last logged step</h2><pre>{last}</pre>"
                        f"</body></html>")
     return titles
