@@ -330,6 +330,22 @@ def report_command(run_dir, out_path):
     click.echo(f"wrote {out_path}: {', '.join(render(run_dir, out_path))}")
 
 
+# ----------------------------------------------------------------------------- doctor
+@main.group()
+def doctor():
+    """What went wrong at scale: a hang, or a layout that does not match one process."""
+
+
+@doctor.command("hang")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@_user_errors
+def doctor_hang(run_dir):
+    """Read the ranks' flight records (RUN_DIR/flight): per group, the collective reached, who is stuck in it and
+    who never entered it, with what each was doing instead."""
+    from mpitrain.doctor.hang import diagnose
+    click.echo(diagnose(Path(run_dir)))
+
+
 # ----------------------------------------------------------------------------- bench
 @main.group()
 def bench():

@@ -168,6 +168,9 @@ class FaultConfig:
     sdc_every: int = 0  # every N steps compare a hash of the parameters across data-parallel replicas; 0: off
     skip_steps: list = field(default_factory=list)  # steps (from 1) whose update is skipped on purpose
     mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
+    # each rank keeps its last N group operations (comm/flight.py), written to RUN_DIR/flight/ on a hang, a failure
+    # or SIGUSR2/SIGTERM for `mpitrain doctor hang`; 0: off
+    flight_ops: int = 256
 
 
 @dataclass
@@ -341,7 +344,7 @@ def validate(cfg: Config) -> None:
               "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
-              "fault.mtbf_hours", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
+              "fault.mtbf_hours", "fault.flight_ops", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
               "memory.recompute_layers", "train.thread_replicas"]
     for key in nonneg:
         section, name = key.split(".")

@@ -15,6 +15,7 @@ from pathlib import Path
 from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import CheckpointManager
+from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.comm.nccl import make_group_factory
@@ -331,11 +332,21 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
     writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's watchdog
     writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
     with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
-        return _train(cfg, world_comm, run_dir, echo, resume, watchdog.progress)
+        progress = watchdog.progress
+        if cfg.fault.flight_ops:  # the last operations, for `mpitrain doctor hang` (comm/flight.py)
+            progress.flight = FlightRecorder(cfg.fault.flight_ops, Path(run_dir) / "flight", world_comm.Get_rank())
+        try:
+            return _train(cfg, world_comm, run_dir, echo, resume, progress)
+        except BaseException as exc:
+            if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+                progress.flight.write("failure", progress)  # before abort_on_error ends the job
+            raise
 
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
     trainer = Trainer(cfg, world_comm, progress, run_dir)
+    if progress.flight is not None:
+        progress.flight.phase = trainer.breakdown.current_part  # what a flight record says the rank was doing
     logger, t = trainer.is_logger, cfg.train
     say = echo if logger else (lambda text: None)
     manager = trainer.checkpoint_manager(cfg.checkpoint.directory(run_dir), cfg.checkpoint.keep, say)
@@ -344,7 +355,8 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     with RunLog(cfg, run_dir, start, echo if logger else None) as log:
         log.banner(trainer.banner(run_dir))
         with Resilience(cfg, trainer.mesh, trainer.faults, trainer.guard, progress, run_dir,
-                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience:
+                        lambda: replicated_arrays(trainer.state, trainer.optimizer), say, logger) as resilience, \
+                flight_signals(progress):  # after the stop request's handlers: SIGTERM writes, then asks to stop
             step = start
             while step < t.steps:
                 done = step + 1

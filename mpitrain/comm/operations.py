@@ -9,6 +9,9 @@ an operation (a blocking call, or `Handle.wait`), the record also holds that ope
 The watchdog thread (watchdog.py) publishes the record in the rank's heartbeat and, when the wait is older than the
 timeout, compares its sequence number with what each peer has entered: a peer below it has not arrived. This costs
 a counter increment and two attribute writes per operation: no extra communication.
+
+With a flight recorder (flight.py, `ProgressRecord.flight`), each operation is also kept in the rank's ring of its
+last N operations when entered, and stamped when it completes (a blocking call returning, or its Handle completing).
 """
 
 from __future__ import annotations
@@ -75,11 +78,20 @@ class ProgressRecord:
         self.on_timeout = None
         # mpitrain/profile/breakdown.py's Breakdown (given to the Mesh): charges each wait to its kind of operation
         self.listener = None
+        self.flight = None  # flight.py's FlightRecorder (fault.flight_ops > 0): the last operations, kept
 
     def enter(self, name, group, members: tuple, channel, peers: tuple, nbytes: int) -> Operation:
         seq = self.entered.get(channel, 0) + 1
         self.entered[channel] = seq
-        return Operation(name, group, members, channel, seq, nbytes, peers)
+        operation = Operation(name, group, members, channel, seq, nbytes, peers)
+        if self.flight is not None:
+            self.flight.started(operation, self.step)
+        return operation
+
+    def completed(self, operation: Operation) -> None:
+        """`operation` has finished on this rank (for the flight recorder)."""
+        if self.flight is not None:
+            self.flight.completed(operation)
 
     def begin_wait(self, operation: Operation) -> None:
         self.waiting = (operation, time.monotonic())
@@ -107,6 +119,7 @@ class ProgressRecord:
             run()
         finally:
             self.end_wait()
+        self.completed(operation)
 
     def poll(self, request, operation: Operation) -> None:
         """Wait for `request` by testing it, so that this thread can act when the deadline passes (no MULTIPLE)."""
@@ -200,6 +213,8 @@ class Handle:
     def _complete(self) -> None:
         self._request = None
         self._buffers = ()
+        if self._record is not None and self._operation is not None:
+            self._record.completed(self._operation)
         continuations, self._continuations = self._continuations, []
         for continuation in continuations:
             self.result = continuation()

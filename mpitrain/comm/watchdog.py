@@ -223,6 +223,8 @@ class Watchdog:
     def fire(self, operation: Operation, waited_s: float) -> None:
         """Diagnose, report (unless a lower live rank waiting on the same operation will) and abort the job.
         Returns only when the operation completed meanwhile (slow, not hung)."""
+        if self.progress.flight is not None:  # first: every rank that fires leaves its record before the abort
+            self.progress.flight.write("hang", self.progress)
         states, second = self.inspect_peers(operation)
         if not self._still_waiting(operation):
             return

@@ -135,6 +135,14 @@ class Breakdown:
         self._charge()
         self._stack.pop()
 
+    def current_part(self) -> str:
+        """What the step's thread is doing now: the innermost part that is not a wait on communication (read from
+        another thread by the flight recorder, comm/flight.py)."""
+        for part in reversed(list(self._stack)):
+            if not part.startswith(COMM_PREFIX):
+                return part
+        return _BETWEEN
+
     @contextmanager
     def part(self, name: str):
         """Charge the body of the with-block (less any nested part) to `name`."""
