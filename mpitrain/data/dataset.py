@@ -6,6 +6,7 @@ import os
 import h5py
 import numpy as np
 
+from mpitrain.data.documents import no_boundaries_error, starts_after_eod, stored_starts
 from mpitrain.data.tokenizer import tokenizer_from_description
 from mpitrain.errors import DataError
 
@@ -41,6 +42,9 @@ class TokenDataset:
                 self._attrs = dict(f.attrs)
                 vocab_size = self.vocab_size
                 self._tokens = {name: self._read_split(name, f[name], vocab_size) for name in SPLITS}
+                # where documents start (data.document_mask), when the file stores it
+                self._doc_starts = {name: np.asarray(f[f"{name}_doc_starts"][()], dtype=np.int64)
+                                    if f"{name}_doc_starts" in f else None for name in SPLITS}
         except OSError as err:
             raise DataError(f"cannot read dataset file {self.path}: {err}") from None
 
@@ -85,6 +89,17 @@ class TokenDataset:
             raise DataError(f"dataset file {self.path}: attribute 'tokenizer' is not a JSON description")
         return tokenizer_from_description(description)
 
+    @property
+    def eod_id(self):
+        """The end-of-document token id, or None (no eod_id attribute, or -1: a tokenizer without one)."""
+        value = self._attrs.get("eod_id")
+        return None if value is None or int(value) < 0 else int(value)
+
+    def doc_starts(self, split):
+        """The sorted stream offsets of the split's documents' first tokens, or None when the file has none."""
+        self._check_split(split)
+        return self._doc_starts[split]
+
     def _check_split(self, split):
         if split not in SPLITS:
             raise DataError(f"no split {split!r} in {self.path} (has: {', '.join(SPLITS)})")
@@ -118,6 +133,7 @@ class BatchSampler:
         self.tokens = dataset.tokens(split)
         self.n_windows = (n_tokens - 1) // seq_len
         self._permutations = {}
+        self.eod_id, self.doc_starts, self.path = dataset.eod_id, dataset.doc_starts(split), dataset.path
 
     def _permutation(self, epoch):
         # A batch touches at most a couple of epochs, and steps come in order: keep only the latest few.
@@ -147,12 +163,24 @@ class BatchSampler:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= size):
             raise IndexError(f"rows {rows.min()}..{rows.max()} outside the global batch of {size}")
+        samples = self.tokens[self._token_index(step, rows)].astype(np.int64)
+        return np.ascontiguousarray(samples[:, :-1]), np.ascontiguousarray(samples[:, 1:])
+
+    def _token_index(self, step, rows):
+        """(len(rows), seq_len + 1): the stream positions of the windows of `rows` of step `step`."""
         epochs, positions = np.divmod(self._first_sample(step) + rows, self.n_windows)
         windows = np.array([self._permutation(e)[p] for e, p in zip(epochs.tolist(), positions.tolist())],
                            dtype=np.int64)
-        token_index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        samples = self.tokens[token_index].astype(np.int64)
-        return np.ascontiguousarray(samples[:, :-1]), np.ascontiguousarray(samples[:, 1:])
+        return windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+
+    def document_starts(self, step, rows):
+        """(len(rows), seq_len) bool: the input tokens of `rows` of step `step` that start a document (after the
+        file's end-of-document token, else at its stored starts): data.document_mask, mpitrain/data/documents.py."""
+        if self.eod_id is not None:
+            return starts_after_eod(self.global_batch_rows(step, rows)[0], self.eod_id)
+        if self.doc_starts is None:
+            raise no_boundaries_error(self.path)
+        return stored_starts(self._token_index(step, np.asarray(rows, dtype=np.int64))[:, :-1], self.doc_starts)
 
 
 def _id_range(data, into=None) -> tuple[int, int]:
