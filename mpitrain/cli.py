@@ -47,7 +47,8 @@ def data():
 
 @data.command("prepare")
 @click.option("--source", "sources", multiple=True, required=True,
-              help="'python-stdlib' (this Python's own source tree, no download) or text files/folders; repeatable.")
+              help="'python-stdlib' (this Python's own source tree, no download), or files / folders of plain text, "
+                   "JSON lines (.jsonl, .jsonl.gz) and Parquet (.parquet); repeatable.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="HDF5 file to write.")
 @click.option("--tokenizer", type=click.Choice(["byte", "bpe"]), default="byte", show_default=True)
 @click.option("--vocab-size", type=int, default=None, help="BPE vocabulary size (needs the 'tokenizers' package).")
@@ -55,16 +56,22 @@ def data():
 @click.option("--max-bytes", type=int, default=None, help="Use at most this many bytes of text.")
 @click.option("--tokenizer-file", type=click.Path(dir_okay=False), default=None,
               help="Tokenize with this tokenizer.json (e.g. a Hugging Face model's) instead of --tokenizer.")
+@click.option("--text-field", default="text", show_default=True,
+              help="The JSON lines field / Parquet column that holds each document's text.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Tokenizing processes (default: min(4, CPU count)); the file is the same for any number.")
 @_user_errors
-def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes, tokenizer_file):
-    """Tokenize text into an HDF5 token file with train and val splits."""
+def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes, tokenizer_file, text_field,
+                 workers):
+    """Tokenize documents into an HDF5 token file with train and val splits and each document's start."""
     from mpitrain.data.prepare import prepare_dataset
     source = "python-stdlib" if list(sources) == ["python-stdlib"] else list(sources)
     summary = prepare_dataset(source, out_path, tokenizer=tokenizer, vocab_size=vocab_size,
-                              val_fraction=val_fraction, max_bytes=max_bytes, tokenizer_file=tokenizer_file)
+                              val_fraction=val_fraction, max_bytes=max_bytes, tokenizer_file=tokenizer_file,
+                              text_field=text_field, workers=workers)
     click.echo(f"wrote {summary['out']}: {summary['train_tokens']:,} train + {summary['val_tokens']:,} val tokens "
                f"from {summary['documents']:,} documents ({summary['bytes']:,} bytes), "
-               f"{summary['tokenizer']} tokenizer, vocabulary {summary['vocab_size']}")
+               f"{summary['tokenizer']} tokenizer, vocabulary {summary['vocab_size']}, {summary['workers']} worker(s)")
 
 
 # ----------------------------------------------------------------------------- train

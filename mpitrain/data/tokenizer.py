@@ -8,6 +8,9 @@ import numpy as np
 
 from mpitrain.errors import DataError
 
+# The names tokenizers give the token that ends a document (GPT-2, Llama 3, Llama 2 / Mistral, Gemma), first match.
+END_OF_DOCUMENT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
 
 def token_dtype(vocab_size):
     """Smallest unsigned dtype holding every id: halves the file and memory for vocabularies up to 65535."""
@@ -18,6 +21,7 @@ class ByteTokenizer:
     """One token per UTF-8 byte: no training, no unknown tokens, any text round-trips."""
 
     vocab_size = 256
+    eod_id = None  # every id is a byte: none is free to mark a document's end
 
     def encode(self, text):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -52,8 +56,9 @@ class BPETokenizer:
         tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
         tokenizer.pre_tokenizer = byte_level
         tokenizer.decoder = tokenizers.decoders.ByteLevel()
-        trainer = tokenizers.trainers.BpeTrainer(
-            vocab_size=vocab_size, initial_alphabet=byte_level.alphabet(), show_progress=False)
+        trainer = tokenizers.trainers.BpeTrainer(  # id 0 ends each document (prepare.py appends it)
+            vocab_size=vocab_size, initial_alphabet=byte_level.alphabet(), show_progress=False,
+            special_tokens=[END_OF_DOCUMENT_NAMES[0]])
         tokenizer.train_from_iterator(texts, trainer)
         return cls(tokenizer)
 
@@ -64,6 +69,12 @@ class BPETokenizer:
     @property
     def vocab_size(self):
         return self._tokenizer.get_vocab_size()
+
+    @property
+    def eod_id(self):
+        """The id of the end-of-document token, or None when the vocabulary has none."""
+        ids = (self._tokenizer.token_to_id(name) for name in END_OF_DOCUMENT_NAMES)
+        return next((i for i in ids if i is not None), None)
 
     def encode(self, text):
         return np.asarray(self._tokenizer.encode(text).ids, dtype=token_dtype(self.vocab_size))
