@@ -192,7 +192,8 @@ def verdict(broken: list[ChannelView], records: dict, missing: list[int]) -> str
     parts = []
     for rank in roots:
         waits = [f"{_name(view)} #{view.reached} of group {view.group} ({view.channel}), where "
-                 f"{_ranks(view.stuck)} {'waits' if len(view.stuck) == 1 else 'wait'}" for view in broken if rank in view.lagging + view.unknown]
+                 f"{_ranks(view.stuck)} {'waits' if len(view.stuck) == 1 else 'wait'}"
+                 for view in broken if rank in view.lagging + view.unknown]
         state = f" ({NO_RECORD})" if rank not in records else ""
         parts.append(f"rank {rank}{state} never entered " + ", nor ".join(waits))
     return "verdict: " + "; ".join(parts)
