@@ -21,8 +21,8 @@ from mpitrain.kernels import cupy_status
 
 def fake_cupy():
     """The cupy module, or skip: without CuPy installed, or with a GPU (use real device arrays there)."""
-    cupy = pytest.importorskip("cupy", reason="fake device arrays need CuPy installed (pip install "
-                                              "'mpitrain[gpu-check]'); no GPU or driver is needed")
+    cupy = pytest.importorskip("cupy", reason="fake device arrays need CuPy installed (pip install -e "
+                                              "'.[gpu-check]'); no GPU or driver is needed")
     if cupy_status()[0]:
         pytest.skip("a GPU is usable here: the GPU tests check this path on real device arrays")
     return cupy

@@ -41,7 +41,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, env: dict | None = No
     """Run `mpiexec -n n python *args` from the repository root; returns the finished process (output captured)."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        pytest.skip("no mpiexec beside the Python interpreter or on PATH (install the `mpich` wheel)")
+        pytest.skip("no mpiexec beside the Python interpreter or on PATH: pip install -e '.[mpich]'")
     full_env = dict(os.environ)
     full_env.update(OVERSUBSCRIBED_ENV)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))

@@ -210,7 +210,7 @@ def _wait_for_a_new_checkpoint(directory: Path, process, attempt: int, timeout: 
 def test_killing_a_rank_during_saves_never_leaves_a_checkpoint_that_resume_takes(tmp_path, dataset):
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        pytest.skip("no mpiexec")
+        pytest.skip("no mpiexec beside the Python interpreter or on PATH: pip install -e '.[mpich]'")
     run_dir = tmp_path / "run"
     env = {**os.environ, **OVERSUBSCRIBED_ENV, "PYTHONPATH": str(REPO_ROOT)}
     # a model whose saves take a good part of each step, saved every step

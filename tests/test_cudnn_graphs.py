@@ -16,7 +16,8 @@ from mpitrain.kernels.cudnn_attention import SdpaKey, unsupported_reason
 from mpitrain.layers import ops
 
 GPU_USABLE, GPU_REASON = cupy_status()
-NO_CUDNN = "the cuDNN frontend is not installed (pip install nvidia-cudnn-cu13 and --no-deps nvidia-cudnn-frontend)"
+NO_CUDNN = ("the cuDNN frontend is not installed: pip install -e '.[gpu-check]', then "
+            "pip install --no-deps nvidia-cudnn-frontend==1.32.0")
 
 
 def _model_shapes():

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda13x==14.2.0 "
-                                          "nvidia-nccl-cu13): nothing to compare against")
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install -e '.[gpu-check]'): "
+                                          "nothing to compare against")
 from cupy.cuda import nccl, runtime  # noqa: E402
 
 from mpitrain.backend import BFLOAT16  # noqa: E402
@@ -25,7 +25,7 @@ from mpitrain.comm import nccl_group, nccl_standin  # noqa: E402
 from mpitrain.kernels import attention, fused  # noqa: E402
 
 if not nccl.available:
-    pytest.skip("CuPy found no NCCL library (pip install nvidia-nccl-cu13)", allow_module_level=True)
+    pytest.skip("CuPy found no NCCL library: pip install -e '.[gpu-check]'", allow_module_level=True)
 
 NCCL_GROUP_SOURCE = Path(nccl_group.__file__)
 ATTENTION_SOURCE = Path(attention.__file__)

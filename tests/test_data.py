@@ -132,7 +132,7 @@ def test_bpe_without_tokenizers_package_says_how_to_install(tmp_path, monkeypatc
 
 
 def test_bpe_prepare_and_rebuild_from_file(tmp_path):
-    pytest.importorskip("tokenizers", reason="BPE needs the optional 'tokenizers' package: pip install 'mpitrain[bpe]'")
+    pytest.importorskip("tokenizers", reason="BPE needs tokenizers: pip install -e '.[bpe]'")
     _write_corpus(tmp_path / "corpus")
     out = tmp_path / "bpe.h5"
     summary = prepare_dataset([str(tmp_path / "corpus")], out, tokenizer="bpe", vocab_size=300)

@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda13x==14.2.0 "
-                                          "nvidia-cuda-nvrtc): the kernels cannot be compiled")
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install -e '.[gpu-check]'): "
+                                          "the kernels cannot be compiled")
 from cupy._core import _carray, _kernel, _scalar, raw  # noqa: E402  (after the skip: CuPy's private API)
 from cupy.cuda import compiler  # noqa: E402
 
@@ -42,7 +42,7 @@ def _nvrtc_archs() -> tuple[int, ...]:
         from cupy_backends.cuda.libs import nvrtc
         return tuple(nvrtc.getSupportedArchs())
     except Exception as exc:  # noqa: BLE001 (a missing libnvrtc raises CuPy's own errors)
-        pytest.skip(f"NVRTC cannot be loaded (pip install nvidia-cuda-nvrtc): {type(exc).__name__}: {exc}",
+        pytest.skip(f"NVRTC cannot be loaded (pip install -e '.[gpu-check]'): {type(exc).__name__}: {exc}",
                     allow_module_level=True)
 
 

@@ -21,7 +21,7 @@ TOL = {np.float64: 1e-12, np.float32: 2e-5}
 
 # ---- references (CPU) --------------------------------------------------------------------------------------------
 def test_softmax_and_cross_entropy_references_agree_with_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is the reference here: pip install -e '.[test]'")
     rng = np.random.default_rng(0)
     logits, targets = rng.standard_normal((3, 5, 11)) * 4, rng.integers(0, 11, (3, 5))
     t_logits = torch.tensor(logits, requires_grad=True)

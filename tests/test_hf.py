@@ -12,10 +12,12 @@ from mpitrain.checkpoint.store import Checkpoint
 from mpitrain.generate import load_checkpoint_model
 from tests.mpi_helpers import describe, run_mpi
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need the test extra "
-                                                          "(pip install -e '.[test]': transformers, safetensors)")
-pytest.importorskip("safetensors", reason="the Hugging Face tests need the 'safetensors' package (extra [hf])")
-torch = pytest.importorskip("torch", reason="transformers' models run on torch (test extra)")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers: "
+                                                          "pip install -e '.[test]'")
+pytest.importorskip("safetensors", reason="the Hugging Face tests need safetensors: pip install -e '.[test]' "
+                                          "(or '.[hf]')")
+torch = pytest.importorskip("torch", reason="transformers' models run on torch: pip install -e '.[test]' "
+                                            "(torch==2.13.0)")
 
 MODELS = {"gpt2": ["model.arch=gpt2"], "llama": ["model.arch=llama", "model.n_kv_head=2"]}  # llama: GQA
 SEQ = 32  # configs/tiny.toml: 2 layers, d_model 32, 4 heads, vocabulary 256, seq_len 32

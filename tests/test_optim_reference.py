@@ -33,7 +33,7 @@ def _layout():
 
 
 def test_adamw_with_clipping_and_schedule_matches_torch():
-    torch = pytest.importorskip("torch", reason="torch is the reference here (pip install 'mpitrain[test]')")
+    torch = pytest.importorskip("torch", reason="torch is the reference here: pip install -e '.[test]'")
     rng = np.random.default_rng(0)
     layout = _layout()
     params = FlatBuffer.allocate([layout], np, np.float64)

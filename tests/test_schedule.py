@@ -312,7 +312,7 @@ def test_render_text_shows_every_rank_and_the_bubble():
 
 
 def test_render_png_writes_a_file(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="drawing needs matplotlib: pip install -e '.[report]'")
     path = tmp_path / "zb1p.png"
     render_png(simulate(zb1p(4, 8)), path, "zb1p p=4 m=8")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -388,7 +388,7 @@ def test_schedule_command_choices_are_the_schedule_kinds():
 
 
 def test_schedule_command_draws_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="drawing needs matplotlib: pip install -e '.[report]'")
     path = tmp_path / "zb.png"
     result = CliRunner().invoke(main, ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb1p",
                                        "--png", str(path)])

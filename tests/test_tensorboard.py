@@ -9,7 +9,7 @@ import pytest
 
 from tests.mpi_helpers import describe, run_mpi
 
-pytest.importorskip("tensorboardX", reason="the TensorBoard sink needs the test extra (tensorboardX)")
+pytest.importorskip("tensorboardX", reason="the TensorBoard sink needs tensorboardX: pip install -e '.[tensorboard]'")
 
 
 def read_scalars(folder) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is the gradient reference: pip install 'mpitrain[reference]'")
+torch = pytest.importorskip("torch", reason="PyTorch is the gradient reference: pip install -e '.[test]'")
 
 from mpitrain.backend import make_backend  # noqa: E402
 from mpitrain.config import Config, ModelConfig, validate  # noqa: E402

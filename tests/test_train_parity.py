@@ -143,7 +143,7 @@ def test_ranks_without_blas_thread_settings_are_warned_about(tmp_path, dataset):
     from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, find_mpiexec
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        pytest.skip("no mpiexec beside the Python interpreter or on PATH (install the `mpich` wheel)")
+        pytest.skip("no mpiexec beside the Python interpreter or on PATH: pip install -e '.[mpich]'")
     env = {k: v for k, v in {**os.environ, **OVERSUBSCRIBED_ENV}.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "train", "configs/tiny.toml",
