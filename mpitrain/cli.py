@@ -82,23 +82,32 @@ def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_byt
               help="Run directory (default: runs/<config name>).")
 @click.option("--resume", default=None, metavar="auto|PATH",
               help="Continue from a checkpoint: 'auto' = the newest committed one of the run (fresh when none), "
-                   "or a step_* directory. Any parallel layout can resume any other.")
-def train(config, overrides, run_dir, resume):
+                   "a run directory (its newest that verifies) or a step_* directory. Any parallel layout can "
+                   "resume any other.")
+@click.option("--allow-changes", "allowed_changes", multiple=True, metavar="KEY",
+              help="Resume although KEY (a learning-rate schedule key, train.steps or train.global_batch) differs "
+                   "from the checkpoint's config (repeatable).")
+def train(config, overrides, run_dir, resume, allowed_changes):
     """Train (run under mpiexec for several ranks; one process works without it).
 
-    Exits with status 75 after saving when asked to stop (SIGUSR1/SIGTERM): resume with --resume auto."""
+    Exits with status 75 after saving when asked to stop (SIGUSR1/SIGTERM): resume with --resume auto. A user error
+    (config, layout, data, checkpoint) is one line from rank 0 and exit status 1."""
     from mpi4py import MPI
 
-    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.checkpoint.resume import check_allowed_changes
+    from mpitrain.comm.failure import agree_on_user_errors, end_job_on_error
     from mpitrain.config import load_config
+    from mpitrain.train import forget_refused_start
     from mpitrain.train import train as run_training
 
     comm = MPI.COMM_WORLD
-    with abort_on_error(comm):
-        cfg = load_config(config, overrides)
-        out = Path(run_dir) if run_dir else default_run_dir(config)
+    out = Path(run_dir) if run_dir else default_run_dir(config)
+    forget = forget_refused_start(out) if comm.Get_rank() == 0 else None  # asked before any rank writes there
+    with end_job_on_error(comm, on_refused=forget):
+        cfg, allowed = agree_on_user_errors(comm, lambda: (load_config(config, overrides),
+                                                           check_allowed_changes(allowed_changes)))
         warn_unset_threads(comm)
-        status = run_training(cfg, comm, out, echo=click.echo, resume=resume)
+        status = run_training(cfg, comm, out, echo=click.echo, resume=resume, allowed_changes=allowed)
     sys.exit(status)
 
 
@@ -146,7 +155,8 @@ def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed, kv_cache):
     """Sample text from a trained model: a run directory (its newest checkpoint whose checksums verify, falling back
     past broken ones) or a step_* checkpoint directory (which must verify)."""
     from mpitrain.generate import load_checkpoint_model, sample
-    model, state, tokenizer, _ = load_checkpoint_model(checkpoint, echo=lambda text: click.echo(text, err=True))
+    model, state, tokenizer, _ = load_checkpoint_model(checkpoint, echo=lambda text: click.echo(text, err=True),
+                                                       announce=True)
     if tokenizer is None:
         raise MpitrainError(f"{checkpoint} has no tokenizer to sample text with (trained on synthetic data, or "
                             f"imported from a Hugging Face folder without tokenizer.json)")

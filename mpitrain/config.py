@@ -22,7 +22,7 @@ from mpitrain.config_rules import (
     positive_degree,
     require,
 )
-from mpitrain.errors import ConfigError
+from mpitrain.errors import ConfigError, shown_path
 from mpitrain.layout_checks import (
     validate_context_parallel,
     validate_optimizer_layout,
@@ -300,7 +300,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            raise ConfigError(f"config file not found: {shown_path(path)}")
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
@@ -419,6 +419,10 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
         require(world_size % others == 0,
                 f"world size {world_size} is not divisible by parallel.tp*pp*cp = {others}")
         p.dp = world_size // others
+    # the rank count first: a wrong parallel.dp would otherwise be reported as a batch that does not divide
+    require(p.dp * others == world_size,
+            f"world size {world_size} does not match parallel dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = "
+            f"{p.dp * others}; change parallel.dp (0: the world size decides) or run with -n {p.dp * others}")
     t = cfg.train
     per_step = p.dp * t.micro_batch
     require(t.global_batch % per_step == 0,

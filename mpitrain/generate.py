@@ -83,10 +83,13 @@ class CachedDecoder:
         return backend.to_host(logits)[0].astype(np.float64)
 
 
-def load_checkpoint_model(path, device: str = "cpu", echo=print):
+def load_checkpoint_model(path, device: str = "cpu", echo=print, announce: bool = False):
     """(model, state, tokenizer or None, config): the whole model in one process (tp = 1), from any layout, from a
-    verified checkpoint (see checkpoint/resume.verified_checkpoint; echo: where fallback lines go)."""
+    verified checkpoint (see checkpoint/resume.verified_checkpoint; echo: where fallback lines go, and with
+    `announce` the checkpoint taken: a run directory names none of its own)."""
     checkpoint = verified_checkpoint(path, echo)
+    if announce:
+        echo(f"checkpoint: loaded {checkpoint.path} (step {checkpoint.step})")
     cfg = config_from_dict(tomllib.loads(checkpoint.index["config"]), str(checkpoint.path / "index.json"))
     backend = make_backend(device, cfg.precision.compute)
     model = GPT(cfg.model, backend)

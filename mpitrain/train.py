@@ -7,6 +7,7 @@ collective, so a mistake ends every rank with the same clear line instead of a h
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import CheckpointManager
+from mpitrain.comm.failure import agree_on_user_errors
 from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh, validate_degrees
@@ -23,7 +25,7 @@ from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.synthetic import SyntheticSampler
-from mpitrain.errors import ConfigError
+from mpitrain.errors import ConfigError, DataError, shown_path
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
@@ -77,12 +79,11 @@ class Trainer:
         self.cfg = cfg
         world_size, world_rank = world_comm.Get_size(), world_comm.Get_rank()
         say = print if world_rank == 0 else None
-        # --- checks without communication (every rank reaches the same verdict on its own)
-        resolve_layout(cfg, world_size)
+        # --- checks without communication, then one small all-gather of their verdicts: a rank that alone fails
+        # (a data file missing on its node) ends every rank with its line instead of leaving them in a collective
+        self.ramp, (self.train_data, self.val_data, self.tokenizer) = agree_on_user_errors(
+            world_comm, lambda: check_start(cfg, world_size))
         p = cfg.parallel
-        validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        self.ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
-        self.train_data, self.val_data, self.tokenizer = make_samplers(cfg, self.ramp)
         self.tokenizer_description = self.tokenizer.description() if self.tokenizer is not None else None
         nodes = discover_nodes(world_comm) if cfg.train.device == "cuda" else None  # a GPU per node-local rank
         self.backend = make_backend(cfg.train.device, cfg.precision.compute,
@@ -303,6 +304,16 @@ class Trainer:
         return lines
 
 
+def check_start(cfg: Config, world_size: int) -> tuple:
+    """Every check of a start that needs no communication, in the order a user thinks (the rank count first, then
+    the batch splits, then the data): (train.batch_rampup's BatchRamp or None, make_samplers(cfg, ramp))."""
+    resolve_layout(cfg, world_size)
+    p = cfg.parallel
+    validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+    ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
+    return ramp, make_samplers(cfg, ramp)
+
+
 def make_samplers(cfg: Config, ramp=None) -> tuple:
     """(train sampler, validation sampler, tokenizer or None): synthetic tokens, or data.path's token file. ramp:
     train.batch_rampup's BatchRamp, which places each step's rows in the token file (synthetic rows are a pure
@@ -311,6 +322,9 @@ def make_samplers(cfg: Config, ramp=None) -> tuple:
         m, t = cfg.model, cfg.train
         return (SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed),
                 SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed + 1), None)
+    if not Path(cfg.data.path).is_file():
+        raise DataError(f"data file {shown_path(cfg.data.path)} not found (config key data.path; create it with: "
+                        f"mpitrain data prepare --source python-stdlib --out {cfg.data.path})")
     dataset = TokenDataset(cfg.data.path)
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
@@ -326,24 +340,43 @@ def warn_zero3_with_pipeline(pp: int, accumulation: int) -> None:
           file=sys.stderr, flush=True)
 
 
-def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None) -> int:
+def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None,
+          allowed_changes: list[str] = ()) -> int:
     """Run the steps from the start or from a checkpoint; returns the exit status (0, or PREEMPTED_EXIT_CODE after a
-    stop request was saved). Rank 0 writes RUN_DIR/{config.toml, metrics.jsonl} and prints progress; every rank
-    writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's watchdog
-    writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
+    stop request was saved). allowed_changes: the keys that alter the run's meaning a resume may change (see
+    checkpoint/resume.review_changes). Rank 0 writes RUN_DIR/{config.toml, metrics.jsonl} and prints progress;
+    every rank writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's
+    watchdog writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
     with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
         progress = watchdog.progress
         if cfg.fault.flight_ops:  # the last operations, for `mpitrain doctor hang` (comm/flight.py)
             progress.flight = FlightRecorder(cfg.fault.flight_ops, Path(run_dir) / "flight", world_comm.Get_rank())
         try:
-            return _train(cfg, world_comm, run_dir, echo, resume, progress)
+            return _train(cfg, world_comm, run_dir, echo, resume, allowed_changes, progress)
         except BaseException as exc:
             if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
                 progress.flight.write("failure", progress)  # before abort_on_error ends the job
             raise
 
 
-def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> int:
+def forget_refused_start(run_dir: Path):
+    """Rank 0, before any rank writes: what removes RUN_DIR again when this start is refused (a user error on every
+    rank), so a mistake leaves no empty run behind; None when the directory is already there (an earlier run's).
+    It removes only a directory that holds no metrics and no committed checkpoint: nothing trained in it."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        return None
+    created = run_dir  # the outermost folder this start will create (runs/ too, the first time)
+    while not created.parent.exists() and created.parent != created:
+        created = created.parent
+
+    def remove() -> None:
+        if run_dir.is_dir() and not (run_dir / "metrics.jsonl").exists() and not any(created.rglob("COMMITTED")):
+            shutil.rmtree(created, ignore_errors=True)
+    return remove
+
+
+def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes, progress) -> int:
     trainer = Trainer(cfg, world_comm, progress, run_dir)
     if progress.flight is not None:
         progress.flight.phase = trainer.breakdown.current_part  # what a flight record says the rank was doing
@@ -351,7 +384,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, progress) -> in
     say = echo if logger else (lambda text: None)
     manager = trainer.checkpoint_manager(cfg.checkpoint.directory(run_dir), cfg.checkpoint.keep, say)
     checkpoints = Checkpointing(manager, cfg, trainer.breakdown, say, logger)
-    start = checkpoints.start(resume, trainer.mesh.describe_layout())
+    start = checkpoints.start(resume, trainer.mesh.describe_layout(), allowed_changes)
     with RunLog(cfg, run_dir, start, echo if logger else None) as log:
         log.banner(trainer.banner(run_dir))
         with Resilience(cfg, trainer.mesh, trainer.faults, trainer.guard, progress, run_dir,

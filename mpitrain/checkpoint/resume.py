@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpitrain.checkpoint.store import (
@@ -24,8 +25,9 @@ from mpitrain.checkpoint.store import (
     fsync_path,
     point_latest,
 )
-from mpitrain.config import ModelConfig, config_from_dict
-from mpitrain.errors import ConfigError
+from mpitrain.config import Config, ModelConfig, config_from_dict, to_toml
+from mpitrain.config_rules import did_you_mean
+from mpitrain.errors import ConfigError, shown_path
 
 SET_ASIDE = "set_aside"  # CKPT_DIR/set_aside/<why>/step_X: kept for the user, invisible to resume and retention
 
@@ -34,8 +36,7 @@ def choose_checkpoint(directory: Path, spec: str, echo=print) -> Path | None:
     """`spec` = "auto": the newest committed checkpoint in `directory` whose files verify (None when there is none at
     all); a path: that checkpoint, verified. Raises CheckpointError naming the bad file or the broken checkpoints."""
     if spec != "auto":
-        Checkpoint.open(Path(spec)).verify_files()
-        return Path(spec)
+        return _named_checkpoint(Path(spec), echo)
     broken = []
     for candidate in reversed(committed_checkpoints(directory)):
         try:
@@ -53,6 +54,20 @@ def choose_checkpoint(directory: Path, spec: str, echo=print) -> Path | None:
     return None
 
 
+def _named_checkpoint(path: Path, echo) -> Path:
+    """The checkpoint `--resume PATH` names: a step_* directory, verified; or a run directory or its checkpoints/,
+    their newest committed checkpoint that verifies (as `generate` takes a run)."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {shown_path(path)} not found")
+    if STEP_DIR.match(path.name) or (path / "COMMITTED").is_file():
+        Checkpoint.open(path).verify_files()
+        return path
+    for directory in (path, path / "checkpoints"):
+        if committed_checkpoints(directory):
+            return choose_checkpoint(directory, "auto", echo)
+    raise _nothing_at(path)
+
+
 def resolve_checkpoint(path) -> Path:
     """A checkpoint directory from: itself, a checkpoints directory (its newest committed), or a run directory."""
     path = Path(path)
@@ -66,8 +81,8 @@ def resolve_checkpoint(path) -> Path:
 
 
 def _nothing_at(path: Path) -> CheckpointError:
-    return CheckpointError(f"no committed checkpoint at {path} (give a run directory, its checkpoints/ or a step_* "
-                           f"directory)")
+    return CheckpointError(f"no committed checkpoint at {shown_path(path)} (give a run directory, its checkpoints/ "
+                           f"or a step_* directory)")
 
 
 def verified_checkpoint(path, echo=print) -> Checkpoint:
@@ -175,3 +190,113 @@ def trim_metrics(path: Path, last_step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- what a resume changes
+# Changed on resume, these keys silently change what the run is: the learning rate of every later step (the cosine
+# schedule runs over train.steps) or the batch each step sees. Refused unless --allow-changes names each of them.
+SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "train.steps", "optim.decay_fraction",
+                 "optim.decay_shape")
+BATCH_KEYS = ("train.global_batch", "train.batch_rampup")
+MEANING_PREFIXES = ("optim.schedule", "train.batch_rampup")  # keys of those kinds added later, whatever their name
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")  # parallel.*: any layout resumes any other (resharded)
+GROUPS = ("schedule", "batch", "layout", "precision", "other")
+NOT_SET = "-"  # a key one of the two configs does not have
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    key: str
+    was: object
+    now: object
+
+    @property
+    def group(self) -> str:
+        section = self.key.split(".", 1)[0]
+        if self.key in SCHEDULE_KEYS or self.key.startswith("optim.schedule"):
+            return "schedule"
+        if self.key in BATCH_KEYS or self.key.startswith("train.batch_rampup") or self.key == "train.micro_batch":
+            return "batch"
+        return {"parallel": "layout", "precision": "precision"}.get(section, "other")
+
+    @property
+    def changes_meaning(self) -> bool:
+        return self.key in SCHEDULE_KEYS or self.key in BATCH_KEYS or self.key.startswith(MEANING_PREFIXES)
+
+
+def _flat(raw: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in raw.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def config_keys() -> list[str]:
+    """Every config key, as section.key."""
+    return list(_flat(tomllib.loads(to_toml(Config()))))
+
+
+def config_changes(saved_toml: str, cfg: Config) -> list[ConfigChange]:
+    """The keys whose value differs between a checkpoint's config and this run's, in config order. A key the saved
+    config lacks (added since) counts as its default, so a checkpoint of an older version shows only real changes."""
+    defaults = _flat(tomllib.loads(to_toml(Config())))
+    was = {**defaults, **_flat(tomllib.loads(saved_toml))}
+    now = _flat(tomllib.loads(to_toml(cfg)))
+    keys = dict.fromkeys([*now, *was])
+    return [ConfigChange(key, was.get(key, NOT_SET), now.get(key, NOT_SET)) for key in keys
+            if was.get(key, NOT_SET) != now.get(key, NOT_SET)]
+
+
+def check_allowed_changes(allowed) -> list[str]:
+    """The keys of `--allow-changes` (repeatable, or comma-separated), each a config key."""
+    keys = [key.strip() for item in allowed for key in str(item).split(",") if key.strip()]
+    known = config_keys()
+    for key in keys:
+        if key not in known:
+            raise ConfigError(f"--allow-changes {key}: not a config key; {did_you_mean(key, known)}"
+                              f"give section.key, e.g. --allow-changes train.steps")
+    return keys
+
+
+def changes_table(changes: list[ConfigChange], checkpoint_name: str) -> list[str]:
+    """A small table of the changes (key, was, now), grouped: schedule, batch, layout, precision, other."""
+    rows = sorted(changes, key=lambda change: GROUPS.index(change.group))
+    width = max(len(change.key) for change in rows)
+    shown = [(change, _literal(change.was), _literal(change.now)) for change in rows]
+    was_width = max(3, *(len(was) for _, was, _ in shown))
+    lines = [f"resume: the config differs from {checkpoint_name}'s:",
+             f"  {'group':<10} {'key':<{width}}  {'was':<{was_width}}  now"]
+    lines += [f"  {change.group:<10} {change.key:<{width}}  {was:<{was_width}}  {now}" for change, was, now in shown]
+    return lines
+
+
+def _literal(value) -> str:
+    return repr(value) if isinstance(value, str) and value != NOT_SET else str(value)
+
+
+def resharded_line(saved_layout: dict, cfg: Config) -> str | None:
+    """"resharded: checkpoint saved under dp=2 tp=1 ... now dp=1 tp=2 ..." when the layout differs, else None."""
+    now = {key: getattr(cfg.parallel, key) for key in LAYOUT_KEYS}
+    was = {key: saved_layout.get(key, 1 if key != "zero" else 0) for key in LAYOUT_KEYS}
+    if was == now:
+        return None
+    def words(layout):
+        return " ".join(f"{key}={value}" for key, value in layout.items())
+    return f"resharded: checkpoint saved under {words(was)}, now {words(now)}"
+
+
+def review_changes(checkpoint: Checkpoint, cfg: Config, allowed: list[str], echo=print) -> None:
+    """Before a resume: print what this run's config changes against the checkpoint's (a table, and the reshard
+    line), and refuse, on every rank alike, a change to a key that alters the run's meaning that `allowed` (the
+    --allow-changes keys) does not name."""
+    changes = config_changes(checkpoint.index.get("config", ""), cfg)
+    if changes:
+        for line in changes_table(changes, checkpoint.path.name):
+            echo(line)
+    reshard = resharded_line(checkpoint.index.get("layout", {}), cfg)
+    if reshard:
+        echo(reshard)
+    refused = [change.key for change in changes if change.changes_meaning and change.key not in allowed]
+    if refused:
+        flags = " ".join(f"--allow-changes {key}" for key in refused)
+        raise ConfigError(f"resume from {checkpoint.path}: {', '.join(refused)} changed since the checkpoint, which "
+                          f"alters the learning-rate schedule or the batch of the steps to come; set them as the "
+                          f"checkpoint has them, or pass {flags} to resume with the change")

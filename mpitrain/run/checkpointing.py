@@ -9,7 +9,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
-from mpitrain.checkpoint.store import step_dir_name
+from mpitrain.checkpoint.resume import review_changes
+from mpitrain.checkpoint.store import Checkpoint, step_dir_name
 from mpitrain.checkpoint.weights import load_weights
 from mpitrain.config import Config
 from mpitrain.generate import load_checkpoint_model, sample
@@ -29,10 +30,11 @@ class Checkpointing:
     def directory(self) -> Path:
         return self.manager.directory
 
-    def start(self, resume: str | None, layout: str) -> int:
+    def start(self, resume: str | None, layout: str, allowed_changes=()) -> int:
         """The step this run starts from: a checkpoint's when `resume` finds one (its later ones set aside), else 0
         (with train.init_from's weights, and this directory's checkpoints set aside: they are not this run's past).
-        `layout`: this run's, for the banner of a restart."""
+        `layout`: this run's, for the banner of a restart; allowed_changes: the --allow-changes keys (a change of
+        the config since the checkpoint that alters the run's meaning is refused unless named there)."""
         manager, say = self.manager, self.say
         path = manager.find_resume_point(resume) if resume else None
         if path is None:
@@ -43,6 +45,7 @@ class Checkpointing:
                 say(f"checkpoint: weights from {load_weights(manager, self.cfg.train.init_from)} (train.init_from), "
                     f"step 0")
             return 0
+        review_changes(Checkpoint.open(path), self.cfg, list(allowed_changes), say)  # the same verdict everywhere
         banner = restart_banner(path, layout, dict(os.environ), time.time())
         if banner:  # an attempt after a failure: what it left out, resumes from, runs on, has lost
             say(banner)
