@@ -135,6 +135,9 @@ class PrecisionConfig:
 class DataConfig:
     path: str = "data/stdlib.h5"  # made by: mpitrain data prepare --source python-stdlib --out data/stdlib.h5
     synthetic: bool = False  # random tokens instead of a file (benchmarks, layout tests): a pure function of step
+    # attention, learned positions and RoPE stay inside each document packed in a row (mpitrain/data/documents.py);
+    # documents end at the tokenizer's end-of-document token or the file's stored starts (synthetic: token 0)
+    document_mask: bool = False
 
 
 @dataclass

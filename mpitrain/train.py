@@ -24,6 +24,7 @@ from mpitrain.comm.nccl import make_group_factory
 from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
+from mpitrain.data.documents import check_document_boundaries, documents_from_starts
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError, DataError, shown_path
 from mpitrain.kernels.attention import describe_attention_path
@@ -100,7 +101,7 @@ class Trainer:
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
         self.placement = make_placement(cfg.memory, cfg.optim.name, self.backend, world_rank, run_dir, say=say)
         self.state = make_state(cfg, self.model, self.backend, self.mesh, self.placement)
-        self.optimizer = make_optimizer(cfg.optim, self.state, self.placement)  # optim.name
+        self.optimizer = make_optimizer(cfg.optim, self.state, self.placement, self.mesh.tp, self.mesh.ep)
         self.loss_scale = make_loss_scale(cfg.precision.compute, cfg.precision.loss_scale_window)
         # pipeline micro-batches are the accumulation micro-batches; with pp = 1 the schedule is "F0 B0 F1 B1 ..."
         self.accumulation = grad_accumulation_steps(cfg)
@@ -127,6 +128,7 @@ class Trainer:
         model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
         apply_context_parallel(model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
+        model.document_mask = cfg.data.document_mask  # every stage gets its micro-batches' documents
         return model
 
     def _build_pipeline(self) -> PipelineExecutor:
@@ -281,7 +283,7 @@ class Trainer:
         return CheckpointManager(directory, keep, cfg=self.cfg, mesh=self.mesh, state=self.state,
                                  optimizer=self.optimizer, tied_copies=self.model.tied_copies,
                                  tokenizer=self.tokenizer_description, save_extra=self.guard.state,
-                                 load_extra=self.guard.load_state, echo=echo)
+                                 load_extra=self.guard.load_state, echo=echo, faults=self.faults)
 
     def banner(self, run_dir: Path) -> list[str]:
         """The lines printed before the first step: the model and layout, MFU's reference, placement, pipeline."""
@@ -311,6 +313,7 @@ def check_start(cfg: Config, world_size: int) -> tuple:
     p = cfg.parallel
     validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
     ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
+    require_wandb(cfg.logging.wandb)  # the logging rank's sink: refused on every rank alike
     return ramp, make_samplers(cfg, ramp)
 
 

@@ -1,8 +1,9 @@
 """Attention on the GPU, the twins of ops.attention_forward / ops.attention_backward for CuPy arrays (chosen where
 those ops are defined, with kernels/dispatch.py's gpu_twin_for_gemm_dtypes): cuDNN's fused SDPA
 (kernels/cudnn_attention.py) for bf16/fp16 with the causal mask or none, when cuDNN is installed; otherwise, and for
-fp32, batched products through cuBLAS strided-batched GEMM (fp32 accumulation). The environment variable
-MPITRAIN_ATTENTION=cublas keeps the GEMMs everywhere (benchmarks compare the two paths).
+fp32, batched products through cuBLAS strided-batched GEMM (fp32 accumulation). Packed documents' per-row masks
+(B, Tq, Tk) (data.document_mask) always take the GEMMs: the fused graphs built here have no mask input. The
+environment variable MPITRAIN_ATTENTION=cublas keeps the GEMMs everywhere (benchmarks compare the two paths).
 
 CuPy 14's batched matmul fails on bf16 and silently upcasts fp16, so q k^T, p v and the backward's four products go
 through `gemmStridedBatchedEx` in the data's own dtype (`batched_matmul`). The scores and their gradient come out of
@@ -84,14 +85,19 @@ def attention_forward(q, k, v, bias, matmul):
     scores = matmul(qg, k.reshape(b * hkv, tk, d), False, True, wide)  # (B*Hkv, G*T, Tk), fp32
     scores *= 1.0 / math.sqrt(d)
     scores = scores.reshape(b, hkv, group, t, tk)
+    per_row = getattr(bias, "ndim", 0) == 3  # packed documents: one mask per batch row, (B, Tq, Tk)
     if bias is not None:
-        scores += bias.astype(wide, copy=False) if hasattr(bias, "astype") else bias
+        bias = bias.astype(wide, copy=False) if hasattr(bias, "astype") else bias
+        scores += bias[:, None, None] if per_row else bias
     row_max = scores.max(axis=-1, keepdims=True)
+    if per_row:  # a row that sees no key (ring attention's blocks): probabilities 0 and lse -inf, not NaN
+        row_max = xp.where(row_max == -xp.inf, 0.0, row_max)
     scores -= row_max
     probs = xp.exp(scores, out=scores)
     row_sum = probs.sum(axis=-1, keepdims=True)
-    probs /= row_sum
-    lse = (row_max + xp.log(row_sum)).reshape(b, h, t).astype(q.dtype, copy=False)
+    probs /= xp.where(row_sum == 0.0, 1.0, row_sum) if per_row else row_sum
+    with np.errstate(divide="ignore"):  # log(0) = -inf for a row that sees no key (numpy arrays)
+        lse = (row_max + xp.log(row_sum)).reshape(b, h, t).astype(q.dtype, copy=False)
     probs = probs.reshape(b * hkv, group * t, tk).astype(q.dtype, copy=False)
     out = matmul(probs, v.reshape(b * hkv, tk, d), False, False, q.dtype).reshape(b, h, t, d)
     return (out, lse), (q, k, v, probs.reshape(b, hkv, group * t, tk))
@@ -169,7 +175,8 @@ class FusedSaved(NamedTuple):
 
 def cudnn_mask(bias, t_q: int, t_k: int):
     """True when `bias` is the causal triangle (0 where key <= query, -inf above), False when it masks nothing
-    (None or 0.0), None for any other mask (cuDNN's graphs here take only those two: the cuBLAS path then).
+    (None or 0.0), None for any other mask (cuDNN's graphs here take only those two: the cuBLAS path then; so does
+    a document mask, (B, Tq, Tk), whose shape is not (t_q, t_k)).
 
     An array bias is checked on the device against the triangle once: one device-to-host bool per mask array, the
     verdict kept for the same array (the model's mask is one array per sequence length). Ring attention's blocks
@@ -225,10 +232,13 @@ def fused_attention_reason(dtype, heads: int, kv_heads: int, head_dim: int, grap
 
 
 def describe_attention_path(dtype, heads: int, kv_heads: int, head_dim: int, ring: bool = False,
-                            graphs=cudnn_attention.GRAPHS) -> str:
-    """The banner's one line on which attention runs on the GPU (`ring`: context parallelism's ring attention)."""
+                            graphs=cudnn_attention.GRAPHS, documents: bool = False) -> str:
+    """The banner's one line on which attention runs on the GPU (`ring`: context parallelism's ring attention;
+    `documents`: data.document_mask, whose per-row masks cuDNN's graphs here do not take)."""
     if ring:
         return "attention: ring attention, float32 blocks through cuBLAS batched GEMMs (context parallelism)"
+    if documents:
+        return "attention: cuBLAS batched GEMMs (data.document_mask: a mask per row, which the fused graphs lack)"
     why = fused_attention_reason(dtype, heads, kv_heads, head_dim, graphs)
     if not why:
         return f"attention: cuDNN fused SDPA ({np.dtype(dtype).name})"

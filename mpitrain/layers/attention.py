@@ -11,6 +11,11 @@ The core (ops.attention_forward) takes a block of queries against a block of key
 positions and returns each query row's log-sum-exp with the output. Under context parallelism (`ring` set by
 mpitrain/parallel/context.apply_context_parallel) the core is ring attention instead (layers/ring_attention.py): it
 runs on this rank's two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp.
+
+Packed documents (data.document_mask, mpitrain/data/documents.py): the model's per-micro-batch context carries a
+(B, T, T) mask that also hides other documents (`ctx["bias"]`), rotary tables of each token's position in its
+document, one per batch row ((B, T, D/2): `rotate`), and for the ring the whole row's document ids and positions
+(`ctx["documents"]`).
 """
 from __future__ import annotations
 
@@ -39,6 +44,18 @@ def head_view(x, n_heads: int):
         return split_heads(x, n_heads)  # CuPy's batched products want contiguous heads
     b, t, _ = x.shape
     return x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3)
+
+
+def rotate(rope_op, x, cos, sin):
+    """rope_op (ops.rope_forward or rope_backward) of x (B, H, T, D) with the model's (T, D/2) tables, or with one
+    table per batch row, (B, T, D/2) (positions inside packed documents): the rows then lie end to end along time,
+    x as (H, B*T, D) against one (B*T, D/2) table, the layout the op (and its GPU kernel) indexes."""
+    if cos.ndim == 2:
+        return rope_op(x, cos, sin)
+    b, h, t, d = x.shape
+    rows = x.swapaxes(0, 1).reshape(h, b * t, d)
+    y = rope_op(rows, cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    return y.reshape(h, b, t, d).swapaxes(0, 1)
 
 
 def merge_heads(x):
@@ -98,16 +115,17 @@ class Attention:
         heads = split_heads if self.ring is not None else head_view  # the ring sends K/V blocks: contiguous
         q, k, v = heads(q, self.heads), heads(k, self.kv_heads), heads(v, self.kv_heads)
         if self.rope:
-            q, k = ops.rope_forward(q, ctx["cos"], ctx["sin"]), ops.rope_forward(k, ctx["cos"], ctx["sin"])
+            cos, sin = ctx["cos"], ctx["sin"]
+            q, k = rotate(ops.rope_forward, q, cos, sin), rotate(ops.rope_forward, k, cos, sin)
         if self.ring is not None:
-            out, core = ring_attention.forward(self.ring, q, k, v)
+            out, core = ring_attention.forward(self.ring, q, k, v, ctx.get("documents"))
             out = out.astype(q.dtype, copy=False)
         else:
             (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
         y, merged = self.out.forward(params, merge_heads(out))
         saved = {"qkv": h, "core": core, "out": merged}
         if self.rope:
-            saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables, not per-micro-batch memory
+            saved["rope"] = (ctx["cos"], ctx["sin"])  # shared tables (per micro-batch with packed documents)
         return y, saved
 
     def decode(self, params, x, ctx, cache):
@@ -136,7 +154,7 @@ class Attention:
             dq, dk, dv = ops.attention_backward(saved["core"], head_view(d_out, self.heads))
         if self.rope:
             cos, sin = saved["rope"]
-            dq, dk = ops.rope_backward(dq, cos, sin), ops.rope_backward(dk, cos, sin)
+            dq, dk = rotate(ops.rope_backward, dq, cos, sin), rotate(ops.rope_backward, dk, cos, sin)
         d_qkv = [merge_heads(dq), merge_heads(dk), merge_heads(dv)]
         return self.qkv.backward(params, grads, saved["qkv"], d_qkv, deferred)
 

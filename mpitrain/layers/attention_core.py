@@ -19,9 +19,15 @@ The outputs (out, dq, dk, dv) are (B, heads, T, D) views of (B, T, heads, D) buf
 needs no copy to give the (B, T, heads * D) rows the output projection and the QKV linear take. dq, dk and dv share
 one (B, T, H + 2 Hkv, D) buffer, side by side, so that the QKV linear's backward is one product. Chunks of batch rows
 are spread over the tile threads (mpitrain/tiles.py); their boundaries depend on the shapes only.
+
+The bias is a scalar, one (Tq, Tk) mask for every batch row (the causal one), or one per row, (B, Tq, Tk): packed
+documents (`document_bias`, data.document_mask). A per-row mask can hide every key from a query row (ring
+attention's block of an earlier chunk, all of another document): such a row gives out = 0 and lse = -inf, which the
+log-sum-exp merge weighs zero, instead of softmax's NaN over nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -58,7 +64,8 @@ def attention_forward(q, k, v, bias):
     spans = _key_spans(bias, t, tk)
     scale = 1.0 / math.sqrt(d)
     biased = getattr(bias, "ndim", 0) > 0
-    bias_starts = [_first_nonzero_column(bias[q0:q1], k0, k1) if biased else k0 for q0, q1, k0, k1 in spans]
+    per_row = getattr(bias, "ndim", 0) == 3  # one mask per batch row: packed documents
+    bias_starts = [_first_nonzero_column(bias[..., q0:q1, :], k0, k1) if biased else k0 for q0, q1, k0, k1 in spans]
     if not biased and bias is not None and float(bias) == 0.0:
         bias = None  # adding 0.0 changes nothing
 
@@ -69,18 +76,26 @@ def attention_forward(q, k, v, bias):
             s[..., k1:] = 0.0
             # scaling the (rows, D) queries instead of the (rows, keys) scores saves a pass over the scores
             np.matmul(qg[b0:b1, :, :, q0:q1] * scale, k_t[b0:b1, ..., k0:k1], out=s[..., k0:k1])
-            if biased:
+            if per_row:
+                s[..., bias_from:k1] += bias[b0:b1, None, None, q0:q1, bias_from:k1]
+            elif biased:
                 s[..., bias_from:k1] += bias[q0:q1, bias_from:k1]  # adding exact zeros changes nothing
             elif bias is not None:
                 s[..., k0:k1] += bias
             s = s[..., k0:k1]
             row_max = s.max(axis=-1, keepdims=True)
+            if per_row:  # a row that sees no key: exp(-inf - 0) = 0 everywhere, not exp(-inf + inf) = NaN
+                row_max[row_max == -np.inf] = 0.0
             s -= row_max
             np.exp(s, out=s)
             row_sum = s.sum(axis=-1, keepdims=True)
-            s *= 1.0 / row_sum  # one division per row, then products (faster than dividing every score)
+            if per_row:
+                s *= 1.0 / np.where(row_sum == 0.0, 1.0, row_sum)  # ... and its probabilities stay 0
+            else:
+                s *= 1.0 / row_sum  # one division per row, then products (faster than dividing every score)
             np.matmul(s, v_g[b0:b1, :, :, k0:k1], out=out_g[b0:b1, :, :, q0:q1])
-            np.log(row_sum, out=row_sum)
+            with np.errstate(divide="ignore") if per_row else contextlib.nullcontext():  # log(0): a row seeing no key
+                np.log(row_sum, out=row_sum)
             np.add(row_max[..., 0], row_sum[..., 0], out=lse[b0:b1, :, :, q0:q1])
 
     _batch_chunks(b, h * min(t, QUERY_BLOCK) * tk * q.itemsize, chunk)
@@ -89,17 +104,18 @@ def attention_forward(q, k, v, bias):
 
 
 def _first_nonzero_column(bias_rows, k0, k1):
-    """The first column of [k0, k1) where some row of the block's bias is not 0 (k1 if none)."""
-    nonzero = np.flatnonzero((bias_rows[:, k0:k1] != 0).any(axis=0))
+    """The first column of [k0, k1) where some row of the block's bias (of some batch row) is not 0 (k1 if none)."""
+    nonzero = np.flatnonzero((bias_rows[..., k0:k1] != 0).reshape(-1, k1 - k0).any(axis=0))
     return k0 + int(nonzero[0]) if nonzero.size else k1
 
 
 def _key_spans(bias, t_q, t_k):
     """[(q0, q1, k0, k1)]: blocks of query rows and the key columns [k0, k1) outside of which the bias masks (-inf)
-    every row of the block. A block whose rows are all fully masked keeps every key (and gives NaN, as softmax
-    over nothing does)."""
+    every row of the block (of every batch row, for a per-row bias). A block whose rows are all fully masked keeps
+    every key (and gives NaN, as softmax over nothing does; 0 and lse -inf under a per-row bias)."""
     spans = []
-    visible = np.isfinite(bias) if getattr(bias, "ndim", 0) == 2 else None
+    ndim = getattr(bias, "ndim", 0)
+    visible = np.isfinite(bias) if ndim == 2 else np.isfinite(bias).any(axis=0) if ndim == 3 else None
     for q0 in range(0, t_q, QUERY_BLOCK):
         q1 = min(q0 + QUERY_BLOCK, t_q)
         k0, k1 = 0, t_k
@@ -168,6 +184,16 @@ def _sum_group(x):
     return x[:, :, 0] if x.shape[2] == 1 else x.sum(axis=2)
 
 
+def document_bias(ids_q, positions_q, ids_k, positions_k, xp, dtype):
+    """Additive mask (B, Tq, Tk) of packed documents (mpitrain/data/documents.py): 0 where the key is in the query's
+    document and not after it (position in the document <= the query's), -inf elsewhere. Within one row this is the
+    causal mask cut at document boundaries; for a block of queries and a block of keys (ring attention) it needs no
+    offsets, only the blocks' own document ids and positions."""
+    same = ids_q[:, :, None] == ids_k[:, None, :]
+    seen = positions_k[:, None, :] <= positions_q[:, :, None]
+    return xp.where(same & seen, 0.0, -xp.inf).astype(dtype)
+
+
 def whole_forward(q, k, v, bias):
     """attention_forward over the whole batch in one product per stage (CuPy's path; no key blocks skipped).
     saved: (q, k, v, probs)."""
@@ -179,15 +205,19 @@ def whole_forward(q, k, v, bias):
     scores = qg @ k.swapaxes(-1, -2)  # (B, Hkv, G*Tq, Tk)
     scores *= 1.0 / math.sqrt(d)
     scores = scores.reshape(b, hkv, group, t, -1)
-    scores += bias
+    per_row = getattr(bias, "ndim", 0) == 3
+    scores += bias[:, None, None] if per_row else bias
     row_max = scores.max(axis=-1, keepdims=True)
+    if per_row:  # rows that see no key: probabilities 0, lse -inf (module docstring)
+        row_max = xp.where(row_max == -xp.inf, 0.0, row_max)
     scores -= row_max
     probs = xp.exp(scores, out=scores)
     row_sum = probs.sum(axis=-1, keepdims=True)
-    probs /= row_sum
+    probs /= xp.where(row_sum == 0.0, 1.0, row_sum) if per_row else row_sum
     probs = probs.reshape(b, hkv, group * t, -1)
     out = (probs @ v).reshape(b, h, t, d)
-    lse = (row_max + xp.log(row_sum)).reshape(b, h, t)
+    with np.errstate(divide="ignore"):  # log(0) = -inf for a row that sees no key (numpy arrays)
+        lse = (row_max + xp.log(row_sum)).reshape(b, h, t)
     return (out, lse), (q, k, v, probs)
 
 

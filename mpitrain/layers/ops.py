@@ -404,9 +404,10 @@ def swiglu_backward(saved, dy):
 
 # ----------------------------------------------------------------------------- rotary positions (llama)
 def rope_tables(positions, head_dim, theta, xp, dtype):
-    """cos/sin of shape (T, head_dim/2) for the given absolute positions (context parallelism passes its chunk's)."""
+    """cos/sin of shape (T, head_dim/2) for the given absolute positions (context parallelism passes its chunk's);
+    (B, T, head_dim/2) for per-row positions (B, T), those inside packed documents (attention.rotate applies them)."""
     inv_freq = 1.0 / (theta ** (xp.arange(0, head_dim, 2, dtype=xp.float64) / head_dim))
-    angles = xp.asarray(positions, dtype=xp.float64)[:, None] * inv_freq[None, :]
+    angles = xp.asarray(positions, dtype=xp.float64)[..., None] * inv_freq
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 

@@ -35,6 +35,7 @@ from mpitrain.backend import make_backend
 from mpitrain.config import ModelConfig
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers import ops
+from mpitrain.layers.attention_core import document_bias
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.lora import apply_lora, with_frozen_sinks
 from mpitrain.layers.moe import inactive_params
@@ -89,6 +90,7 @@ class GPT:
                 self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
         self.context_parallel = None  # the rank's ContextParallel under parallel.cp > 1 (parallel/context.py)
+        self.document_mask = False  # data.document_mask: every stage's forward takes its micro-batch's documents
 
     def _all_units(self) -> list:
         cfg = self.cfg
@@ -147,6 +149,25 @@ class GPT:
             self._ctx_cache[seq_len] = ctx
         return self._ctx_cache[seq_len]
 
+    def document_context(self, documents) -> dict:
+        """What packed documents (mpitrain/data/documents.py: the whole rows' ids and positions, host arrays) change
+        in one micro-batch's context: positions inside the documents for the embedding and RoPE, and attention
+        kept inside each document: a (B, T, T) mask, or under cp the whole rows' ids and positions, from which ring
+        attention builds each chunk pair's mask."""
+        xp, dtype, cfg, cp = self.backend.xp, self.backend.dtype, self.cfg, self.context_parallel
+        local = documents if cp is None else documents.take(cp.positions(documents.ids.shape[1] // cp.size))
+        positions = xp.asarray(local.positions)
+        ctx = {"positions": positions}
+        if cp is None:
+            ids = xp.asarray(local.ids)
+            ctx["bias"] = document_bias(ids, positions, ids, positions, xp, dtype)
+        else:
+            ctx["documents"] = (xp.asarray(documents.ids), xp.asarray(documents.positions))
+        if cfg.arch == "llama":
+            ctx["cos"], ctx["sin"] = ops.rope_tables(positions, cfg.head_dim, cfg.rope_theta, xp,
+                                                     rope_table_dtype(dtype))
+        return ctx
+
     def saved_bytes(self, micro_batch: int, dtype) -> tuple[int, int]:
         """Bytes the saved state of one micro-batch holds on this rank, over all its chunks, by the layers' own
         declaration (`saved_arrays`), and the bytes shared by all micro-batches (the rotary tables of `context`)."""
@@ -194,11 +215,14 @@ class GPT:
                 state.unit_done(j)
 
     # -- one micro-batch through one chunk
-    def forward(self, state, x, targets=None, chunk: int = 0, loss_scale=None):
+    def forward(self, state, x, targets=None, chunk: int = 0, loss_scale=None, documents=None):
         """x: token ids when the chunk starts with the embedding, else the previous stage's output. Returns
         (output, saved state per unit of the chunk): the sum of token losses when the chunk ends with the head
-        (`targets` needed), else the activation for the next stage."""
+        (`targets` needed), else the activation for the next stage. documents: the micro-batch's packed documents
+        (data.document_mask), on every stage."""
         ctx = self.context(self._sequence_length(x))
+        if documents is not None:
+            ctx = {**ctx, **self.document_context(documents)}
         if targets is not None:
             ctx = {**ctx, "targets": targets}  # read by the head
         if loss_scale is not None:  # training: MoE layers need the loss scale for their auxiliary losses' gradient

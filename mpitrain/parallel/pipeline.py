@@ -165,7 +165,8 @@ class PipelineExecutor:
 
     def run_step(self, batch, loss_scale: float) -> float:
         """Forward and backward every micro-batch through this rank's chunks, then reduce the gradients.
-        batch(micro) -> (input ids, targets) as host arrays; loss_scale: d(loss)/d(loss sum), 1 / tokens of the
+        batch(micro) -> (input ids, targets) as host arrays, and their packed documents third with
+        data.document_mask (model.document_mask); loss_scale: d(loss)/d(loss sum), 1 / tokens of the
         global batch. Returns this rank's sum of token losses (0 unless it holds the last stage)."""
         self.gradients.begin_step()
         self.activation_peak_bytes = 0
@@ -277,12 +278,16 @@ class PipelineExecutor:
     def _forward(self, ins):
         key, stage = (ins.micro, ins.chunk), self._stage(ins)
         inputs = targets = None
-        if stage == 0 or stage == self.last_stage:
-            inputs, targets = self.batch(ins.micro)
+        documents = []
+        every_stage = getattr(self.model, "document_mask", False)  # packed documents: every stage's attention
+        if stage == 0 or stage == self.last_stage or every_stage:
+            inputs, targets, *documents = self.batch(ins.micro)  # documents: with data.document_mask
         with self._timeline.record("forward", *key):
             x = self.backend.from_host(inputs) if stage == 0 else self._inputs.pop(key)
             targets = self.backend.from_host(targets) if stage == self.last_stage else None
-            output, saved = self.model.forward(self.gradients, x, targets, ins.chunk, loss_scale=self.loss_scale)
+            extra = {"documents": documents[0]} if documents else {}
+            output, saved = self.model.forward(self.gradients, x, targets, ins.chunk, loss_scale=self.loss_scale,
+                                               **extra)
         if stage < self.last_stage:
             self._outputs[key] = output
         else:

@@ -57,13 +57,14 @@ class ThreadReplicas:
     def __getattr__(self, name):  # everything else (flops, context, saved_bytes, ...) is the model's
         return getattr(self.model, name)
 
-    def forward(self, state, x, targets=None, chunk: int = 0, loss_scale=None):
+    def forward(self, state, x, targets=None, chunk: int = 0, loss_scale=None, documents=None):
         """The model's forward, each replica on its rows. Returns (loss sum, saved state per replica)."""
         parts = replica_rows(x.shape[0], self.replicas)
 
         def run(k):
             rows = parts[k]
-            return self.model.forward(state, x[rows], None if targets is None else targets[rows], chunk, loss_scale)
+            return self.model.forward(state, x[rows], None if targets is None else targets[rows], chunk, loss_scale,
+                                      documents=None if documents is None else documents.rows(rows))
 
         results = self._on_every_replica(run, len(parts))
         return sum(float(loss) for loss, _ in results), [saved for _, saved in results]
