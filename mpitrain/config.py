@@ -25,7 +25,6 @@ from mpitrain.config_rules import (
 from mpitrain.errors import ConfigError, shown_path
 from mpitrain.layout_checks import (
     validate_context_parallel,
-    validate_optimizer_layout,
     validate_pipeline,
     validate_tensor_parallel,
     validate_thread_replicas,
@@ -442,7 +441,6 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
             f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
             f"train.global_batch or train.micro_batch")
     _validate_ramp_layout(cfg)
-    validate_optimizer_layout(cfg)
 
 
 def _validate_ramp_layout(cfg: Config) -> None:

@@ -1,6 +1,5 @@
 """Config checks of the parallel layout that need no MPI (tensor, context and pipeline splits): what each way of
-splitting requires of the model's shape, refused with the key to change. Called by config.validate; the optimizer's
-check needs dp, so config.resolve_layout calls it (the trainer before any collective, the planner per layout).
+splitting requires of the model's shape, refused with the key to change. Called by config.validate.
 Each takes the run's Config; this module does not import config.py, which imports it."""
 from __future__ import annotations
 
@@ -63,33 +62,6 @@ def validate_pipeline(cfg) -> None:
         require(sum(p.stage_layers) == layers,
                 f"parallel.stage_layers = {p.stage_layers} sums to {sum(p.stage_layers)}, not model.n_layer = "
                 f"{layers}")
-
-
-def validate_optimizer_layout(cfg) -> None:
-    """The lean optimizers whose run would depend on the layout (the house rule: every layout is the one-process run
-    in float64), refused with the keys to change. Adafactor factors, clips and (4-bit) quantizes whole tensors: a
-    ZeRO shard over several ranks cuts them (float64: 2.5e-5 off the one-process loss after one step at dp 2), a tp
-    rank holds a block of each matrix (its statistics and clipping would be the block's), and under ep > 1 the
-    per-tensor clipping sees only this rank's experts. 8-bit Adam's blocks are each tensor's own (optim/blocks.py),
-    which tp's strided pieces would cut. (Expert pieces that do not start on a block are refused where the state's
-    layout is known: optim/blocks.py.)"""
-    o, p = cfg.optim, cfg.parallel
-    keep = "or optim.name = adamw"
-    if o.name == "adafactor":
-        require(p.zero == 0 or p.dp * p.cp == 1,
-                f"optim.name = 'adafactor' with parallel.zero >= 1 over {p.dp * p.cp} ranks: ZeRO shards cut tensors, "
-                f"and Adafactor's factored statistics and update clipping need whole ones (the run would not match "
-                f"one process); set parallel.zero = 0 {keep}")
-        require(p.tp == 1, f"optim.name = 'adafactor' with parallel.tp = {p.tp}: each tp rank holds a block of every "
-                           f"matrix, so its factored statistics and clipping would be the block's, not the tensor's "
-                           f"(the run would not match one process); set parallel.tp = 1 {keep}")
-        require(p.ep == 1, f"optim.name = 'adafactor' with parallel.ep = {p.ep}: update clipping per tensor would "
-                           f"see only this rank's experts (the run would not match one process); set parallel.ep = "
-                           f"1 {keep}")
-    if o.name == "adam8bit":
-        require(p.tp == 1, f"optim.name = 'adam8bit' with parallel.tp = {p.tp}: tensor-parallel pieces are strided "
-                           f"in their tensors and would cut its quantization blocks (the run would not match one "
-                           f"process); set parallel.tp = 1 {keep}")
 
 
 def thread_replica_blockers(cfg) -> list[str]:

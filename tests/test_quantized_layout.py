@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpitrain.errors import ConfigError
 from mpitrain.optim import blocks
 from mpitrain.optim.adam8bit import BLOCK, Adam8bit
 from mpitrain.optim.adamw import AdamWHyper
@@ -63,10 +62,9 @@ def _run(n_ranks: int, gradients):
                        for a, b in (geometry.unit_range(u) for u in range(len(LAYOUTS)))]
             groups = [ThreadGroup(shared, r)] * len(LAYOUTS)
         layout = ShardLayout(geometry, windows, segment_groups=groups)
-        runs = blocks.segment_runs(layout, BLOCK)
         segments = [Segment(params[a:b], grads[a:b], intersect(decayed, a, b)) for a, b in windows]
-        optimizer = Adam8bit(segments, AdamWHyper(weight_decay=0.1), runs=runs,
-                             exchanges=blocks.segment_cuts(layout, runs, BLOCK))
+        optimizer = Adam8bit(segments, AdamWHyper(weight_decay=0.1), runs=blocks.segment_runs(layout),
+                             exchange=blocks.BlockExchange(layout, BLOCK))
         optimizers.append((optimizer, windows))
         for step, g in enumerate(gradients):
             shared.barrier.wait()
@@ -101,7 +99,7 @@ def test_every_zero_layout_steps_and_stores_as_one_process(n_ranks):
                  for _ in range(STEPS)]
     one, _ = _run(1, gradients)
     sharded, optimizers = _run(n_ranks, gradients)
-    assert sum(len(cuts) for o in optimizers for _, _, cuts in o.exchanges) >= n_ranks - 1  # blocks were cut
+    assert sum(len(list(o._partial_blocks())) for o in optimizers) >= n_ranks - 1  # blocks were cut
     for unit_one, unit_sharded in zip(one, sharded):
         assert set(unit_one) == {"params", "adam8bit_m_code", "adam8bit_v_code", "adam8bit_m_absmax",
                                  "adam8bit_v_absmax"}
@@ -113,7 +111,7 @@ def test_a_single_process_quantizes_each_tensor_on_its_own():
     """Block k of a tensor is its elements [k B, (k + 1) B): the 4480-element matrix has 3 blocks, the 100-element
     bias 1, even where they share one segment."""
     geometry = FlatBuffer.geometry(LAYOUTS)
-    runs = blocks.segment_runs(ShardLayout(geometry, [(0, geometry.size)]), BLOCK)
+    runs = blocks.segment_runs(ShardLayout(geometry, [(0, geometry.size)]))
     assert [len(run.block_range(BLOCK)) for run in runs[0]] == [3, 1, 1, 2, 1]
     assert [(run.start, run.end, run.first) for run in runs[0][:2]] == [(0, 4480, 0), (4480, 5980, 0)]
 
@@ -126,26 +124,24 @@ def _state_with(spec):
                            checkpoint_layout=lambda: ShardLayout(geometry, [(0, geometry.size)]))
 
 
-def test_pieces_that_would_quantize_per_rank_are_refused_naming_the_keys():
+def test_tensor_and_expert_parallel_pieces_are_runs_in_their_tensors_blocks():
+    """A tp column block is one run per row, each at its elements' place in the whole tensor; a rank's experts
+    (axis 0 of a stacked tensor) one run, wherever it starts (its first block is then shared with another rank)."""
     optim = SimpleNamespace(name="adam8bit", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                             adafactor_beta1=0.9, adafactor_momentum="int4")
     tp_piece = ParamSpec("w", (64, 32), "normal", 0.02, (64, 64), (0, 32), tp_replicated=False, tp_axis=1)
-    with pytest.raises(ConfigError, match=r"optim.name = 'adam8bit' with parallel.tp > 1.*set parallel.tp = 1"):
-        make_optimizer(optim, _state_with(tp_piece))
-    with pytest.raises(ConfigError, match=r"optim.name = 'adafactor' with parallel.tp > 1.*set parallel.tp = 1"):
-        make_optimizer(SimpleNamespace(**{**vars(optim), "name": "adafactor"}), _state_with(tp_piece))
+    runs = make_optimizer(optim, _state_with(tp_piece)).runs[0]
+    assert [(run.start, run.end, run.first) for run in runs[:2]] == [(0, 32, 32), (32, 64, 96)] and len(runs) == 64
+    assert runs[0].partial_blocks(BLOCK) == [0] and runs[0].total == 64 * 64
     unaligned_experts = ParamSpec("expert_w_fc", (1, 30, 40), "normal", 0.02, (2, 30, 40), (1, 0, 0))
-    with pytest.raises(ConfigError, match=r"optim.name = 'adam8bit' with parallel.ep > 1.*expert_w_fc"):
-        make_optimizer(optim, _state_with(unaligned_experts))
-    aligned_experts = ParamSpec("expert_w_fc", (1, 32, 128), "normal", 0.02, (2, 32, 128), (1, 0, 0))
-    assert make_optimizer(optim, _state_with(aligned_experts)).runs[0][0].first == 32 * 128
+    (run,) = make_optimizer(optim, _state_with(unaligned_experts)).runs[0]
+    assert (run.first, run.size, run.partial_blocks(BLOCK)) == (1200, 1200, [0])
 
 
 def test_adafactor_int4_momentum_is_the_same_on_a_pipeline_stage():
     """Both units in one segment (one process) or each in its own (a pipeline stage each, as pp = 2 cuts them):
     the same parameters, bitwise, after 4 steps (the blocks and the draws are each tensor's)."""
     from mpitrain.optim.adafactor import Adafactor
-    from mpitrain.optim.factory import segment_matrices, segment_tensors
     rng = np.random.default_rng(1)
     geometry = FlatBuffer.geometry(LAYOUTS)
     gradients = [rng.normal(size=geometry.size) for _ in range(STEPS)]
@@ -153,9 +149,7 @@ def test_adafactor_int4_momentum_is_the_same_on_a_pipeline_stage():
     for windows in ([(0, geometry.size)], [geometry.unit_range(0), geometry.unit_range(1)]):
         params, grads = np.linspace(1, 2, geometry.size), np.zeros(geometry.size)
         layout = ShardLayout(geometry, windows)
-        optimizer = Adafactor([Segment(params[a:b], grads[a:b], []) for a, b in windows], segment_matrices(layout),
-                              tensors=[[(a, b) for a, b, _ in found] for found in segment_tensors(layout)],
-                              momentum="int4", runs=blocks.segment_runs(layout, 128, "adafactor"))
+        optimizer = Adafactor([Segment(params[a:b], grads[a:b], []) for a, b in windows], layout, momentum="int4")
         for step, g in enumerate(gradients):
             grads[:] = g
             optimizer.step(1e-2 * (1 + step))

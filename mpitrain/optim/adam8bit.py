@@ -67,15 +67,16 @@ def _blocked(values, xp, lead: int):
 
 
 class Adam8bit:
-    def __init__(self, segments, hyper, state_dtype=None, runs=None, exchanges=()):
-        """runs: per segment, the tensors in it (blocks.segment_runs; default: each segment one tensor);
-        exchanges: (group, slots, cuts) of the blocks other ranks hold part of (blocks.segment_cuts)."""
+    def __init__(self, segments, hyper, state_dtype=None, runs=None, exchange=None):
+        """runs: per segment, the tensors' stretches in it (blocks.segment_runs; default: each segment one tensor);
+        exchange: the blocks.BlockExchange that gives a block shared with other runs its absmax over all of them
+        (None: every run covers its blocks whole)."""
         xp = array_module(segments[0].params)
         self.xp, self.segments, self.hyper = xp, segments, hyper
         self.dtype = state_dtype or segments[0].params.dtype
         self.bounds = segment_bounds(segments)
         self.runs = runs or [[Run(0, end - start, 0, end - start)] for start, end in self.bounds]
-        self.exchanges = exchanges
+        self.exchange = exchange
         self.first_block = np.cumsum([0] + [block_count(held, BLOCK) for held in self.runs]).tolist()
         total = self.bounds[-1][1]
         self.tables = {"m": xp.asarray(quantization_map(True), dtype=self.dtype),
@@ -94,7 +95,7 @@ class Adam8bit:
 
     def _chunks(self):
         """(segment index, flat [lo, hi) in the state arrays, the chunk's blocks, lead) of every chunk of at most
-        CHUNK_BLOCKS blocks of one tensor, each starting on a block boundary except a run's first."""
+        CHUNK_BLOCKS blocks of one run, each starting on a block boundary except a run's first."""
         for index, ((start, _), held) in enumerate(zip(self.bounds, self.runs)):
             block = self.first_block[index]
             for run in held:
@@ -106,55 +107,69 @@ class Adam8bit:
                     yield index, start + run.start + a, start + run.start + b, slice(block, block + count), lead
                     block, a = block + count, b
 
+    def _partial_blocks(self):
+        """(segment, run, position in its blocks, index in the absmax arrays, flat [lo, hi), lead) of every block
+        that a run covers in part."""
+        for index, ((start, _), held) in enumerate(zip(self.bounds, self.runs)):
+            block = self.first_block[index]
+            for run in held:
+                for position in run.partial_blocks(BLOCK):
+                    a, b = run.block_elements(position, BLOCK)
+                    yield index, run, position, block + position, start + run.start + a, start + run.start + b, \
+                        (run.first + a) % BLOCK
+                block += len(run.block_range(BLOCK))
+
+    def _moments(self, g, lo: int, hi: int, blocks: slice, lead: int):
+        """This step's m and rms (sqrt v) of the elements [lo, hi) from their stored codes and the gradient g."""
+        h = self.hyper
+        m = dequantize(self.codes["m"][lo:hi], self.absmax["m"][blocks], self.tables["m"], lead)
+        v = dequantize(self.codes["v"][lo:hi], self.absmax["v"][blocks], self.tables["v"], lead) ** 2  # sqrt(v)
+        m = h.beta1 * m + (1.0 - h.beta1) * g
+        v = h.beta2 * v + (1.0 - h.beta2) * (g * g)
+        return m, self.xp.sqrt(v)
+
+    def _shared_absmax(self, grads) -> dict:
+        """{absmax index: {"m": absmax, "v": absmax}} of the blocks runs cover in part, this step's over every
+        holder (computed ahead of the update from the same moments, so no chunk is held in memory)."""
+        if self.exchange is None:
+            return {}
+        xp, entries, shared = self.xp, {"m": [], "v": []}, {}
+        for index, run, position, block, lo, hi, lead in self._partial_blocks():
+            offset = self.bounds[index][0]
+            m, rms = self._moments(grads(index)[lo - offset:hi - offset], lo, hi, slice(block, block + 1), lead)
+            shared[block] = {"m": xp.abs(m).max(keepdims=True), "v": rms.max(keepdims=True)}
+            for k in "mv":
+                entries[k].append((run, position, shared[block][k]))
+        for k in "mv":
+            self.exchange.share(xp, self.dtype, entries[k])
+        return shared
+
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.steps_taken += 1
         h, t, xp = self.hyper, self.steps_taken, self.xp
         bias1, bias2 = 1.0 - h.beta1 ** t, math.sqrt(1.0 - h.beta2 ** t)
+        cache = {}  # the current segment's gradient as the update sees it (one segment's transient at a time)
+
+        def grads(index):
+            if index not in cache:
+                cache.clear()
+                cache[index] = scaled_grad(self.segments[index], self.dtype, grad_scale)
+            return cache[index]
+
+        shared = self._shared_absmax(grads)  # before any code or decay changes
         for segment in self.segments:
             decay(segment, lr, h.weight_decay)
-        grad = {}  # the current segment's gradient as the update sees it (one segment's transient at a time)
-        cut_at = {self.bounds[cut.segment][0] + cut.start: cut for _, _, cuts in self.exchanges for cut in cuts}
-        cut_values = {}  # cut -> {"m": m, "v": rms} of its local part, kept until the exchange
         for index, lo, hi, blocks, lead in self._chunks():
             offset = self.bounds[index][0]
-            codes = {k: self.codes[k][lo:hi] for k in "mv"}
-            m = dequantize(codes["m"], self.absmax["m"][blocks], self.tables["m"], lead)
-            v = dequantize(codes["v"], self.absmax["v"][blocks], self.tables["v"], lead) ** 2  # stored: sqrt(v)
-            if index not in grad:
-                grad = {index: scaled_grad(self.segments[index], self.dtype, grad_scale)}
-            g = grad[index][lo - offset:hi - offset]
-            m = h.beta1 * m + (1.0 - h.beta1) * g
-            v = h.beta2 * v + (1.0 - h.beta2) * (g * g)
-            rms = xp.sqrt(v)
+            m, rms = self._moments(grads(index)[lo - offset:hi - offset], lo, hi, blocks, lead)
             self.segments[index].params[lo - offset:hi - offset] -= (lr / bias1) * m / (rms / bias2 + h.eps)
             for k, values in (("m", m), ("v", rms)):
-                codes[k][...], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
-            if cut_at:  # a cut block is the chunk's first or last one
-                for start in {lo, max(lo, hi - (lead + hi - lo - 1) % BLOCK - 1)} & cut_at.keys():
-                    cut = cut_at[start]
-                    part = slice(start - lo, start - lo + cut.end - cut.start)
-                    cut_values[cut] = {"m": m[part].copy(), "v": rms[part].copy()}
-        self._share_cut_blocks(lambda cut, k: cut_values[cut][k])
-
-    def _share_cut_blocks(self, local_values) -> None:
-        """Every cut block's absmax over all its holders (one all-reduce, max, per shard group; local_values(cut,
-        k): the moment's float values of the cut's local part), and its local codes encoded against it."""
-        xp = self.xp
-        for group, slots, cuts in self.exchanges:
-            partial = xp.zeros((2, slots), dtype=self.dtype)
-            for cut in cuts:
-                for row, k in enumerate("mv"):
-                    partial[row, list(cut.slots)] = self.absmax[k][cut.block]
-            group.all_reduce(partial.reshape(-1), "max")
-            for cut in cuts:
-                flat = self.bounds[cut.segment][0]
-                for row, k in enumerate("mv"):
-                    absmax = partial[row, cut.slots[0]:cut.slots[0] + 1]
-                    if bool(absmax[0] != self.absmax[k][cut.block]):  # another holder has the block's largest
-                        values = local_values(cut, k)
-                        self.absmax[k][cut.block:cut.block + 1] = absmax
-                        self.codes[k][flat + cut.start:flat + cut.end] = encode(values, absmax, self.tables[k], xp,
-                                                                               cut.lead)
+                absmax = _blocked(values, xp, lead)
+                absmax = xp.abs(absmax).max(axis=1)
+                for block in range(blocks.start, blocks.stop):
+                    if block in shared:  # its absmax over every holder
+                        absmax[block - blocks.start] = shared[block][k][0]
+                self.codes[k][lo:hi], self.absmax[k][blocks] = encode(values, absmax, self.tables[k], xp, lead), absmax
 
     # -- checkpoints: the codes and each element's block scale, element-wise
     def _expanded_absmax(self, which: str):
@@ -183,8 +198,22 @@ class Adam8bit:
                 else:
                     values = self.tables[k][self.codes[k][lo:hi]] * saved
                     self.codes[k][lo:hi], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
-        flat = [start for start, _ in self.bounds]
-        self._share_cut_blocks(lambda cut, k: dequantize(
-            self.codes[k][flat[cut.segment] + cut.start:flat[cut.segment] + cut.end],
-            self.absmax[k][cut.block:cut.block + 1], self.tables[k], cut.lead))
+        self._share_restored_blocks()
         self._checkpoint = {}
+
+    def _share_restored_blocks(self) -> None:
+        """Blocks runs cover in part, requantized on restore from other blocks, take their absmax over every
+        holder (restored into the same blocks, every holder already has it: nothing changes)."""
+        if self.exchange is None:
+            return
+        xp, found = self.xp, list(self._partial_blocks())
+        for k in "mv":
+            values = {block: dequantize(self.codes[k][lo:hi], self.absmax[k][block:block + 1], self.tables[k], lead)
+                      for _, _, _, block, lo, hi, lead in found}
+            absmax = {block: self.absmax[k][block:block + 1].copy() for _, _, _, block, _, _, _ in found}
+            self.exchange.share(xp, self.dtype, [(run, position, absmax[block]) for _, run, position, block, _, _, _
+                                                 in found])
+            for _, _, _, block, lo, hi, lead in found:
+                if bool(absmax[block][0] != self.absmax[k][block]):
+                    self.absmax[k][block:block + 1] = absmax[block]
+                    self.codes[k][lo:hi] = encode(values[block], absmax[block], self.tables[k], xp, lead)

@@ -1,35 +1,36 @@
 """Quantization blocks that do not depend on the parallel layout (8-bit Adam's moments, Adafactor's 4-bit one).
 
 Block k of a tensor is elements [k B, (k + 1) B) of the whole tensor's flat index, wherever they live, so one
-process and every ZeRO layout quantize the same blocks with the same scales. An optimizer segment (this rank's shard
-of a unit, or its whole buffer) holds runs: the pieces of tensors inside it, each with the tensor index of its first
-element. A shard boundary inside a block cuts it: each rank holding part of it takes the absmax of its part, and one
-all-reduce (max) over the group that shards the part gives every holder the block's absmax (`Cut.slots`: the shard
-boundaries inside the block; every holder writes its part's absmax into all of them, so the max covers every holder,
-also when a block spans more than two shards). Padding (ZeRO's, at a part's end) lies in no run and is never touched.
-
-Tensor-parallel pieces are strided in their tensor (a column block of a matrix), and expert-parallel pieces that do
-not start on a block boundary share a block with another ep rank: both would quantize per rank, so they are refused.
+process and every layout quantize the same blocks with the same scales. An optimizer segment (this rank's shard of a
+unit, or its whole buffer) holds runs: stretches of tensors that are contiguous in the whole tensor's flat order,
+each with the tensor index of its first element (optim/exchange.py's `stretches`: a ZeRO slice or a rank's experts
+is one run, a tensor-parallel column block one run per row). A run covers its blocks wholly except perhaps its first
+and last; those are shared with other runs (of this rank or of the ranks holding the tensor's other pieces): each
+holder takes the absmax of its part, and one all-reduce (max) per chain of holder groups gives every holder the
+block's absmax (`BlockExchange`). Padding (ZeRO's, at a part's end; a vocabulary shard's past the tensor's end) lies
+in no run and is never touched.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from mpitrain.errors import ConfigError
+from mpitrain.optim.exchange import TensorExchange, segment_pieces, stretches
 from mpitrain.state.strategy import ShardLayout
 
 
 @dataclass(frozen=True)
 class Run:
-    """The part of one tensor (or of this rank's piece of it) inside a segment."""
+    """A stretch of one tensor inside a segment, contiguous in the tensor's flat order."""
     start: int  # [start, end) in segment coordinates
     end: int
     first: int  # the tensor's flat index of the run's first element
-    stop: int  # the tensor's flat index just past its piece (its size for a whole tensor)
+    total: int  # elements of the whole tensor
     key: int = 0  # names the tensor in every layout (seeds quant4's stochastic rounding)
+    tensor: tuple = ()  # (unit, name): the tensor's slots in a BlockExchange
 
     @property
     def size(self) -> int:
@@ -39,76 +40,53 @@ class Run:
         """The indices in the tensor of the blocks this run overlaps."""
         return range(self.first // block, (self.first + self.size - 1) // block + 1)
 
-    def block_span(self, k: int, block: int) -> tuple[int, int]:
-        """Block k of the tensor, whole, in segment coordinates (it may reach beyond the segment)."""
-        zero = self.start - self.first  # where the tensor's element 0 would sit
-        return zero + k * block, zero + min((k + 1) * block, self.stop)
+    def partial_blocks(self, block: int) -> list[int]:
+        """Positions (0-based in block_range) of the blocks the run covers only in part: its first, its last."""
+        count, out = len(self.block_range(block)), []
+        if self.first % block:
+            out.append(0)
+        end = self.first + self.size
+        if end % block and end != self.total and count - 1 not in out:
+            out.append(count - 1)
+        return out
+
+    def block_elements(self, position: int, block: int) -> tuple[int, int]:
+        """[a, b) in run coordinates of the run's elements in its block at `position`."""
+        k = self.first // block + position
+        return max(0, k * block - self.first), min(self.size, (k + 1) * block - self.first)
 
 
-@dataclass(frozen=True)
-class Cut:
-    """A block that other ranks of the group hold part of: its segment, its index among the optimizer's blocks, its
-    local elements [start, end) in segment coordinates, and its slots in the group's exchange vector."""
-    segment: int
-    block: int
-    start: int
-    end: int
-    lead: int  # elements of the block before `start` (held by another rank)
-    slots: tuple[int, ...]
-
-
-def _refuse_pieces(spec, name: str) -> None:
-    """A piece of a tensor split over tp ranks is strided in it: quantizing it per rank would depend on the layout."""
-    if spec.tp_axis is not None:
-        raise ConfigError(f"optim.name = {name!r} with parallel.tp > 1: tensor-parallel pieces cut its "
-                          "quantization blocks, so the run would not match one process; set parallel.tp = 1 or "
-                          "optim.name = adamw")
-
-
-def _piece(spec, block: int, name: str) -> tuple[int, int]:
-    """The tensor's flat indices [first, stop) of this rank's piece ([0, size) for a whole tensor)."""
-    _refuse_pieces(spec, name)
-    if spec.global_shape is None or tuple(spec.global_shape) == tuple(spec.shape):
-        return 0, spec.size
-    first = int(np.ravel_multi_index(spec.start, spec.full_shape))
-    stop, total = first + spec.size, int(np.prod(spec.full_shape))
-    contiguous = tuple(spec.shape[1:]) == tuple(spec.full_shape[1:])  # split along axis 0 only (experts)
-    if not contiguous or first % block or (stop % block and stop != total):
-        raise ConfigError(f"optim.name = {name!r} with parallel.ep > 1: this rank's experts of {spec.name} (tensor "
-                          f"elements {first}..{stop}) do not start and end on {block}-element quantization blocks, "
-                          "so the run would not match one process; choose parallel.ep so that each rank's experts "
-                          "are whole blocks, or optim.name = adamw")
-    return first, stop
-
-
-def segment_specs(layout: ShardLayout):
-    """Per optimizer segment, its window (g0, g1) and the tensors overlapping it as (unit layout, spec, offset of the
-    tensor in the flat buffer); `layout` is state.checkpoint_layout() (its segment_windows follow the segments'
-    order). The one walk behind segment_runs and factory.segment_tensors."""
-    geometry = layout.geometry
-    for g0, g1 in layout.segment_windows:
-        found = []
-        for unit, unit_layout in enumerate(geometry.layouts):
-            offset = geometry.offsets[unit]
-            for spec in unit_layout.specs:
-                if max(g0, offset) < min(g1, offset + spec.size):
-                    found.append((unit_layout, spec, offset))
-                offset += spec.size
-        yield g0, g1, found
-
-
-def segment_runs(layout: ShardLayout, block: int, name: str = "adam8bit") -> list[list[Run]]:
+def segment_runs(layout: ShardLayout) -> list[list[Run]]:
     """Per optimizer segment, the runs of tensors it holds."""
     out = []
-    for g0, g1, found in segment_specs(layout):
+    for pieces in segment_pieces(layout):
         runs = []
-        for unit_layout, spec, offset in found:
-            lo, hi = max(g0, offset), min(g1, offset + spec.size)
-            first, stop = _piece(spec, block, name)
-            key = zlib.crc32(f"{unit_layout.name}.{spec.name}".encode())
-            runs.append(Run(lo - g0, hi - g0, first + lo - offset, stop, key))
+        for piece in pieces:
+            unit_name = layout.geometry.layouts[piece.tensor[0]].name
+            key = zlib.crc32(f"{unit_name}.{piece.tensor[1]}".encode())
+            runs += [Run(a, b, first, piece.count, key, piece.tensor) for a, b, first in stretches(piece)]
         out.append(runs)
     return out
+
+
+class BlockExchange:
+    """The absmax of every block that a run covers in part, over all of the block's holders: the blocks' slots of
+    each tensor (one per block of the whole tensor), max-reduced over the tensor's holder groups."""
+
+    def __init__(self, layout: ShardLayout, block: int, tp=None, ep=None):
+        self.block = block
+        self.exchange = TensorExchange(layout, lambda shape: -(-math.prod(shape) // block), tp, ep)
+
+    def share(self, xp, dtype, entries) -> None:
+        """entries: (run, position in its block_range, 1-element array of the local absmax); each array is set to
+        the block's absmax over every holder. Every rank of the groups calls it the same number of times."""
+        buffers = self.exchange.buffers(xp, dtype)
+        for run, position, value in entries:
+            slot = self.exchange.view(buffers, run.tensor)[run.first // self.block + position:][:1]
+            xp.maximum(slot, value, out=slot)
+        self.exchange.reduce(buffers, "max")
+        for run, position, value in entries:
+            value[...] = self.exchange.view(buffers, run.tensor)[run.first // self.block + position:][:1]
 
 
 def block_count(runs: list[Run], block: int) -> int:
@@ -137,33 +115,3 @@ def block_values(expanded, lead: int, block: int, xp):
     edges = np.clip(np.arange(blocks_spanned(n, lead, block) + 1) * block - lead, 0, n)
     values = expanded[xp.asarray(edges[:-1])]
     return values if bool((xp.repeat(values, np.diff(edges).tolist()) == expanded).all()) else None
-
-
-def segment_cuts(layout: ShardLayout, runs: list[list[Run]], block: int) -> list[tuple[object, int, list[Cut]]]:
-    """(group, exchange vector length, cuts) per group that shards segments (the layout's `segment_groups`: ZeRO's;
-    none without it). Slots: one per shard boundary of each segment's part (N - 1 of them), segments in order."""
-    if not layout.segment_groups:
-        return []
-    geometry, exchanges, blocks = layout.geometry, {}, 0
-    for segment, ((g0, g1), group, held) in enumerate(zip(layout.segment_windows, layout.segment_groups, runs)):
-        if group is not None and group.size > 1 and g1 > g0:
-            entry = exchanges.setdefault(id(group), [group, 0, []])
-            offset = g0 - _part_start(geometry, g0)  # the segment's start in its part
-            shard, base = g1 - g0, entry[1]
-            entry[1] += group.size - 1
-            index = blocks
-            for run in held:
-                for k in run.block_range(block):
-                    lo, hi = run.block_span(k, block)
-                    slots = tuple(base + r - 1 for r in range(1, group.size) if lo + offset < r * shard < hi + offset)
-                    if slots:
-                        start = max(lo, run.start)
-                        entry[2].append(Cut(segment, index, start, min(hi, run.end), start - lo, slots))
-                    index += 1
-        blocks += block_count(held, block)
-    return [tuple(entry) for entry in exchanges.values()]
-
-
-def _part_start(geometry, position: int) -> int:
-    """The start of the unit (ZeRO: part) range of the geometry that holds `position`."""
-    return geometry.offsets[int(np.searchsorted(geometry.offsets, position, side="right")) - 1]

@@ -1,7 +1,7 @@
 """Bytes of the lean optimizers' state on one rank, from the layout alone (what `mpitrain memory` prints for
 optim.name = adafactor | adam8bit | sgd). Counted over the same segments the trainer hands the optimizer: the whole
-flat buffer at ZeRO-0, rank 0's shard of every unit (padded to multiples of N) from ZeRO-1 on, so an Adafactor
-matrix cut by a shard boundary is counted unfactored, as it runs (tests/test_optimizers.py checks against a run).
+flat buffer at ZeRO-0, rank 0's shard of every unit (padded to multiples of N) from ZeRO-1 on; Adafactor keeps the
+whole row and column vectors of every matrix the shard holds a piece of (tests/test_optimizers.py checks a run).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from mpitrain.backend import COMPUTE_DTYPES
 from mpitrain.optim import quant4
 from mpitrain.optim.adam8bit import BLOCK
 from mpitrain.optim.blocks import block_count, segment_runs
-from mpitrain.optim.factory import segment_matrices
+from mpitrain.optim.exchange import factored, segment_pieces
 from mpitrain.state.params import FlatBuffer
 from mpitrain.state.strategy import ShardLayout
 
@@ -34,17 +34,17 @@ def lean_state_bytes(name: str, layouts, zero: int, dp: int, itemsize: int, mome
     if name == "sgd":
         return itemsize * sum(sizes) if momentum else 0
     if name == "adam8bit":  # codes for every element (padding too), scales for each tensor's blocks it overlaps
-        runs = segment_runs(ShardLayout(geometry, windows), BLOCK)
+        runs = segment_runs(ShardLayout(geometry, windows))
         return 2 * sum(sizes) + 2 * itemsize * sum(block_count(held, BLOCK) for held in runs)
     if name == "adafactor":
-        matrices = segment_matrices(ShardLayout(geometry, windows))
-        factored = sum(end - start for mats in matrices for start, end, _, _ in mats)
-        statistics = sum(rows + cols for mats in matrices for _, _, rows, cols in mats)
-        second_moment = itemsize * (statistics + sum(sizes) - factored)
+        pieces = [p for held in segment_pieces(ShardLayout(geometry, windows)) for p in held]
+        matrices = {p.tensor: p.shape for p in pieces if factored(p.shape)}
+        elementwise = sum(p.size for p in pieces if not factored(p.shape))
+        second_moment = itemsize * (sum(sum(shape) for shape in matrices.values()) + elementwise)
         if not adafactor_beta1:
             return second_moment
         if adafactor_momentum == "int4":  # packed codes per segment, scales for each tensor's blocks
-            runs = segment_runs(ShardLayout(geometry, windows), quant4.BLOCK, name)
+            runs = segment_runs(ShardLayout(geometry, windows))
             return second_moment + sum(quant4.packed_size(n) + itemsize * block_count(held, quant4.BLOCK)
                                        for n, held in zip(sizes, runs))
         return second_moment + itemsize * sum(sizes)

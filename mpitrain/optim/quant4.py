@@ -51,12 +51,18 @@ def uniform(seed: int, first: int, n: int, xp):
     return (z >> u64(40)).astype(xp.float32) * xp.float32(2.0 ** -24)
 
 
-def quantize(values, xp, seed: int | None = None, first: int = 0):
+def block_scales(values, xp, first: int = 0):
+    """The scale (absmax / LEVELS) of each block a 1-D array overlaps, its first element the tensor's `first`."""
+    return xp.abs(_blocked(values, xp, first)).max(axis=1) / LEVELS
+
+
+def quantize(values, xp, seed: int | None = None, first: int = 0, scale=None):
     """(codes 0..15 per element, uint8; scale per block) of a 1-D array, its first element the tensor's `first`;
-    seed: stochastic rounding (None: nearest)."""
+    seed: stochastic rounding (None: nearest); scale: the blocks' scales when other elements of them live elsewhere
+    (default: block_scales of the values)."""
     n, lead = values.size, first % BLOCK
     blocked = _blocked(values, xp, first)
-    scale = xp.abs(blocked).max(axis=1) / LEVELS
+    scale = xp.abs(blocked).max(axis=1) / LEVELS if scale is None else scale
     scaled = (blocked / xp.where(scale > 0, scale, 1)[:, None]).ravel()[lead:lead + n]
     rounded = xp.rint(scaled) if seed is None else xp.floor(scaled + uniform(seed, first, n, xp))
     return (xp.clip(rounded, -LEVELS, LEVELS) + 8).astype(xp.uint8), scale
