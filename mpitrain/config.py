@@ -155,6 +155,8 @@ class CheckpointConfig:
 class LoggingConfig:
     peak_flops: float = 0.0  # per rank, FLOP/s; 0: measured with a float32 matmul at start-up
     tensorboard: bool = False  # also RUN_DIR/tensorboard/ event files (tensorboardX, extra [tensorboard])
+    wandb: bool = False  # also Weights & Biases from the logging rank (extra [wandb]; offline without an API key)
+    wandb_project: str = "mpitrain"  # the W&B project; the run is named after the run directory
 
 
 @dataclass
@@ -375,6 +377,7 @@ def validate(cfg: Config) -> None:
     require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
+    require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
             "by this factor), or 0 to turn straggler reports off")

@@ -43,6 +43,7 @@ from mpitrain.parallel.timeline import bubble_fraction, merge_events
 from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics
+from mpitrain.profile.wandb_sink import require_wandb
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
