@@ -77,3 +77,11 @@ def no_boundaries_error(path: str) -> DataError:
     return DataError(f"data.document_mask = true needs document boundaries, and dataset file {path} has neither an "
                      "end-of-document token (attribute eod_id) nor document starts (train_doc_starts); re-create it "
                      "with a current `mpitrain data prepare` or set data.document_mask = false")
+
+
+def check_document_boundaries(*samplers) -> None:
+    """data.document_mask's check at start: every token file read (a mix's each) says where documents start."""
+    for sampler in samplers:
+        for each in getattr(sampler, "samplers", [sampler]):  # a data.mix sampler draws from several files
+            if each.eod_id is None and each.doc_starts is None:
+                raise no_boundaries_error(each.path)
