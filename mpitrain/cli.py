@@ -363,6 +363,37 @@ def doctor_hang(run_dir):
     click.echo(diagnose(Path(run_dir)))
 
 
+@doctor.command("parity")
+@CONFIG_ARG
+@SET_OPTION
+@click.option("-n", "n_ranks", type=int, required=True, help="Ranks of the layout (run under mpiexec).")
+@click.option("--tol", type=float, default=1e-9, show_default=True, help="Largest relative difference accepted.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where both runs' records go (default: a new temporary directory).")
+@_user_errors
+def doctor_parity(config, overrides, n_ranks, tol, out_dir):
+    """One step of the layout beside a one-process float64 reference on the same batch: forward outputs per layer,
+    gradients, then the updated state, each rank's shards against the reference's matching slices. Names the first
+    tensor beyond --tol (layer, rank, shard); exit status 0 when every tensor matches, 1 otherwise."""
+    from mpitrain.doctor.parity import run_parity
+    sys.exit(run_parity(config, list(overrides), n_ranks, tol, out_dir, click.echo))
+
+
+@doctor.command("capture", hidden=True)
+@CONFIG_ARG
+@SET_OPTION
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
+def doctor_capture(config, overrides, out_dir):
+    """What `doctor parity` runs on every rank: one step, everything it computed saved to OUT."""
+    from mpi4py import MPI
+
+    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.config import load_config
+    from mpitrain.doctor.parity import capture
+    with abort_on_error(MPI.COMM_WORLD):
+        capture(load_config(config, overrides), MPI.COMM_WORLD, Path(out_dir))
+
+
 # ----------------------------------------------------------------------------- bench
 @main.group()
 def bench():

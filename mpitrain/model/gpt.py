@@ -90,6 +90,9 @@ class GPT:
                 self.last_reader["backward"][j] = min(i, self.last_reader["backward"].get(j, i))
         self._ctx_cache: dict[int, dict] = {}
         self.context_parallel = None  # the rank's ContextParallel under parallel.cp > 1 (parallel/context.py)
+        # observe(unit name, output): told each unit's output in training and evaluation forwards (mpitrain doctor
+        # parity compares them with a reference); None: nothing is called
+        self.observe = None
         self.document_mask = False  # data.document_mask: every stage's forward takes its micro-batch's documents
 
     def _all_units(self) -> list:
@@ -232,6 +235,8 @@ class GPT:
             unit = self.units[i]
             params = self._params(state, i, "forward")
             x, unit_saved = unit.forward(params, x, ctx)
+            if self.observe is not None:
+                self.observe(unit.layout.name, x)
             self._release(state, i, "forward")
             saved.append(unit_saved)
         return x, saved
