@@ -22,8 +22,8 @@ FAST = ["logging.peak_flops=1e9", "train.log_every=1"]
 PREEMPTED = 75
 
 
-def train(n, run_dir, data, *overrides, resume=None, expect=0, config="configs/tiny.toml"):
-    args = ["-m", "mpitrain", "train", config, "--out", str(run_dir)]
+def train(n, run_dir, data, *overrides, resume=None, expect=0, config="configs/tiny.toml", extra=()):
+    args = ["-m", "mpitrain", "train", config, "--out", str(run_dir), *extra]
     for setting in [f"data.path={data}", *FAST, *overrides]:
         args += ["--set", setting]
     if resume:
@@ -260,13 +260,13 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     assert "resumed from" in result.stdout and "step_00000004" in result.stdout, describe(result)
 
 
-def test_resume_from_a_broken_path_fails_on_every_rank_naming_the_file(tmp_path, dataset):
+def test_resume_from_a_broken_path_fails_in_one_line_naming_the_file(tmp_path, dataset):
     run_dir = tmp_path / "run"
     train(2, run_dir, dataset, "train.stop_at=2", expect=PREEMPTED)
     newest = committed_checkpoints(run_dir / "checkpoints")[-1]
     (newest / "rank_00000.h5").unlink()
     result = train(2, run_dir, dataset, resume=str(newest), expect=1)
-    assert result.stderr.count("checkpoint shard missing") == 2 and "rank_00000.h5" in result.stderr, describe(result)
+    assert result.stderr.count("checkpoint shard missing") == 1 and "rank_00000.h5" in result.stderr, describe(result)
 
 
 def test_ckpt_tools_inspect_verify_export(tmp_path, dataset):

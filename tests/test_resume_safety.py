@@ -78,7 +78,8 @@ def generate(*args):
 def test_a_branch_from_an_older_checkpoint_saves_its_own_steps_and_sets_the_old_future_aside(run_copy, dataset):
     checkpoints = run_copy / "checkpoints"
     old_final = params(checkpoints / "step_00000010")
-    out = train(2, run_copy, dataset, "checkpoint.every=5", "optim.lr=1e-2", resume=str(checkpoints / "step_00000005"))
+    out = train(2, run_copy, dataset, "checkpoint.every=5", "optim.lr=1e-2", resume=str(checkpoints / "step_00000005"),
+                extra=["--allow-changes", "optim.lr"])
     assert "already saved" not in out.stdout, describe(out)
     assert names(committed_checkpoints(checkpoints)) == ["step_00000005", "step_00000010"]
     verify_all(checkpoints)
@@ -172,7 +173,7 @@ def test_resume_with_another_model_is_refused_naming_the_keys_and_keeps_every_ch
     out = train(2, run_copy, dataset, "checkpoint.every=5", "model.n_layer=1", "model.d_ff=64", resume="auto",
                 expect=1)
     why = "model.n_layer = 2 there, 1 here; model.d_ff = 128 there, 64 here"
-    assert out.stderr.count(why) == 2, describe(out)  # the same line from both ranks
+    assert out.stderr.count(why) == 1, describe(out)  # the same verdict on both ranks, said once
     assert "Traceback" not in out.stderr and "step " not in out.stdout
     assert names(committed_checkpoints(run_copy / "checkpoints")) == ["step_00000005", "step_00000010"]
     assert not (run_copy / "checkpoints" / "set_aside").exists()
@@ -210,7 +211,7 @@ def test_resume_auto_refuses_when_every_checkpoint_is_broken_instead_of_starting
     (checkpoints / "step_00000010" / "rank_00000.h5").unlink()
     out = train(2, run_copy, dataset, "checkpoint.every=5", resume="auto", expect=1)
     error = [line for line in out.stderr.splitlines() if "every committed checkpoint" in line]
-    assert len(error) == 2 and "step_00000005" in error[0] and "step_00000010" in error[0], describe(out)
+    assert len(error) == 1 and "step_00000005" in error[0] and "step_00000010" in error[0], describe(out)
     assert "step " not in out.stdout  # nothing trained, nothing saved, nothing deleted
     assert names(committed_checkpoints(checkpoints)) == ["step_00000005", "step_00000010"]
 
@@ -242,7 +243,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_step_1_on_every_rank(tmp
     blocker.write_text("not a directory")
     out = train(2, tmp_path / "run", dataset, f"checkpoint.dir={blocker / 'checkpoints'}", expect=1)
     lines = [line for line in out.stderr.splitlines() if "ERROR" in line]
-    assert len(lines) == 2, describe(out)
+    assert len(lines) == 1, describe(out)  # both ranks' verdict, said once
     for line in lines:
         assert "checkpoint.dir" in line and str(blocker / "checkpoints") in line and "Traceback" not in out.stderr
         assert "rank 0 on" in line and "rank 1 on" in line  # each rank tried on its own
