@@ -137,6 +137,13 @@ class DataConfig:
     # attention, learned positions and RoPE stay inside each document packed in a row (mpitrain/data/documents.py);
     # documents end at the tokenizer's end-of-document token or the file's stored starts (synthetic: token 0)
     document_mask: bool = False
+    # blend prepared files by weight, replacing data.path (data/mix.py): ["a.h5:3", "b.h5:1"] or
+    # [{path = "a.h5", weight = 3}, ...]; each row of a global batch comes from a file with probability ~ its weight
+    mix: list = field(default_factory=list)
+
+    def mix_sources(self) -> list[tuple[str, float]]:
+        """data.mix as [(path, weight)] (its entries are kept as 'path:weight' strings once read)."""
+        return [(path, float(weight)) for path, _, weight in (entry.rpartition(":") for entry in self.mix)]
 
 
 @dataclass
@@ -239,6 +246,8 @@ def _section_names() -> list[str]:
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Check a value against the type of the key's default; ints are accepted where floats are expected."""
     kind = type(default)
+    if key == "data.mix":
+        return mix_entries(key, value)
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -262,6 +271,33 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"config key {key} must be a list of integers, got {value!r}")
         raise ConfigError(f"config key {key} must be {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+def mix_entries(key: str, value: Any) -> list[str]:
+    """data.mix as 'path:weight' strings, from a list of such strings or of {path, weight} tables; weights > 0."""
+    form = "a list of 'path:weight' strings or {path = ..., weight = ...} tables"
+    if not isinstance(value, list):
+        raise ConfigError(f"config key {key} must be {form}, got {value!r}")
+    entries = []
+    for index, entry in enumerate(value):
+        where = f"config key {key}[{index}] = {entry!r}"
+        if isinstance(entry, dict) and set(entry) == {"path", "weight"}:
+            path, weight = entry["path"], entry["weight"]
+        elif isinstance(entry, str) and ":" in entry:
+            path, _, weight = entry.rpartition(":")
+            try:
+                weight = float(weight)
+            except ValueError:
+                raise ConfigError(f"{where}: the weight after the last ':' is not a number") from None
+        else:
+            raise ConfigError(f"{where}: expected 'path:weight' or {{path = ..., weight = ...}}")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}: the path must be a non-empty string")
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+        if not (ok and weight > 0):
+            raise ConfigError(f"{where}: the weight must be a finite number > 0")
+        entries.append(f"{path}:{float(weight)!r}")
+    return entries
 
 
 def config_from_dict(raw: dict, source: str = "config") -> Config:
@@ -381,8 +417,11 @@ def validate(cfg: Config) -> None:
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
             "by this factor), or 0 to turn straggler reports off")
-    require(cfg.data.synthetic or cfg.data.path.strip() != "",
+    require(cfg.data.synthetic or cfg.data.mix or cfg.data.path.strip() != "",
             "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
+    if cfg.data.mix:
+        mix_entries("data.mix", cfg.data.mix)  # a config built in code has not passed _coerce
+        require(not cfg.data.synthetic, "config keys data.mix and data.synthetic = true exclude each other")
 
 
 def _validate_schedules(cfg: Config) -> None:

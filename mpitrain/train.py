@@ -25,6 +25,7 @@ from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.documents import check_document_boundaries, documents_from_starts
+from mpitrain.data.mix import mix_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError, DataError, shown_path
 from mpitrain.kernels.attention import describe_attention_path
@@ -326,6 +327,8 @@ def make_samplers(cfg: Config, ramp=None) -> tuple:
         m, t = cfg.model, cfg.train
         return (SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed),
                 SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed + 1), None)
+    if cfg.data.mix:
+        return make_mix_samplers(cfg, ramp)
     if not Path(cfg.data.path).is_file():
         raise DataError(f"data file {shown_path(cfg.data.path)} not found (config key data.path; create it with: "
                         f"mpitrain data prepare --source python-stdlib --out {cfg.data.path})")
@@ -336,6 +339,18 @@ def make_samplers(cfg: Config, ramp=None) -> tuple:
     train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                                                   ramp)
     return train_data, val_data, dataset.tokenizer
+
+
+def make_mix_samplers(cfg: Config, ramp=None) -> tuple:
+    """make_samplers for data.mix: the files blended by weight (data/mix.py), validation on the same blend."""
+    train_data, val_data, first = mix_samplers(cfg.data.mix_sources(), cfg.model.seq_len, cfg.train.global_batch,
+                                               cfg.train.seed, ramp)
+    if first.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of the files of "
+                          f"data.mix ({first.vocab_size} tokens)")
+    if cfg.data.document_mask:
+        check_document_boundaries(train_data, val_data)
+    return train_data, val_data, first.tokenizer
 
 
 def warn_zero3_with_pipeline(pp: int, accumulation: int) -> None:
