@@ -4,6 +4,8 @@ differs (and nothing when every tensor matches)."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +13,7 @@ from click.testing import CliRunner
 from mpitrain.cli import main
 from mpitrain.doctor.hang import NO_RECORD, diagnose
 from mpitrain.errors import MpitrainError
-from tests.mpi_helpers import describe, run_mpi
+from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, describe, run_mpi
 
 TIMEOUT_S = 5  # fault.timeout_s of the hang job: short, yet long enough that a busy machine does not trip it
 
@@ -89,3 +91,44 @@ def test_hang_of_a_real_job_names_the_stopped_rank_and_the_collective(tmp_path):
     for waiting in waiting_on_2:
         assert f"#{waiting['seq']} of group {waiting['group']} ({waiting['channel']})" in verdict, report.output
     assert "rank 0" not in verdict.split(" where ")[0]  # the blamed rank is 2 alone
+
+
+# ---- parity ---------------------------------------------------------------------------------------------------------
+def doctor_parity(n_ranks, *settings, plant=None):
+    """`mpitrain doctor parity configs/tiny.toml -n N --set ...` as a person runs it (it starts mpiexec itself)."""
+    import os
+    import subprocess
+    env = {key: value for key, value in os.environ.items() if key != "MPITRAIN_DOCTOR_PLANT"}
+    env.update(OVERSUBSCRIBED_ENV, PYTHONPATH=str(REPO_ROOT), **({"MPITRAIN_DOCTOR_PLANT": plant} if plant else {}))
+    args = [sys.executable, "-m", "mpitrain", "doctor", "parity", "configs/tiny.toml", "-n", str(n_ranks),
+            "--set", "data.synthetic=true", *[arg for s in settings for arg in ("--set", s)]]
+    return subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("n_ranks, settings", [
+    (2, ["parallel.tp=2"]),
+    (4, ["parallel.pp=2", "parallel.zero=1"]),  # pp 2 x dp 2, the optimizer state sharded over dp
+], ids=["tp2", "pp2-dp2-zero1"])
+def test_parity_of_a_correct_layout_passes(n_ranks, settings):
+    result = doctor_parity(n_ranks, *settings)
+    assert result.returncode == 0, describe(result)
+    counts = re.search(r"\((\d+) forward outputs, (\d+) gradient pieces, (\d+) updated-state pieces\)", result.stdout)
+    assert counts and all(int(n) > 0 for n in counts.groups()), describe(result)
+    assert "all match: largest relative difference" in result.stdout, describe(result)
+
+
+def test_parity_names_a_planted_missing_reduction_at_its_layer():
+    """tp 2 x pp 2: block 1 (on pipeline stage 1, ranks 2 and 3) skips its attention output's all-reduce. The
+    embedding and block 0 (stage 0) still match; the first tensor that differs is block 1's forward output."""
+    result = doctor_parity(4, "parallel.tp=2", "parallel.pp=2", plant="skip_tp_reduce:layer=1")
+    assert result.returncode == 1, describe(result)
+    first = result.stdout.strip().splitlines()[-1]
+    assert "the first in execution order: forward output of blocks.1 (layer 1), micro-batch 0, on rank 2 " in first
+    assert "pp stage 1" in first and "> --tol 1e-09" in first, describe(result)
+
+
+def test_parity_with_a_layout_the_ranks_cannot_hold_is_one_line():
+    result = doctor_parity(3, "parallel.tp=2")
+    assert result.returncode == 1, describe(result)
+    assert result.stderr.strip() == "Error: world size 3 is not divisible by parallel.tp*pp*cp = 2", describe(result)
+    assert "Traceback" not in result.stderr, describe(result)
