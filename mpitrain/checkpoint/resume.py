@@ -2,7 +2,9 @@
 
 - `choose_checkpoint`: the newest committed checkpoint whose files verify, falling back past broken ones.
 - `resolve_checkpoint`, `verified_checkpoint`: the checkpoint a path names (a run directory, its checkpoints/ or a
-  step_* directory), as `generate`, `train.init_from` and the `ckpt` commands are given it.
+  step_* directory), as `generate`, `train.init_from`, `train --resume PATH` and the `ckpt` commands are given it.
+- `review_changes`: what a resume changes in the config since its checkpoint (a table by group, the reshard line),
+  refusing the learning-rate schedule and global-batch keys unless `--allow-changes` names them.
 - `set_aside_newer`: checkpoints beyond the step a run continues from are moved out of the way, never deleted.
 - `model_mismatch`: the model architecture keys of a checkpoint's config against the run's.
 - `writable_problem`: can this process create files in the checkpoint directory (asked at start-up, not at step N).
