@@ -154,9 +154,13 @@ class Trainer:
 
     def _micro_batch(self, data, batch: int, micro: int, global_batch: int):
         """(inputs, targets) of this rank: its dp rows of a global batch of `global_batch` sequences, and of each row
-        its cp rank's zig-zag chunks."""
-        cp, rows = self.mesh.cp, data.global_batch_rows(batch, self._rows(micro, global_batch))
-        return tuple(split_sequence(part, cp.size, cp.rank) for part in rows)
+        its cp rank's zig-zag chunks; with data.document_mask also the whole rows' documents (GPT.document_context)."""
+        rows = self._rows(micro, global_batch)
+        cp, parts = self.mesh.cp, data.global_batch_rows(batch, rows)
+        local = tuple(split_sequence(part, cp.size, cp.rank) for part in parts)
+        if not self.cfg.data.document_mask:
+            return local
+        return (*local, documents_from_starts(data.document_starts(batch, rows)))
 
     def batch_size(self, batch: int) -> int:
         """Sequences in the global batch of data batch `batch` (train.batch_rampup, else train.global_batch)."""
@@ -300,7 +304,8 @@ class Trainer:
             lines.append(self.ramp.describe())
         if t.device == "cuda":
             m = cfg.model
-            lines.append(describe_attention_path(self.backend.dtype, m.n_head, m.kv_heads, m.head_dim, p.cp > 1))
+            lines.append(describe_attention_path(self.backend.dtype, m.n_head, m.kv_heads, m.head_dim, p.cp > 1,
+                                                 documents=cfg.data.document_mask))
         if p.pp > 1 or p.virtual_stages > 1:
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""
@@ -338,6 +343,8 @@ def make_samplers(cfg: Config, ramp=None) -> tuple:
                           f"{cfg.data.path} ({dataset.vocab_size} tokens)")
     train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                                                   ramp)
+    if cfg.data.document_mask:
+        check_document_boundaries(train_data, val_data)
     return train_data, val_data, dataset.tokenizer
 
 
