@@ -126,7 +126,7 @@ def test_adafactor_with_int4_momentum_matches_reference_math():
     segment = Segment(params.data, grads.data, params.ranges(lambda spec: spec.decay))
     optimizer = Adafactor([segment], ShardLayout(params, [(0, params.size)]), weight_decay=0.1, momentum="int4")
     # blocks are each tensor's: w1 (600 elements) 5, w2 (90) 1, b (30) 1, g (20) 1
-    assert optimizer.m is None and optimizer.m_codes[0].size == 370 and optimizer.m_scales[0].size == 8
+    assert optimizer.m is None and optimizer.m_codes.size == 370 and optimizer.m_scales[0].size == 8
     _run(optimizer, grads, gradients)
 
     def store_m(m, t):  # each tensor's blocks, seeded by the step and the tensor's name

@@ -38,11 +38,16 @@ bitwise.
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
+import numpy as np
+
 from mpitrain.backend import array_module
 from mpitrain.optim import quant4
 from mpitrain.optim.blocks import BlockExchange, block_count, blocks_spanned, padded_blocks, segment_runs
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
 from mpitrain.optim.exchange import TensorExchange, factored, segment_pieces
+from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, ParamSpec, UnitLayout
 from mpitrain.state.strategy import ShardLayout
 
@@ -71,9 +76,11 @@ def grid(piece) -> tuple[int, int, int, int, int]:
 class Adafactor:
     def __init__(self, segments, layout: ShardLayout | None = None, weight_decay: float = 0.0, beta1: float = 0.9,
                  decay_rate: float = -0.8, eps1: float = 1e-30, clip_threshold: float = 1.0, state_dtype=None,
-                 momentum: str = "full", tp=None, ep=None):
+                 momentum: str = "full", tp=None, ep=None, placement=None):
         """layout: where the segments sit among the tensors (state.checkpoint_layout(); None: each segment one
-        vector); tp, ep: the groups holding the other tp and ep pieces of split tensors (None: one rank)."""
+        vector); tp, ep: the groups holding the other tp and ep pieces of split tensors (None: one rank);
+        placement: where the element-wise state lives (memory.offload: read and written a segment at a time; the
+        row, column and block statistics stay on the device)."""
         xp = array_module(segments[0].params)
         self.xp, self.segments = xp, segments
         self.weight_decay, self.beta1, self.decay_rate, self.eps1, self.clip_threshold = weight_decay, beta1, \
@@ -92,32 +99,45 @@ class Adafactor:
         self.cols = {tensor: xp.zeros(shape[1], dtype=self.dtype) for tensor, shape in held.items()}
         # per segment: the element-wise v over the pieces of tensors that are no matrix
         self.unfactored = [[(p.start, p.end) for p in pieces if not factored(p.shape)] for pieces in self.pieces]
-        self.v = xp.zeros(sum(b - a for ranges in self.unfactored for a, b in ranges), dtype=self.dtype)
-        self.m = xp.zeros(self.bounds[-1][1], dtype=self.dtype) if beta1 and momentum == "full" else None
-        # int4: per segment, the first moment's packed codes (0x88: both zero) and block scales (quant4.py)
-        self.m_codes = [xp.full(quant4.packed_size(end - start), 0x88, dtype=xp.uint8)
-                        for start, end in self.bounds] if beta1 and momentum == "int4" else None
+        self.placement = placement = placement or OnDevice(xp)
+        self.v = placement.zeros("adafactor_v", sum(b - a for ranges in self.unfactored for a, b in ranges), self.dtype)
+        self.m = placement.zeros("adafactor_m", self.bounds[-1][1], self.dtype) if beta1 and momentum == "full" \
+            else None
+        # int4: the first moment's packed codes (0x88: both zero), segment after segment, and block scales (quant4.py)
+        packed = np.cumsum([0] + [quant4.packed_size(end - start) for start, end in self.bounds]).tolist()
+        self.code_bounds = list(pairwise(packed))
+        self.m_codes = placement.zeros("adafactor_m4_code", self.code_bounds[-1][1], np.uint8) \
+            if beta1 and momentum == "int4" else None
+        if self.m_codes is not None:
+            self.m_codes[...] = 0x88
         self.runs = segment_runs(layout)
-        self.blocks = BlockExchange(layout, quant4.BLOCK, tp, ep) if self.m_codes else None
+        int4 = self.m_codes is not None
+        self.blocks = BlockExchange(layout, quant4.BLOCK, tp, ep) if int4 else None
         self.m_scales = [xp.zeros(block_count(held, quant4.BLOCK), dtype=self.dtype)
-                         for held in self.runs] if self.m_codes else None
+                         for held in self.runs] if int4 else None
         self.steps_taken = 0
         self._checkpoint: dict = {}
 
     def state_arrays(self) -> list:
         return [self.v, *self.rows.values(), *self.cols.values()] + ([] if self.m is None else [self.m]) \
-            + (self.m_codes + self.m_scales if self.m_codes else [])
+            + ([] if self.m_codes is None else [self.m_codes, *self.m_scales])
 
     def state_nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.state_arrays()))
+        return int(sum(self.placement.resident_nbytes(a) for a in self.state_arrays()))
 
     def _v_pieces(self):
-        """(segment index, start, end, view of v) for every unfactored range."""
+        """(segment index, start, end, [start, end) in v) for every unfactored range."""
         position = 0
         for index, ranges in enumerate(self.unfactored):
             for a, b in ranges:
-                yield index, a, b, self.v[position:position + b - a]
+                yield index, a, b, (position, position + b - a)
                 position += b - a
+
+    def _codes(self, index: int):
+        """Segment `index`'s int4 codes, unpacked (one per element)."""
+        lo, hi = self.code_bounds[index]
+        return quant4.unpack(self.placement.fetch(self.m_codes, lo, hi), self.bounds[index][1] - self.bounds[index][0],
+                             self.xp)
 
     def _factored(self):
         """(segment index, piece) of every piece of a matrix."""
@@ -134,21 +154,23 @@ class Adafactor:
         updates = [xp.zeros_like(g) for g in grads]  # padding (in no piece) stays 0
         for index, piece in self._factored():
             updates[index][piece.start:piece.end] = self._factored_update(piece, grads[index][piece.start:piece.end])
-        for index, a, b, v in self._v_pieces():
-            g = grads[index][a:b]
+        for index, a, b, (lo, hi) in self._v_pieces():
+            g, v = grads[index][a:b], self.placement.fetch(self.v, lo, hi)
             v *= beta2
             v += (1.0 - beta2) * (g * g + self.eps1)
             updates[index][a:b] = g / xp.sqrt(v)
+            self.placement.store(self.v, lo, hi, v)
         if self.clip_threshold:
             self._clip(updates)
-        if self.m_codes:
+        if self.m_codes is not None:
             updates = self._int4_momentum(updates)
         for index, (segment, update) in enumerate(zip(self.segments, updates)):
             if self.m is not None:
                 start, end = self.bounds[index]
-                m = self.m[start:end]
+                m = self.placement.fetch(self.m, start, end)
                 m *= self.beta1
                 m += (1.0 - self.beta1) * update
+                self.placement.store(self.m, start, end, m)
                 update = m / (1.0 - self.beta1 ** self.steps_taken)  # debiased, as Adam (see above)
             decay(segment, lr, self.weight_decay)
             segment.params -= lr * update
@@ -210,7 +232,7 @@ class Adafactor:
         xp, moments, shared = self.xp, [], []
         for index, update in enumerate(updates):
             scales = self.m_scales[index]
-            codes = quant4.unpack(self.m_codes[index], update.size, xp)
+            codes = self._codes(index)
             for run, blocks in self._run_blocks(index):
                 part = slice(run.start, run.end)
                 m = quant4.dequantize(codes[part], scales[blocks], xp, run.first)
@@ -222,14 +244,14 @@ class Adafactor:
                            for position in run.partial_blocks(quant4.BLOCK)]
         self.blocks.share(xp, self.dtype, shared)
         out = [xp.zeros_like(update) for update in updates]  # elements in no tensor (padding) stay 0
-        codes = [quant4.unpack(self.m_codes[index], update.size, xp) for index, update in enumerate(updates)]
+        codes = [xp.full(update.size, 8, dtype=xp.uint8) for update in updates]  # elements in no run: code 0 (8)
         for index, run, blocks, m, scale in moments:
             part = slice(run.start, run.end)
             codes[index][part], self.m_scales[index][blocks] = quant4.quantize(
                 m, xp, seed=(self.steps_taken << 32) | run.key, first=run.first, scale=scale)
             out[index][part] = quant4.dequantize(codes[index][part], scale, xp, run.first)
-        for index in range(len(updates)):
-            self.m_codes[index][...] = quant4.pack(codes[index], xp)
+        for index, (lo, hi) in enumerate(self.code_bounds):
+            self.placement.store(self.m_codes, lo, hi, quant4.pack(codes[index], xp))
         return [o / (1.0 - self.beta1 ** self.steps_taken) for o in out]
 
     # -- checkpoints
@@ -251,16 +273,16 @@ class Adafactor:
             row[part] = self._on_piece(piece, xp.broadcast_to(mine_r[:, None], (rows, cols)))
             col[part] = self._on_piece(piece, xp.broadcast_to(mine_c[None, :], (rows, cols)))
             v[part] = self._on_piece(piece, xp.outer(mine_r / mean, mine_c) if mean > 0 else 0.0)
-        for index, a, b, piece in self._v_pieces():
+        for index, a, b, (lo, hi) in self._v_pieces():
             start = self.bounds[index][0]
-            v[start + a:start + b] = piece
+            v[start + a:start + b] = self.placement.fetch(self.v, lo, hi)
         self._checkpoint = {"adafactor_row": row, "adafactor_col": col, "adafactor_v": v}
         if self.m is not None:
-            self._checkpoint["adafactor_m"] = self.m.copy()
-        if self.m_codes:  # int4: each element's code (unpacked) and block scale
+            self._checkpoint["adafactor_m"] = self.placement.fetch(self.m, 0, self.m.size).copy()
+        if self.m_codes is not None:  # int4: each element's code (unpacked) and block scale
             codes, scales = xp.zeros(total, dtype=xp.uint8), xp.zeros(total, dtype=self.dtype)
             for index, (start, end) in enumerate(self.bounds):
-                codes[start:end] = quant4.unpack(self.m_codes[index], end - start, xp)
+                codes[start:end] = self._codes(index)
                 for run, blocks in self._run_blocks(index):
                     scales[start + run.start:start + run.end] = quant4.expand_scales(
                         self.m_scales[index][blocks], run.size, xp, run.first)
@@ -302,17 +324,17 @@ class Adafactor:
             else:
                 v = self.statistics.view(sums, tensor)
                 r[...], c[...] = v[:height] / c.size, v[height:] / height
-        for index, a, b, piece in self._v_pieces():
+        for index, a, b, (lo, hi) in self._v_pieces():
             start = self.bounds[index][0]
-            piece[...] = saved["adafactor_v"][start + a:start + b]
+            self.placement.store(self.v, lo, hi, saved["adafactor_v"][start + a:start + b])
         if self.m is not None:
-            self.m[...] = saved["adafactor_m"]
-        if self.m_codes:
+            self.placement.store(self.m, 0, self.m.size, saved["adafactor_m"])
+        if self.m_codes is not None:
             for index, (start, end) in enumerate(self.bounds):
                 codes = saved["adafactor_m4_code"][start:end].copy()
                 for run, blocks in self._run_blocks(index):
                     part = slice(start + run.start, start + run.end)
                     codes[run.start:run.end], self.m_scales[index][blocks] = quant4.scales_from_elements(
                         saved["adafactor_m4_scale"][part], saved["adafactor_m4_code"][part], self.xp, run.first)
-                self.m_codes[index][...] = quant4.pack(codes, self.xp)
+                self.placement.store(self.m_codes, *self.code_bounds[index], quant4.pack(codes, self.xp))
         self._checkpoint = {}

@@ -26,6 +26,7 @@ import numpy as np
 from mpitrain.backend import array_module
 from mpitrain.optim.blocks import Run, block_count, block_values, blocks_spanned, padded_blocks
 from mpitrain.optim.common import decay, scaled_grad, segment_bounds
+from mpitrain.state.offload import OnDevice
 
 BLOCK = 2048
 CHUNK_BLOCKS = 64  # blocks dequantized at once during a step
@@ -67,10 +68,11 @@ def _blocked(values, xp, lead: int):
 
 
 class Adam8bit:
-    def __init__(self, segments, hyper, state_dtype=None, runs=None, exchange=None):
+    def __init__(self, segments, hyper, state_dtype=None, runs=None, exchange=None, placement=None):
         """runs: per segment, the tensors' stretches in it (blocks.segment_runs; default: each segment one tensor);
         exchange: the blocks.BlockExchange that gives a block shared with other runs its absmax over all of them
-        (None: every run covers its blocks whole)."""
+        (None: every run covers its blocks whole); placement: where the codes live (memory.offload: read and
+        written a chunk at a time; the blocks' scales stay on the device)."""
         xp = array_module(segments[0].params)
         self.xp, self.segments, self.hyper = xp, segments, hyper
         self.dtype = state_dtype or segments[0].params.dtype
@@ -82,7 +84,9 @@ class Adam8bit:
         self.tables = {"m": xp.asarray(quantization_map(True), dtype=self.dtype),
                        "v": xp.asarray(quantization_map(False), dtype=self.dtype)}
         zero_m = int(np.searchsorted(quantization_map(True), 0.0))
-        self.codes = {"m": xp.full(total, zero_m, dtype=xp.uint8), "v": xp.zeros(total, dtype=xp.uint8)}
+        self.placement = placement or OnDevice(xp)
+        self.codes = {k: self.placement.zeros(f"adam8bit_{k}_code", total, np.uint8) for k in "mv"}
+        self.codes["m"][...] = zero_m
         self.absmax = {k: xp.zeros(self.first_block[-1], dtype=self.dtype) for k in "mv"}
         self.steps_taken = 0
         self._checkpoint: dict = {}
@@ -91,7 +95,7 @@ class Adam8bit:
         return [self.codes["m"], self.codes["v"], self.absmax["m"], self.absmax["v"]]
 
     def state_nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.state_arrays()))
+        return int(sum(self.placement.resident_nbytes(a) for a in self.state_arrays()))
 
     def _chunks(self):
         """(segment index, flat [lo, hi) in the state arrays, the chunk's blocks, lead) of every chunk of at most
@@ -122,8 +126,9 @@ class Adam8bit:
     def _moments(self, g, lo: int, hi: int, blocks: slice, lead: int):
         """This step's m and rms (sqrt v) of the elements [lo, hi) from their stored codes and the gradient g."""
         h = self.hyper
-        m = dequantize(self.codes["m"][lo:hi], self.absmax["m"][blocks], self.tables["m"], lead)
-        v = dequantize(self.codes["v"][lo:hi], self.absmax["v"][blocks], self.tables["v"], lead) ** 2  # sqrt(v)
+        m = dequantize(self.placement.fetch(self.codes["m"], lo, hi), self.absmax["m"][blocks], self.tables["m"], lead)
+        v = dequantize(self.placement.fetch(self.codes["v"], lo, hi), self.absmax["v"][blocks], self.tables["v"],
+                       lead) ** 2  # stored: sqrt(v)
         m = h.beta1 * m + (1.0 - h.beta1) * g
         v = h.beta2 * v + (1.0 - h.beta2) * (g * g)
         return m, self.xp.sqrt(v)
@@ -169,7 +174,8 @@ class Adam8bit:
                 for block in range(blocks.start, blocks.stop):
                     if block in shared:  # its absmax over every holder
                         absmax[block - blocks.start] = shared[block][k][0]
-                self.codes[k][lo:hi], self.absmax[k][blocks] = encode(values, absmax, self.tables[k], xp, lead), absmax
+                self.placement.store(self.codes[k], lo, hi, encode(values, absmax, self.tables[k], xp, lead))
+                self.absmax[k][blocks] = absmax
 
     # -- checkpoints: the codes and each element's block scale, element-wise
     def _expanded_absmax(self, which: str):
@@ -196,8 +202,9 @@ class Adam8bit:
                 if per_block is not None:
                     self.absmax[k][blocks] = per_block
                 else:
-                    values = self.tables[k][self.codes[k][lo:hi]] * saved
-                    self.codes[k][lo:hi], self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
+                    values = self.tables[k][self.placement.fetch(self.codes[k], lo, hi)] * saved
+                    codes, self.absmax[k][blocks] = quantize(values, self.tables[k], xp, lead)
+                    self.placement.store(self.codes[k], lo, hi, codes)
         self._share_restored_blocks()
         self._checkpoint = {}
 
@@ -208,12 +215,13 @@ class Adam8bit:
             return
         xp, found = self.xp, list(self._partial_blocks())
         for k in "mv":
-            values = {block: dequantize(self.codes[k][lo:hi], self.absmax[k][block:block + 1], self.tables[k], lead)
-                      for _, _, _, block, lo, hi, lead in found}
+            values = {block: dequantize(self.placement.fetch(self.codes[k], lo, hi), self.absmax[k][block:block + 1],
+                                        self.tables[k], lead) for _, _, _, block, lo, hi, lead in found}
             absmax = {block: self.absmax[k][block:block + 1].copy() for _, _, _, block, _, _, _ in found}
             self.exchange.share(xp, self.dtype, [(run, position, absmax[block]) for _, run, position, block, _, _, _
                                                  in found])
             for _, _, _, block, lo, hi, lead in found:
                 if bool(absmax[block][0] != self.absmax[k][block]):
                     self.absmax[k][block:block + 1] = absmax[block]
-                    self.codes[k][lo:hi] = encode(values[block], absmax[block], self.tables[k], xp, lead)
+                    self.placement.store(self.codes[k], lo, hi, encode(values[block], absmax[block], self.tables[k],
+                                                                        xp, lead))

@@ -23,14 +23,14 @@ def make_optimizer(optim_cfg, state, placement=None, tp=None, ep=None):
     name = o.name
     hyper = AdamWHyper(o.beta1, o.beta2, o.eps, o.weight_decay)
     if name == "adamw":
-        return AdamW(segments, hyper) if placement is None else AdamW(segments, hyper, placement=placement)
+        return AdamW(segments, hyper, placement=placement)
     if name == "adam8bit":
         layout = state.checkpoint_layout()  # each tensor's own blocks, the same in every layout
         return Adam8bit(segments, hyper, runs=blocks.segment_runs(layout),
-                        exchange=blocks.BlockExchange(layout, adam8bit.BLOCK, tp, ep))
+                        exchange=blocks.BlockExchange(layout, adam8bit.BLOCK, tp, ep), placement=placement)
     if name == "adafactor":
         return Adafactor(segments, state.checkpoint_layout(), weight_decay=o.weight_decay, beta1=o.adafactor_beta1,
-                         momentum=o.adafactor_momentum, tp=tp, ep=ep)
+                         momentum=o.adafactor_momentum, tp=tp, ep=ep, placement=placement)
     if name == "sgd":
-        return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay)
+        return SGD(segments, momentum=o.momentum, weight_decay=o.weight_decay, placement=placement)
     raise ValueError(f"optim.name = {name!r}: expected one of {', '.join(OPTIMIZERS)}")

@@ -12,9 +12,11 @@ dtype is lower, and the moments) and hands them to the optimizer in pieces it ca
                and copied back (pinned memory makes both copies DMA transfers; not yet run on a GPU). The reader
                thread copies onto the rank's GPU, entered per copy (the current device is per host thread).
 
-The optimizer's update is elementwise, so a chunk's update is bitwise the whole segment's: offloading changes where
-the bytes live, never the numbers (tests/test_offload.py). Checkpoints read and write the state through the same
-arrays (a memory-mapped file reads like an array), so saving and restoring need nothing from here.
+AdamW's and SGD's updates are elementwise, so a chunk's update is bitwise the whole segment's; 8-bit Adam reads and
+writes its codes a chunk of blocks at a time and Adafactor its element-wise state a segment at a time (`fetch`,
+`store`), their small per-block and per-row state staying on the device. Offloading changes where the bytes live,
+never the numbers (tests/test_offload.py, tests/test_optim_layouts.py). Checkpoints read and write the state through
+the same arrays (a memory-mapped file reads like an array), so saving and restoring need nothing from here.
 """
 from __future__ import annotations
 
@@ -49,6 +51,14 @@ class OnDevice:
         """(segment, its slice of each moment array) for every segment; updated in place."""
         for segment, (start, end) in zip(segments, bounds):
             yield (segment, *[m[start:end] for m in moments])
+
+    def fetch(self, array, start: int, end: int):
+        """array[start:end] where the update can use it (here: a view, written in place)."""
+        return array[start:end]
+
+    def store(self, array, start: int, end: int, values) -> None:
+        """values (from fetch, updated, or new) into array[start:end]."""
+        array[start:end] = values
 
     def describe(self) -> str:
         return "master weights and moments on the device"
@@ -105,6 +115,17 @@ class Offloaded(OnDevice):
                     if target is not chunk:
                         self.write_back(target, chunk)
 
+    def fetch(self, array, start: int, end: int):
+        """A device copy of an off-device array's slice (a view of a device array)."""
+        piece = array[start:end]
+        return self.to_device(piece) if self.off_device(array) else piece
+
+    def store(self, array, start: int, end: int, values) -> None:
+        if self.off_device(array):
+            self.write_back(array[start:end], values)
+        else:
+            array[start:end] = values
+
     def describe(self) -> str:
         return f"master weights and moments ({self.moved_nbytes:,} bytes) in {self.where}"
 
@@ -156,9 +177,6 @@ def make_placement(memory_cfg, optimizer_name: str, backend, rank: int, run_dir:
         if kind == "host" and say is not None:
             say("memory.offload = host on CPU: host memory is the device memory, nothing moves (use disk)")
         return OnDevice(backend.xp)
-    if optimizer_name != "adamw":
-        raise ConfigError(f"memory.offload = {kind} streams elementwise optimizer state; optim.name = "
-                          f"{optimizer_name} is not supported with it (use adamw)")
     chunk = int(memory_cfg.offload_chunk_mb * 2**20) // np.dtype(backend.optimizer_dtype).itemsize
     if kind == "host":
         return pinned_host_placement(backend.xp, chunk)
