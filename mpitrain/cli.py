@@ -91,7 +91,9 @@ def train(config, overrides, run_dir, resume, allowed_changes):
     """Train (run under mpiexec for several ranks; one process works without it).
 
     Exits with status 75 after saving when asked to stop (SIGUSR1/SIGTERM): resume with --resume auto. A user error
-    (config, layout, data, checkpoint) is one line from rank 0 and exit status 1."""
+    (config, layout, data, checkpoint) is one line from rank 0 and exit status 1; a run directory another live job
+    writes (RUN_DIR/.lock) exits with 73, a checkpoint the storage refuses (disk full, quota, read-only, I/O error)
+    with 74."""
     from mpi4py import MPI
 
     from mpitrain.checkpoint.resume import check_allowed_changes

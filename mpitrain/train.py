@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mpitrain import tiles
 from mpitrain.backend import make_backend
-from mpitrain.checkpoint.manager import CheckpointManager
+from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE, CheckpointManager
+from mpitrain.checkpoint.store import CheckpointWriteFailed
 from mpitrain.comm.failure import agree_on_user_errors
 from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
@@ -51,6 +52,7 @@ from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.sdc import flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import compute_seconds, inject_slowdown
 from mpitrain.run.checkpointing import Checkpointing
+from mpitrain.run.lock import RUN_DIR_IN_USE_EXIT_CODE, STALE_AFTER_S, RunDirClaim
 from mpitrain.run.log import RunLog
 from mpitrain.run.resilience import Resilience
 from mpitrain.state.factory import make_state
@@ -69,6 +71,7 @@ class StepResult:
     compute_seconds: float = 0.0  # this rank's forward/backward time (waits on peers excluded): stragglers
     breakdown: dict | None = None  # profile/breakdown.py: {part: seconds} of this rank, and step_s
     verdict: int = GOOD  # resilience/guard.py: GOOD, or why the update was skipped
+    stop_requested: bool = False  # some rank was asked to stop (learnt with the verdict, in the same all-reduce)
     global_batch: int = 0  # sequences in this step's global batch (train.batch_rampup grows it)
 
     @property
@@ -176,9 +179,10 @@ class Trainer:
                                                           p.virtual_stages)[self.mesh.pp_rank]
         self.pipeline.use_program(self._programs[micro_batches], micro_batches)
 
-    def train_step(self, step: int, measure_bubble: bool = False) -> StepResult:
+    def train_step(self, step: int, measure_bubble: bool = False, stop_here=lambda: False) -> StepResult:
         """One optimizer step. measure_bubble: gather the pipeline ranks' timelines to the logging rank afterwards
-        (outside the timed step) and measure the bubble from them."""
+        (outside the timed step) and measure the bubble from them. stop_here(): whether this rank was asked to stop
+        (run/resilience.py), told to every rank with the step's verdict."""
         cfg, state = self.cfg, self.state
         groups = self.mesh.all_groups()
         for group in groups:
@@ -202,7 +206,7 @@ class Trainer:
         self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / tokens
-        verdict = self.guard.verdict(step + 1, loss, grad_norm)  # the same on every rank
+        verdict, stop_requested = self.guard.step_verdict(step + 1, loss, grad_norm, stop_here())  # same everywhere
         if verdict == NONFINITE_GRAD and self.loss_scale.dynamic:
             verdict = OVERFLOW  # float16: the scale was too large for this step's gradients, no sign of trouble
         if verdict in (GOOD, OVERFLOW):
@@ -220,7 +224,8 @@ class Trainer:
         parts = self.breakdown.finish_step()
         self.run_summary.add(parts)
         result = StepResult(step, loss, lr, grad_norm, parts["step_s"], merge_counters(groups),
-                            compute_seconds=compute, verdict=verdict, breakdown=parts, global_batch=global_batch)
+                            compute_seconds=compute, verdict=verdict, breakdown=parts, global_batch=global_batch,
+                            stop_requested=stop_requested)
         if measure_bubble and self.mesh.pp.size > 1:
             gathered = self.mesh.pp.gather_object(self.pipeline.timeline.to_dicts())
             if gathered is not None:
@@ -372,7 +377,26 @@ def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None
     stop request was saved). allowed_changes: the keys that alter the run's meaning a resume may change (see
     checkpoint/resume.review_changes). Rank 0 writes RUN_DIR/{config.toml, metrics.jsonl} and prints progress;
     every rank writes its checkpoint shards to checkpoint.dir (default RUN_DIR/checkpoints). Throughout, each rank's
-    watchdog writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat)."""
+    watchdog writes RUN_DIR/heartbeat/ and ends the job when a communication hangs ([fault] timeout_s, heartbeat).
+    Before anything is written there, rank 0 takes RUN_DIR/.lock (run/lock.py): a run directory that another live
+    job writes is refused, every rank returning RUN_DIR_IN_USE_EXIT_CODE. A checkpoint that cannot be written (disk
+    full, quota, read-only, I/O error) ends every rank with STORAGE_FAILED_EXIT_CODE after one line on rank 0."""
+    with RunDirClaim(run_dir, world_comm, max(STALE_AFTER_S, 2 * cfg.fault.timeout_s), echo, _to_stderr) as claim:
+        if claim.refused:
+            return RUN_DIR_IN_USE_EXIT_CODE
+        try:
+            return _watched_train(cfg, world_comm, run_dir, echo, resume, allowed_changes)
+        except CheckpointWriteFailed as failed:  # every rank, the save cleaned up: one line, no traceback
+            if world_comm.Get_rank() == 0:
+                _to_stderr(f"ERROR: {failed}")
+            return STORAGE_FAILED_EXIT_CODE
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _watched_train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes) -> int:
     with start_fault_watch(cfg.fault, world_comm, run_dir) as watchdog:
         progress = watchdog.progress
         if cfg.fault.flight_ops:  # the last operations, for `mpitrain doctor hang` (comm/flight.py)
@@ -422,7 +446,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes
                 resilience.before_step(done)
                 evaluate = done == t.steps or (t.eval_every and done % t.eval_every == 0)
                 logged = evaluate or done % t.log_every == 0 or step == start
-                result = trainer.train_step(step, measure_bubble=logged)
+                result = trainer.train_step(step, measure_bubble=logged, stop_here=resilience.stop_here)
                 record = trainer.metrics(result)
                 if evaluate:
                     record["val_loss"] = trainer.evaluate()
@@ -435,7 +459,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes
                     step = restored
                     continue
                 checkpoints.poll()
-                stopping = resilience.stop_reason(done)
+                stopping = resilience.stop_reason(done, result.stop_requested)
                 resilience.check_replicas(done, saving=stopping is not None or checkpoints.due(done))
                 if stopping:
                     return checkpoints.save_and_stop(done, stopping)

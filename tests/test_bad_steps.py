@@ -70,6 +70,9 @@ class OneRank:
     def all_reduce_scalar(self, x, op="sum"):
         return x
 
+    def all_reduce_bits(self, bits):
+        return bits
+
 
 def make_guard(fault="", **fault_cfg):
     cfg = SimpleNamespace(**{"skip_steps": [], "spike_zscore": 0.0, "spike_window": 3, "max_bad_steps": 2,

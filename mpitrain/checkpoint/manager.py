@@ -28,30 +28,41 @@ from mpitrain.checkpoint.store import (
     FORMAT_VERSION,
     Checkpoint,
     CheckpointError,
+    CheckpointWriteFailed,
     clean,
     commit,
+    committed_checkpoints,
+    describe_os_error,
     rank_file_name,
     step_dir_name,
     write_rank_file,
 )
 from mpitrain.config import Config, to_toml
 from mpitrain.errors import ConfigError
+from mpitrain.resilience.inject import storage_fault
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped on request after saving; resume me"
+STORAGE_FAILED_EXIT_CODE = 74  # EX_IOERR: a save could not be written (disk full, quota, read-only, I/O error)
+
+
+def storage_failure(rank: int, exc: OSError, path: Path) -> dict:
+    """What a rank tells rank 0 of a failed write: the file (the error's, else the one being written) and the error."""
+    return {"rank": rank, "path": str(exc.filename or path), "error": describe_os_error(exc)}
 
 
 class CheckpointManager:
     def __init__(self, directory: Path, keep: int, *, cfg: Config, mesh, state, optimizer, tied_copies=(),
                  tokenizer: dict | None = None, save_extra: Callable[[], dict] = dict,
-                 load_extra: Callable[[dict], None] = lambda extra: None, echo=print):
+                 load_extra: Callable[[dict], None] = lambda extra: None, echo=print, faults=None):
         """cfg: the run's config (saved in the index; its model keys checked on restore); mesh, state, optimizer:
         what is saved, by which ranks; tied_copies: tensors a rank holds as a copy of another stage's (read back,
         never written); tokenizer: its description, saved for `generate`; save_extra / load_extra: the rest of the
-        training state beside the tensors (e.g. the data offset of bad-step rollbacks, resilience/guard.py)."""
+        training state beside the tensors (e.g. the data offset of bad-step rollbacks, resilience/guard.py);
+        faults: the rank's FaultPlan (injected storage failures, resilience/inject.py), or None."""
         self.directory, self.keep, self.echo = Path(directory), keep, echo
         self.cfg, self.mesh, self.state, self.optimizer = cfg, mesh, state, optimizer
         self.tied_copies, self.tokenizer = tied_copies, tokenizer
-        self.save_extra, self.load_extra = save_extra, load_extra
+        self.save_extra, self.load_extra, self.faults = save_extra, load_extra, faults
         self.world = mesh.world
         self._pending = None  # an asynchronous save in flight: (step, partial dir, thread, result holder)
         self.resumed_from: Path | None = None  # the checkpoint restored last: saving its step again is a no-op
@@ -111,44 +122,79 @@ class CheckpointManager:
 
     # -- saving
     def _prepare(self, step: int) -> tuple[Path, Path]:
+        """Collective: rank 0 makes `step_X.partial`; every rank learns that it exists (or why it does not)."""
         self.save_started = time.time()
         final = self.directory / step_dir_name(step)
         partial = self.directory / (final.name + ".partial")
+        failure = None
         if self.world.rank == 0:
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            if partial.exists():
-                shutil.rmtree(partial)  # a leftover of an interrupted save of the same step
-            partial.mkdir()
-        self.world.barrier()  # the directory exists before anyone writes into it
+            try:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                if partial.exists():
+                    shutil.rmtree(partial)  # a leftover of an interrupted save of the same step
+                partial.mkdir()
+            except OSError as exc:
+                failure = storage_failure(0, exc, partial)
+        failure = self.world.broadcast_object(failure)  # the directory exists before anyone writes into it
+        if failure:
+            self._fail(step, partial, [failure])
         return partial, final
 
     def _host_pieces(self) -> list:
         """Copies of the pieces this rank writes, taken now (so training may go on changing the originals)."""
         return [(item.piece, np.array(to_host(item.view()), copy=True)) for item in self.held() if item.writer]
 
-    def _commit(self, step: int, partial: Path, final: Path, record: dict | None, error: str | None) -> None:
+    def _commit(self, step: int, partial: Path, final: Path, record: dict | None, error: dict | None) -> None:
         """Collective: gather every rank's file record (or error) to rank 0, which commits; all learn the outcome."""
         gathered = self.world.gather_object((record, error))
-        outcome = None
+        failures = None
         if self.world.rank == 0:
-            errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(gathered) if err]
-            if errors:
-                outcome = "checkpoint save failed: " + "; ".join(errors)
-            else:
-                # Restoring already set later checkpoints aside; one found now at this step or beyond (another run
-                # writing to the same directory) is not this run's past either: the new state wins, the old one is
-                # kept aside. Only >= step: the previous save (step - 1 when saving every step) is this run's past,
-                # and moving it would leave nothing committed if the job died before this commit.
-                set_aside_newer(self.directory, step, None, self.echo)
-                if final.exists():
-                    shutil.rmtree(final)  # a step directory without its marker: the leftover of an interrupted save
-                commit(partial, final, self._index(step, [rec for rec, _ in gathered]))
-                removed = clean(self.directory, self.keep)
-                self.echo(f"checkpoint: saved step {step} to {final}"
-                          + (f" (removed {len(removed)} older)" if removed else ""))
-        outcome = self.world.broadcast_object(outcome)
-        if outcome:
-            raise CheckpointError(outcome)
+            failures = [err for _, err in gathered if err]
+            if not failures:
+                try:
+                    self._publish(step, partial, final, [rec for rec, _ in gathered])
+                except OSError as exc:
+                    failures = [storage_failure(0, exc, partial)]
+        failures = self.world.broadcast_object(failures)
+        if failures:
+            self._fail(step, partial, failures)
+
+    def _publish(self, step: int, partial: Path, final: Path, records: list[dict]) -> None:
+        """Rank 0, once every rank's file is written: index, marker, rename, `latest`, retention."""
+        # Restoring already set later checkpoints aside; one found now at this step or beyond (another run writing to
+        # the same directory) is not this run's past either: the new state wins, the old one is kept aside. Only
+        # >= step: the previous save (step - 1 when saving every step) is this run's past, and moving it would leave
+        # nothing committed if the job died before this commit.
+        set_aside_newer(self.directory, step, None, self.echo)
+        if final.exists():
+            shutil.rmtree(final)  # a step directory without its marker: the leftover of an interrupted save
+        commit(partial, final, self._index(step, records))
+        removed = clean(self.directory, self.keep)
+        self.echo(f"checkpoint: saved step {step} to {final}" + (f" (removed {len(removed)} older)" if removed else ""))
+
+    def _fail(self, step: int, partial: Path, failures: list[dict]) -> None:
+        """Collective, once every rank knows that the save of `step` failed: rank 0 removes the partial directory and
+        words the line (the file, the error, the last good checkpoint); every rank raises CheckpointWriteFailed."""
+        line = None
+        if self.world.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            first = failures[0]
+            others = f" (and {len(failures) - 1} other rank(s))" if len(failures) > 1 else ""
+            committed = committed_checkpoints(self.directory)
+            last = (f"the last good checkpoint is {committed[-1]}; continue with --resume auto once the storage is "
+                    f"fixed" if committed else "no checkpoint of this run is committed yet")
+            line = (f"checkpoint: saving step {step} failed: rank {first['rank']} could not write {first['path']}: "
+                    f"{first['error']}{others}; removed {partial.name}; {last}; exiting with status "
+                    f"{STORAGE_FAILED_EXIT_CODE}")
+        raise CheckpointWriteFailed(self.world.broadcast_object(line))
+
+    def _write(self, step: int, partial: Path, pieces: list) -> tuple[dict | None, dict | None]:
+        """This rank's file of the save: (its index record, None), or (None, why it could not be written)."""
+        path = partial / rank_file_name(self.world.rank)
+        try:
+            return write_rank_file(path, pieces, storage_fault(self.faults, step, path)), None
+        except OSError as exc:
+            return None, storage_failure(self.world.rank, exc, path)
 
     def _already_saved(self, step: int) -> bool:
         """Only the checkpoint this run was restored from (resumed at the last step: nothing left to train) holds
@@ -162,16 +208,13 @@ class CheckpointManager:
         return same
 
     def save(self, step: int) -> None:
-        """Synchronous save of the state after `step` steps (collective)."""
+        """Synchronous save of the state after `step` steps (collective). A storage failure on any rank raises
+        CheckpointWriteFailed on every rank, after the partial directory is removed."""
         self.wait()
         if self._already_saved(step):
             return
         partial, final = self._prepare(step)
-        record, error = None, None
-        try:
-            record = write_rank_file(partial / rank_file_name(self.world.rank), self._host_pieces())
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        record, error = self._write(step, partial, self._host_pieces())
         self._commit(step, partial, final, record, error)
 
     def save_async(self, step: int) -> None:
@@ -181,13 +224,17 @@ class CheckpointManager:
             return
         partial, final = self._prepare(step)
         pieces = self._host_pieces()
+        injected = storage_fault(self.faults, step, partial / rank_file_name(self.world.rank))  # decided here
         result: dict = {}
 
         def write():
+            path = partial / rank_file_name(self.world.rank)
             try:
-                result["record"] = write_rank_file(partial / rank_file_name(self.world.rank), pieces)
+                result["record"] = write_rank_file(path, pieces, injected)
+            except OSError as exc:
+                result["error"] = storage_failure(self.world.rank, exc, path)
             except Exception as exc:  # noqa: BLE001 -- reported to every rank at the next poll
-                result["error"] = f"{type(exc).__name__}: {exc}"
+                result["error"] = {"rank": self.world.rank, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
 
         thread = threading.Thread(target=write, name=f"checkpoint-writer-{step}", daemon=True)
         thread.start()

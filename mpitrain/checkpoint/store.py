@@ -11,9 +11,14 @@ Protocol: every rank writes and fsyncs its file into `step_X.partial/`, hashes i
 rank 0 writes the index and the marker, fsyncs, renames `step_X.partial` to `step_X`, then moves `latest`. A crash at
 any point leaves either the previous checkpoints untouched or a `.partial` directory that is ignored and cleaned.
 Nothing is ever modified in place.
+
+Storage failures (a full disk, a quota, a read-only or failing filesystem) reach the writer as an OSError naming the
+file: HDF5 writes through a Python file object (`write_rank_file`), because HDF5 writing to a full disk on its own
+reports the error only when its caches are freed, and then crashes the process.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -38,6 +43,18 @@ FORMAT_VERSION = 1
 
 class CheckpointError(MpitrainError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+class CheckpointWriteFailed(MpitrainError):
+    """A save could not be written (disk full, quota, read-only filesystem, I/O error): raised on every rank once the
+    failed save is cleaned up, with the same one-line message naming the file, the error and the last good
+    checkpoint; the run then ends with its own exit status (checkpoint/manager.STORAGE_FAILED_EXIT_CODE)."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """'ENOSPC (No space left on device)': the errno's name and text."""
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno else type(exc).__name__
+    return f"{name} ({exc.strerror or exc})"
 
 
 def step_dir_name(step: int) -> str:
@@ -65,10 +82,54 @@ def sha256_of(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- writing
-def write_rank_file(path: Path, pieces: list[tuple[Piece, np.ndarray]]) -> dict:
-    """Write this rank's pieces (host arrays), fsync, and return {file, sha256, bytes, pieces} for the index."""
+class _FailingFile:
+    """A file whose writes fail with `error` once `budget` bytes are written: an injected storage fault
+    (MPITRAIN_FAULT=enospc|edquot|erofs|eio, resilience/faults.py) that meets the writer where a real one would."""
+
+    def __init__(self, raw, budget: int, error: OSError):
+        self.raw, self.budget, self.error, self.written = raw, budget, error, 0
+
+    def write(self, data) -> int:
+        self.written += memoryview(data).nbytes
+        if self.written > self.budget:
+            raise OSError(self.error.errno, self.error.strerror, self.error.filename)
+        return self.raw.write(data)
+
+    def __getattr__(self, name):  # read, seek, tell, truncate, flush: the file's own
+        return getattr(self.raw, name)
+
+
+def storage_cause(exc: BaseException) -> OSError | None:
+    """The OSError with an errno behind `exc`: HDF5 reports a failed write of its file object again when it closes
+    the file ('File close failed'), with the write's own error as the context."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen
+        seen = seen.__context__ or seen.__cause__
+    return None
+
+
+def write_rank_file(path: Path, pieces: list[tuple[Piece, np.ndarray]], injected: OSError | None = None) -> dict:
+    """Write this rank's pieces (host arrays), fsync, and return {file, sha256, bytes, pieces} for the index.
+    A storage failure raises its OSError (errno and file); `injected`: fail so halfway through the pieces' bytes."""
+    try:
+        with open(path, "w+b") as raw:
+            sink = raw if injected is None else _FailingFile(raw, sum(v.nbytes for _, v in pieces) // 2, injected)
+            records = _write_pieces(sink, pieces)
+            raw.flush()
+            os.fsync(raw.fileno())
+    except Exception as exc:
+        cause = storage_cause(exc)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from None
+    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size, "pieces": records}
+
+
+def _write_pieces(raw, pieces: list[tuple[Piece, np.ndarray]]) -> list[dict]:
     records = []
-    with h5py.File(path, "w") as f:
+    with h5py.File(raw, "w") as f:
         for number, (piece, values) in enumerate(pieces):
             name = f"{piece.kind}/{piece.tensor}#{number}"
             if values.dtype.name == "bfloat16":  # HDF5 has no bfloat16 (LoRA's frozen base): float32 holds it exactly
@@ -77,8 +138,7 @@ def write_rank_file(path: Path, pieces: list[tuple[Piece, np.ndarray]]) -> dict:
             for key, value in piece.to_dict().items():
                 dataset.attrs[key] = value if isinstance(value, str) else np.asarray(value, dtype=np.int64)
             records.append({**piece.to_dict(), "dataset": name, "dtype": str(values.dtype)})
-    fsync_path(path)
-    return {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size, "pieces": records}
+    return records
 
 
 def commit(partial: Path, final: Path, index: dict) -> None:

@@ -14,7 +14,7 @@ each operation, whatever algorithm MPI really picks, so that tests and reports c
     broadcast       B on the root, 0 elsewhere (the root sends the whole buffer once; relays are not counted)
     send            B               (recv counts nothing: bytes are counted by the sender)
     all_to_all      (N-1)/N * B     B = the send buffer; all_to_allv counts exactly what goes to other ranks
-    control         B               small control messages (all_reduce_scalar), kept apart so that the gradient
+    control         B               small control messages (all_reduce_scalar, _bits), kept apart so that the gradient
                                     traffic counters above stay exact
     cp_ring         B               isend(..., kind="cp_ring"): context parallelism's K/V ring (parallel/context.py)
 
@@ -109,6 +109,11 @@ class GroupBase(abc.ABC):
     @abc.abstractmethod
     def all_reduce_scalar(self, x: float, op: str = "sum") -> float:
         """Reduce one number (loss, grad norm, flags); counted under "control"."""
+
+    @abc.abstractmethod
+    def all_reduce_bits(self, bits: int) -> int:
+        """Bitwise OR of one 64-bit word (flags every rank must see, e.g. a step's verdict and a stop request in one
+        message); counted under "control"."""
 
     @abc.abstractmethod
     def reduce_scatter(self, send, recv, op: str = "sum") -> None:
@@ -285,6 +290,15 @@ class Group(GroupBase):
         else:
             _check_op(op)
         return float(buf[0])
+
+    def all_reduce_bits(self, bits):
+        buf = np.array([bits], dtype=np.uint64)
+        self._count("control", buf.nbytes)
+        if self.size > 1:
+            entered = self._enter("all_reduce_bits", buf.nbytes)
+            self._blocking(entered, lambda: self.comm.Allreduce(_mpi().IN_PLACE, buf, op=_mpi().BOR),
+                           lambda: self.comm.Iallreduce(_mpi().IN_PLACE, buf, op=_mpi().BOR))
+        return int(buf[0])
 
     def reduce_scatter(self, send, recv, op="sum"):
         self._start_reduce_scatter(send, recv, op, blocking=True)

@@ -51,7 +51,7 @@ EVENT_PARTS = {"forward": "forward", "backward": "backward_input", "backward_inp
                "recv_backward": "pipeline_bubble", "send_forward": "pipeline_bubble",
                "send_backward": "pipeline_bubble"}
 # Small control-plane operations (loss, norms, flags, pickled objects) share one kind.
-_CONTROL = {"all_reduce_scalar", "gather_object", "broadcast_object"}
+_CONTROL = {"all_reduce_scalar", "all_reduce_bits", "gather_object", "broadcast_object"}
 _BETWEEN = "(between steps)"
 _POINT_TO_POINT = {"send", "recv", "isend", "irecv"}
 

@@ -6,6 +6,9 @@ Each fault names a kind and where it strikes:
     nan    the rank's gradients become NaN in step `step`
     slow   every step of the rank takes `factor` times as long (from step `step`, default 1)
     flip   one bit of one parameter of the rank is flipped after step `step` (silent data corruption)
+    enospc, edquot, erofs, eio
+           the rank's write of the checkpoint of step `step` fails halfway with that error (disk full, quota
+           exceeded, read-only filesystem, I/O error), as the storage would make it fail
 `rank` defaults to every rank. Steps count from 1, as the console and the checkpoints do.
 
 A fault strikes once per run: kill, hang, nan and flip append themselves to RUN_DIR/injected_faults.jsonl just
@@ -22,8 +25,9 @@ from pathlib import Path
 from mpitrain.errors import ConfigError
 from mpitrain.profile.jsonl import append_record, read_records
 
-KINDS = ("kill", "hang", "nan", "slow", "flip")
-ONE_SHOT = ("kill", "hang", "nan", "flip")  # strike once and are recorded; slow lasts
+STORAGE_KINDS = ("enospc", "edquot", "erofs", "eio")  # checkpoint writes that fail (resilience/inject.py)
+KINDS = ("kill", "hang", "nan", "slow", "flip", *STORAGE_KINDS)
+ONE_SHOT = ("kill", "hang", "nan", "flip", *STORAGE_KINDS)  # strike once and are recorded; slow lasts
 ENV_VAR = "MPITRAIN_FAULT"
 RECORD_FILE = "injected_faults.jsonl"
 

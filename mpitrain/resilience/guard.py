@@ -8,7 +8,9 @@ they were; the step number still advances, so its data batch is consumed and the
 Every rank must reach the same verdict, or some would update and others not (and the next collective would mix
 different models). The loss is reduced over all ranks, but the gradient norm is not reduced over data-parallel
 replicas under plain data parallelism (each holds the same all-reduced gradient, and a fault after the all-reduce
-touches one replica only), so the verdict is one 8-byte max all-reduce over the world.
+touches one replica only), so the verdict is reduced over the world: one 8-byte all-reduce per step, a bitwise OR of
+one bit per verdict (the highest set wins) and one bit for a stop request (SIGUSR1/SIGTERM on any rank), so that a
+step costs one small collective for both.
 
 After `fault.max_bad_steps` bad steps in a row the trainer rolls back to the last committed checkpoint and skips the
 data batches since then (as PaLM did): the step -> batch mapping gets an offset (`data_offset`), saved with each
@@ -19,16 +21,25 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import NamedTuple
 
 from mpitrain.errors import MpitrainError
 
 ROLLBACKS_TO_ONE_CHECKPOINT = 3  # then the bad steps come from the state, not from the data: stop
-# verdicts, in the order of precedence the max all-reduce gives them
+# verdicts, in the order of precedence (the highest of all ranks is the step's)
 GOOD, TOLD_TO_SKIP, SPIKE, NONFINITE_GRAD, NONFINITE_LOSS = range(5)
 OVERFLOW = 5  # a NONFINITE_GRAD under float16's dynamic loss scale: the trainer halves the scale (never reduced)
 REASONS = {TOLD_TO_SKIP: "fault.skip_steps names it", SPIKE: "loss spike",
            OVERFLOW: "float16 overflow, loss scale halved", NONFINITE_GRAD: "non-finite gradient norm on some rank",
            NONFINITE_LOSS: "non-finite loss"}
+
+
+STOP_BIT = 1 << 16  # beside the verdict bits (1 << verdict) in the step's one all-reduce
+
+
+class StepVerdict(NamedTuple):
+    verdict: int  # GOOD or why the update is skipped, the same on every rank
+    stop_requested: bool  # some rank was asked to stop (SIGUSR1/SIGTERM): every rank saves and stops after the step
 
 
 class TrainingDiverged(MpitrainError):
@@ -71,6 +82,17 @@ class BadStepGuard:
 
     def verdict(self, done: int, loss: float, grad_norm: float) -> int:
         """GOOD or the reason to skip step `done` (from 1); collective over the world, the same on every rank."""
+        return self.step_verdict(done, loss, grad_norm).verdict
+
+    def step_verdict(self, done: int, loss: float, grad_norm: float, stop_here: bool = False) -> StepVerdict:
+        """The verdict of step `done` and whether any rank was asked to stop (`stop_here`: this rank was), learnt in
+        one 8-byte all-reduce over the world (a bitwise OR: every rank's flags are seen, whatever the others')."""
+        bits = self.world.all_reduce_bits((1 << self._local_verdict(done, loss, grad_norm))
+                                          | (STOP_BIT if stop_here else 0))
+        return StepVerdict((bits & (STOP_BIT - 1)).bit_length() - 1, bool(bits & STOP_BIT))
+
+    def _local_verdict(self, done: int, loss: float, grad_norm: float) -> int:
+        """This rank's verdict, before the others' are known (the highest of all ranks wins)."""
         local = GOOD
         if not math.isfinite(loss):
             local = NONFINITE_LOSS
@@ -80,7 +102,7 @@ class BadStepGuard:
             local = SPIKE
         elif done in self.skip_steps:
             local = TOLD_TO_SKIP
-        return int(self.world.all_reduce_scalar(float(local), op="max"))
+        return local
 
     def record(self, verdict: int, loss: float) -> None:
         if verdict == GOOD:

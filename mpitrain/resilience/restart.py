@@ -2,9 +2,12 @@
 checkpoint, and says what each failure cost.
 
 A job that ends with status 0 is done; 75 means "stopped on request, saved" (SIGUSR1/SIGTERM): never restarted here,
-the one who asked continues it. Any other status is a failure: the next attempt runs the same command with
-`--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its number (for the
-job's own logs; injected faults need no attempt number: each strikes once per run, resilience/faults.py).
+the one who asked continues it. 73 (the run directory is in use by another live job, run/lock.py) and 74 (a
+checkpoint could not be written: disk full, quota, read-only or I/O error; checkpoint/manager.py) are not restarted
+either: a restart would meet the same job or the same disk. Any other status is a failure: the next attempt runs
+the same command with `--resume auto` (the newest committed checkpoint that verifies) and MPITRAIN_ATTEMPT set to its
+number (for the job's own logs; injected faults need no attempt number: each strikes once per run,
+resilience/faults.py).
 
 Time lost by a restart = the wall time from the save of the checkpoint it resumes from (the index's "created") to
 the start of its first step (the first metrics.jsonl row it writes: "time" at the row's end minus "step_time_s").
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +33,9 @@ from mpitrain.errors import ConfigError
 from mpitrain.profile.jsonl import read_records
 
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
+RUN_DIR_IN_USE_EXIT_CODE = 73  # mpitrain.run.lock's
+STORAGE_FAILED_EXIT_CODE = 74  # mpitrain.checkpoint.manager's
+NOT_RESTARTED = (0, STOPPED_EXIT_CODE, RUN_DIR_IN_USE_EXIT_CODE, STORAGE_FAILED_EXIT_CODE)
 POLL_SECONDS = 0.25
 
 
@@ -135,7 +143,9 @@ class Supervisor:
 
     def __init__(self, command: list[str], train_args: list[str], env: dict, max_restarts: int,
                  metrics_path: Path, checkpoint_dir: Path, echo):
-        self.command, self.train_args, self.env = command, list(train_args), env
+        self.command, self.train_args = command, list(train_args)
+        # the attempts are one job: a restarted one takes over the run directory's lock of the one before (run/lock.py)
+        self.env = {"MPITRAIN_JOB_ID": f"launch-{os.getpid()}@{socket.gethostname()}", **env}
         self.max_restarts, self.metrics_path, self.checkpoint_dir = max_restarts, metrics_path, checkpoint_dir
         self.echo = echo
         self.process: subprocess.Popen | None = None
@@ -173,7 +183,7 @@ class Supervisor:
             ended = time.time()
             if pending is not None:  # ended before a first step was logged
                 pending = self._report_when_known(pending, started, final=True)
-            if status in (0, STOPPED_EXIT_CODE) or self.cancelled:
+            if status in NOT_RESTARTED or self.cancelled:
                 return status
             if attempt >= self.max_restarts:
                 self.echo(f"launch: attempt {attempt} failed with exit status {describe_status(status)}; "

@@ -73,11 +73,14 @@ class Resilience:
             return self.guard.roll_back(checkpoints, done, self.say)
         return None
 
-    def stop_reason(self, done: int) -> str | None:
-        """Collective: why the run stops after step `done` (a signal on any rank, or train.stop_at), or None.
-        Every rank must agree to stop, whichever got the signal: one 8-byte all-reduce per step."""
-        signalled = self.mesh.world.all_reduce_scalar(float(self.stop.received is not None), op="max")
-        if signalled:
+    def stop_here(self) -> bool:
+        """Whether this rank was asked to stop; the step's verdict tells every rank (resilience/guard.py)."""
+        return self.stop.received is not None
+
+    def stop_reason(self, done: int, stop_requested: bool) -> str | None:
+        """Why the run stops after step `done` (a signal on any rank: `stop_requested`, which every rank learnt with
+        the step's verdict, so that all agree whichever got the signal; or train.stop_at), or None."""
+        if stop_requested:
             return f"stop requested ({self.stop.received or 'signal on another rank'})"
         stop_at = self.cfg.train.stop_at
         return f"train.stop_at = {stop_at}" if done == stop_at else None
