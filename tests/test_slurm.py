@@ -15,7 +15,7 @@ Each test submits a 2-task job and interrupts it once it is under way:
 - the real trainer with an injected fault (MPITRAIN_FAULT): a killed rank (the script restarts the attempt inside the
   allocation), and a stopped rank of a job on two nodes (the watchdog names its node in faults.jsonl, the restart
   runs on the other node only);
-- two nodes: the README's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
+- two nodes: docs/clusters.md's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
   process, the refusal of a tp group spanning nodes, and a node lost mid-run (its slurmd and ranks SIGKILLed; the
   script finds it gone, restarts on the other node with dp 1, and the losses equal the uninterrupted run's).
 Two srun tasks on one node used to fail now and then in MPICH's MPI_Init ("Out of memory" in
@@ -380,11 +380,11 @@ def two_node_cluster(slurm_env) -> tuple[str, str]:
 
 
 def readme_two_node_example() -> tuple[list[str], list[str]]:
-    """The README's two-node example (the code line after `<!-- two-node-example -->`): sbatch options, and the
-    arguments of slurm/train.sbatch."""
-    readme = (REPO_ROOT / "README.md").read_text()
+    """docs/clusters.md's two-node example (the code line after `<!-- two-node-example -->`): sbatch options, and
+    the arguments of slurm/train.sbatch."""
+    readme = (REPO_ROOT / "docs" / "clusters.md").read_text()
     found = re.search(r"<!-- two-node-example -->\s*```bash\n([^\n]+)\n", readme)
-    assert found, "README.md has no two-node example after <!-- two-node-example -->"
+    assert found, "docs/clusters.md has no two-node example after <!-- two-node-example -->"
     words = shlex.split(found.group(1).split("#")[0])
     assert words[0] == "sbatch" and "slurm/train.sbatch" in words, words
     at = words.index("slurm/train.sbatch")
