@@ -159,8 +159,9 @@ def test_the_first_steps_are_the_run_with_the_starting_batch(tmp_path, small_epo
     assert metrics[4]["loss"] != one_process[0][4]["loss"]  # then the ramp's batch of 8 differs
 
 
-@pytest.mark.parametrize("n, layout", [(2, []), (2, ["parallel.zero=2"]), (2, ["parallel.pp=2"])],
-                         ids=["dp2", "zero2-dp2", "pp2"])
+@pytest.mark.parametrize("n, layout", [(2, []), (2, ["parallel.zero=2"]), (2, ["parallel.pp=2"]),
+                                       (4, ["parallel.pp=2", "parallel.schedule=zb1p"])],
+                         ids=["dp2", "zero2-dp2", "pp2", "zb1p-pp2-dp2"])
 def test_ramped_layouts_match_the_one_process_run(tmp_path, small_epochs, one_process, n, layout):
     assert_close_runs(one_process, ramped_run(n, tmp_path / "run", small_epochs, *layout))
 
