@@ -132,3 +132,20 @@ def test_parity_with_a_layout_the_ranks_cannot_hold_is_one_line():
     assert result.returncode == 1, describe(result)
     assert result.stderr.strip() == "Error: world size 3 is not divisible by parallel.tp*pp*cp = 2", describe(result)
     assert "Traceback" not in result.stderr, describe(result)
+
+
+def test_hang_tells_a_rank_ended_by_the_abort_from_a_stopped_one(tmp_path):
+    """Rank 2 wrote no record, but its heartbeat was alive when the others wrote theirs: the job was ended before
+    its own watchdog fired. The root is rank 1, which never entered the collective and is stuck in nothing."""
+    waiting = {"name": "all_reduce", "group": "dp", "channel": "dp@0", "seq": 8}
+    write_records(tmp_path,
+                  flight_record(0, {"dp@0": 8}, [op(8, "started")], waiting),
+                  flight_record(1, {"dp@0": 7}, [op(7, "completed")], phase="data"))
+    (tmp_path / "heartbeat").mkdir()
+    beat = {"rank": 2, "time": 99.5, "state": "running", "step": 5, "entered": {"dp@0": 7}, "operation": None}
+    (tmp_path / "heartbeat" / "rank_00002.json").write_text(json.dumps(beat))
+    report = diagnose(tmp_path)
+    assert "rank 2: no record, but its heartbeat was alive when the others wrote theirs" in report
+    assert NO_RECORD not in report
+    verdict = report.splitlines()[-1]
+    assert verdict == "verdict: rank 1 never entered all_reduce #8 of group dp (dp@0), where rank 0 waits"

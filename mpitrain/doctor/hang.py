@@ -25,6 +25,7 @@ from mpitrain.errors import MpitrainError
 from mpitrain.resilience.heartbeat import read_heartbeats
 
 NO_RECORD = "no record: stopped or dead"
+ALIVE_MARGIN_S = 2.0  # twice the longest heartbeat interval (comm/watchdog.py beats at least once a second)
 
 
 def read_flight_records(run_dir: Path) -> dict[int, dict]:
@@ -119,6 +120,12 @@ def world_ranks(records: dict, heartbeats: dict) -> list[int]:
     return sorted(ranks)
 
 
+def alive_without_record(beat: dict | None, newest: float | None) -> bool:
+    """A heartbeat newer than ALIVE_MARGIN_S before the last flight record: the rank was still running then (a
+    stopped or dead rank's heartbeat is at least fault.timeout_s older than its peers' records)."""
+    return bool(beat and newest and beat.get("time", 0.0) >= newest - ALIVE_MARGIN_S)
+
+
 def describe_rank(rank: int, records: dict, heartbeats: dict, newest: float | None) -> str:
     """What a rank was doing: from its flight record, else what its heartbeat last said, else nothing."""
     record = records.get(rank)
@@ -126,10 +133,13 @@ def describe_rank(rank: int, records: dict, heartbeats: dict, newest: float | No
         beat = heartbeats.get(rank)
         if beat is None:
             return f"rank {rank}: {NO_RECORD} (no heartbeat either)"
-        age = f", {newest - beat['time']:.0f} s before the last record" if newest and "time" in beat else ""
         waiting = (beat.get("operation") or {}).get("describe") or "not in a communication"
-        return (f"rank {rank}: {NO_RECORD}; its last heartbeat{age}: step {beat.get('step')}, state "
-                f"{beat.get('state')}, {waiting}")
+        said = f"step {beat.get('step')}, state {beat.get('state')}, {waiting}"
+        if alive_without_record(beat, newest):
+            return (f"rank {rank}: no record, but its heartbeat was alive when the others wrote theirs (the job "
+                    f"was ended before its own watchdog fired): {said}")
+        age = f", {newest - beat['time']:.0f} s before the last record" if newest and "time" in beat else ""
+        return f"rank {rank}: {NO_RECORD}; its last heartbeat{age}: {said}"
     parts = [f"step {record.get('step')}", f"phase {record.get('phase') or 'unknown'}"]
     waiting = record.get("waiting")
     parts.append(f"waiting in {_op_text(waiting)}" if waiting else "not in a communication")
@@ -151,15 +161,16 @@ def diagnose(run_dir: Path) -> str:
     ranks = world_ranks(records, heartbeats)
     missing = [rank for rank in ranks if rank not in records]
     newest = max((record.get("time", 0.0) for record in records.values()), default=None)
+    silent = [rank for rank in missing if not alive_without_record(heartbeats.get(rank), newest)]
     lines = [f"flight records of {len(records)} of {len(ranks)} ranks in {Path(run_dir) / 'flight'}"
-             + (f"; none from rank(s) {format_ranks(missing)}: {NO_RECORD}" if missing else "")]
+             + (f"; none from rank(s) {format_ranks(silent)}: {NO_RECORD}" if silent else "")]
     views = view_channels(records, heartbeats)
     broken = [view for view in views if view.broken]
     for view in broken:
         lines += channel_lines(view, records, heartbeats, newest)
     quiet = len(views) - len(broken)
     lines.append(f"{quiet} other channel(s): no member stuck in an operation")
-    lines.append(verdict(broken, records, missing))
+    lines.append(verdict(broken, records, missing, heartbeats, newest))
     return "\n".join(lines)
 
 
@@ -178,14 +189,18 @@ def channel_lines(view: ChannelView, records: dict, heartbeats: dict, newest: fl
     return lines
 
 
-def verdict(broken: list[ChannelView], records: dict, missing: list[int]) -> str:
+def verdict(broken: list[ChannelView], records: dict, missing: list[int], heartbeats: dict,
+            newest: float | None) -> str:
     """One line: the ranks at the root (behind in a collective others are stuck in, and stuck in nothing
     themselves) and, for each, the collectives (group and sequence) the others wait in for it."""
     if not broken:
         tail = f"; rank(s) {format_ranks(missing)}: {NO_RECORD}" if missing else ""
         return "verdict: no rank is stuck in an operation" + tail
     stuck = {rank for view in broken for rank in view.stuck}
-    roots = sorted({rank for view in broken for rank in view.lagging + view.unknown} - stuck)
+    behind = {rank for view in broken for rank in view.lagging + view.unknown} - stuck
+    # a rank without a record whose heartbeat was alive waited elsewhere, ended before it could write: not a root
+    roots = sorted(rank for rank in behind if rank in records or not alive_without_record(heartbeats.get(rank), newest))
+    roots = roots or sorted(behind)
     if not roots:
         where = "; ".join(f"{_name(view)} #{view.reached} of group {view.group} ({view.channel})" for view in broken)
         return f"verdict: every member arrived, yet ranks are stuck in {where} (MPI or the network is stuck)"
