@@ -15,7 +15,7 @@ from mpitrain.lab.runner import run_lab
 @click.option("--quick", is_flag=True, help="A smaller model and fewer ranks/points (under a minute on 2 cores).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Write the lab's plot here.")
 def lab_command(name, quick, png_path):
-    """Reproduce a claim of the chapter on this machine: NAME is a lab, or `list`."""
+    """Reproduce a textbook claim about parallel training on this machine: NAME is a lab, or `list`."""
     if name == "list":
         for lab in LABS.values():
             click.echo(f"{lab.NAME:10s} {lab.TITLE}")

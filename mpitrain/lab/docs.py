@@ -9,7 +9,7 @@ import time
 from mpitrain.lab import LABS
 from mpitrain.lab.runner import REPO_ROOT, run_lab
 
-HEADER = """# Labs: the chapter's claims, measured here
+HEADER = """# Labs: textbook claims about parallel training, measured here
 
 `mpitrain lab NAME [--quick] [--png FILE]` launches real ranks with mpiexec, prints "claim | formula | measured
 here" and draws a plot. Rows with a check are deterministic (bytes held, bytes moved, the bubble of the recorded

@@ -17,8 +17,8 @@ NAME = "recompute"
 TITLE = "Recomputation: activation bytes and step time, none / selective / full"
 PANELS = 2
 NOTICE = ("What to notice: full recomputation keeps only each block's input, so the saved state falls by the ratio "
-          "of a block's activations to its input (larger for wider models and longer sequences; about 10 in the "
-          "chapter's models); it costs one more forward, about a third more time. Selective drops the attention "
+          "of a block's activations to its input (larger for wider models and longer sequences); it "
+          "costs one more forward, about a third more time. Selective drops the attention "
           "internals (the T x T scores) for little time. The time ratios are noisy on a loaded machine.")
 MODES = ("none", "selective", "full")
 
