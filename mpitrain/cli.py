@@ -144,7 +144,7 @@ def launch(n_ranks, max_restarts, config, train_args):
 
 # ----------------------------------------------------------------------------- generate
 @main.command()
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", type=click.Path())  # not found: said by the loader, with where it looked
 @click.option("--prompt", default="def ", show_default=True)
 @click.option("--tokens", "n_tokens", type=int, default=200, show_default=True)
 @click.option("--temperature", type=float, default=0.8, show_default=True)
@@ -412,13 +412,13 @@ def bench_step(config, overrides, steps, warmup, real_data):
     """Time training steps; prints one JSON object last (tokens_per_s, mfu, peak_flops, ...)."""
     from mpi4py import MPI
 
-    from mpitrain.comm.failure import abort_on_error
+    from mpitrain.comm.failure import end_job_on_error
     from mpitrain.config import load_config
     from mpitrain.profile.breakdown import RunSummary, gather_summary
     from mpitrain.train import Trainer
 
     comm = MPI.COMM_WORLD
-    with abort_on_error(comm):
+    with end_job_on_error(comm):  # a user error (config, layout, data): one line from rank 0
         overrides = list(overrides) + ([] if real_data else ["data.synthetic=true"])
         overrides.append(f"train.steps={warmup + steps}")
         cfg = load_config(config, overrides)

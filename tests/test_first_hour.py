@@ -2,6 +2,9 @@
 directory left behind; the line names the resolved path of a relative file and the key a typo meant."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from mpitrain.comm.failure import one_line
@@ -67,6 +70,10 @@ def test_a_missing_relative_data_file_is_named_as_resolved(tmp_path):
     assert not (tmp_path / "run").exists()
     result = run_mpi(1, ["-m", "mpitrain", "train", "configs/no-such.toml", "--out", str(tmp_path / "run")])
     assert_refused_once(result, f"config file not found: configs/no-such.toml (resolved from {REPO_ROOT})")
+    generate = subprocess.run([sys.executable, "-m", "mpitrain", "generate", "runs/no-such-run"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert generate.returncode == 1 and f"runs/no-such-run (resolved from {REPO_ROOT})" in generate.stderr, \
+        generate.stderr
 
 
 AGREEMENT = """
