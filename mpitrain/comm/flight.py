@@ -56,16 +56,14 @@ class FlightRecorder:
         return self.directory / f"rank_{self.world_rank:05d}.json"
 
     def started(self, operation, step: int) -> None:
-        ops = self.ops
-        if len(ops) == ops.maxlen:  # the oldest entry leaves the ring: forget it if it never completed
-            old = ops[0]
-            self._open.pop((old[_CHANNEL], old[_SEQ]), None)
-        entry = [operation.name, operation.group, operation.channel, operation.seq, operation.nbytes, step,
-                 time.time(), None]
-        ops.append(entry)
-        self._open[(operation.channel, operation.seq)] = entry
-        if operation.channel not in self._members:
-            self._members[operation.channel] = (operation.group, operation.members)
+        name, group, members, channel, seq, nbytes, _ = operation
+        entry = [name, group, channel, seq, nbytes, step, time.time(), None]
+        self.ops.append(entry)
+        self._open[(channel, seq)] = entry
+        if len(self._open) > 2 * self.ops.maxlen:  # operations never completed and gone from the ring: forget them
+            self._open = {(e[_CHANNEL], e[_SEQ]): e for e in self.ops if e[_END] is None}
+        if channel not in self._members:
+            self._members[channel] = (group, members)
 
     def completed(self, operation) -> None:
         entry = self._open.pop((operation.channel, operation.seq), None)
