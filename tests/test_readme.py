@@ -49,10 +49,21 @@ def test_readme_links_to_docs_exist():
     assert not missing, f"README.md links to missing files: {missing}"
 
 
+def anchors(page) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def test_docs_links_between_pages_exist():
+    """Relative links in docs/ pages resolve from docs/ (a link written `docs/x.md` there would not), and so do
+    their #anchors."""
     for page in DOCS.glob("*.md"):
-        for link in re.findall(r"\]\(([\w.-]+\.(?:md|png))(?:#[^)]*)?\)", page.read_text()):
-            assert (DOCS / link).exists(), f"{page.name} links to missing {link}"
+        for link, anchor in re.findall(r"\]\(([^)#\s:]*)(?:#([^)]*))?\)", page.read_text()):
+            target = DOCS / link if link else page
+            assert target.exists(), f"{page.name} links to missing {link}"
+            if anchor:
+                assert anchor in anchors(target), f"{page.name} links to {link}#{anchor}: no such heading"
 
 
 def config_keys() -> list[str]:
