@@ -179,9 +179,7 @@ class FaultConfig:
     sdc_every: int = 0  # every N steps compare a hash of the parameters across data-parallel replicas; 0: off
     skip_steps: list = field(default_factory=list)  # steps (from 1) whose update is skipped on purpose
     mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
-    # each rank keeps its last N group operations (comm/flight.py), written to RUN_DIR/flight/ on a hang, a failure
-    # or SIGUSR2/SIGTERM for `mpitrain doctor hang`; 0: off
-    flight_ops: int = 256
+    flight_ops: int = 256  # each rank's last N group operations, for `mpitrain doctor hang` (comm/flight.py); 0: off
 
 
 @dataclass
