@@ -90,9 +90,10 @@ class CheckpointManager:
         experts = (mesh.expert_dp.size, mesh.expert_dp.rank)  # model.moe under parallel.ep > 1
         held = held_pieces("param", layout.geometry, layout.param_windows, layout.params_dp_replicated,
                            dp, tp, load_only, experts)
-        if layout.frozen is not None:  # trainable = False tensors, whole on every rank (mpitrain/state/frozen.py)
-            held += held_pieces("param", layout.frozen, [(0, layout.frozen.size, layout.frozen.data, 0)],
-                                True, dp, tp, load_only)
+        if layout.frozen is not None:  # trainable = False tensors, whole on every rank or sharded (ZeRO-3)
+            whole = layout.frozen_windows is None
+            windows = [(0, layout.frozen.size, layout.frozen.data, 0)] if whole else layout.frozen_windows
+            held += held_pieces("param", layout.frozen, windows, whole, dp, tp, load_only, experts)
         optimizer = self.optimizer
         for kind, moments in optimizer.checkpoint_arrays().items():  # element-wise, e.g. exp_avg, exp_avg_sq
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout.segment_windows,
@@ -116,14 +117,15 @@ class CheckpointManager:
                 "layout": {"world_size": self.world.size, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp,
                            "ep": p.ep, "zero": p.zero},
                 "config": to_toml(cfg), "tokenizer": self.tokenizer,
-                "train_state": {"next_step": step, "optimizer_steps": self.optimizer.steps_taken},
-                "extra_state": self.save_extra(),  # e.g. the data offset of bad-step rollbacks (resilience/guard)
-                "tensors": dict(sorted(tensors.items())), "files": records}
+                **self._saved_state, "tensors": dict(sorted(tensors.items())), "files": records}
 
     # -- saving
     def _prepare(self, step: int) -> tuple[Path, Path]:
-        """Collective: rank 0 makes `step_X.partial`; every rank learns that it exists (or why it does not)."""
+        """Collective: rank 0 makes `step_X.partial`; every rank learns that it exists (or why it does not).
+        The training state beside the tensors is taken now: an asynchronous save commits steps later."""
         self.save_started = time.time()
+        self._saved_state = {"train_state": {"next_step": step, "optimizer_steps": self.optimizer.steps_taken},
+                             "extra_state": self.save_extra()}  # e.g. the data offset of bad-step rollbacks
         final = self.directory / step_dir_name(step)
         partial = self.directory / (final.name + ".partial")
         failure = None

@@ -282,7 +282,8 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
     for count, ranks in reduction_shares(cfg, pp_rank):  # ZeRO shards over the ranks that reduce the gradients
         for kind, value in model_state_bytes(count, cfg.precision.compute, p.zero, ranks).items():
             state[kind] = state.get(kind, 0) + value
-    state["params"] += frozen * itemsize  # whole on every rank (even at ZeRO-3), no gradient, no optimizer state
+    # no gradient, no optimizer state; whole on every rank, or sharded like the parameters at ZeRO-3
+    state["params"] += frozen * itemsize / (p.dp * p.cp if p.zero == 3 else 1)
     activations = activation_bytes(cfg, pp_rank=pp_rank, attention=attention)
     formulas = state_formulas(cfg.precision.compute, p.zero)
     if frozen:

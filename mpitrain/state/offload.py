@@ -112,7 +112,7 @@ class Offloaded(OnDevice):
                 segment = segments[i]
                 yield (Segment(chunks[0], segment.grads[a:b], intersect(segment.decay_ranges, a, b)), *chunks[1:])
                 for target, chunk in zip(sources(task), chunks):
-                    if target is not chunk:
+                    if self.off_device(target):  # device arrays were handed out as views
                         self.write_back(target, chunk)
 
     def fetch(self, array, start: int, end: int):

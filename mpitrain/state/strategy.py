@@ -40,7 +40,8 @@ class ShardLayout:
     params_dp_replicated: bool = True  # every rank of the reduction group holds the same param windows...
     moments_dp_replicated: bool = True  # ... and the same optimizer state
     segment_groups: list | None = None  # the group that shards each segment (ZeRO); None: none is sharded
-    frozen: FlatBuffer | None = None  # the trainable = False tensors, whole on every rank: saved once
+    frozen: FlatBuffer | None = None  # the trainable = False tensors' geometry (whole on every rank: saved once)...
+    frozen_windows: list | None = None  # ... or (start, end, array, offset) of this rank's shards (ZeRO-3)
 
 
 class StateStrategy(abc.ABC):
@@ -49,7 +50,8 @@ class StateStrategy(abc.ABC):
     # True: every micro-batch's gradients are reduced (and freed) as its backward finishes them, so `unit_done` must
     # be called after each; False: they accumulate locally and only the last micro-batch's `unit_done` reduces
     reduces_every_micro_batch: bool
-    frozen: FlatBuffer | None  # the trainable = False tensors, whole on every rank (state/frozen.py); None: none
+    # the trainable = False tensors when whole on every rank (state/frozen.py); None: none, or sharded (ZeRO-3)
+    frozen: FlatBuffer | None
 
     # -- what the model calls
     @abc.abstractmethod

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from mpitrain.backend import wire_view
-from mpitrain.state.frozen import frozen_nbytes, hold_frozen, with_frozen
+from mpitrain.state.frozen import frozen_nbytes, hold_frozen, split_frozen, with_frozen
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import GradReducer, add_into
@@ -94,21 +94,20 @@ class ShardedParams:
         z = self.zero
         for part in z.parts_of[unit]:
             if part not in self.gathered:
-                buffer = FlatBuffer.allocate([z.parts[part]], z.backend.xp, z.backend.dtype, align=z.align)
-                self.gathered[part] = [buffer, z.group_of(part).iall_gather(wire_view(self.shard(part)),
-                                                                            wire_view(buffer.data))]
+                self.gathered[part] = gather(z.parts[part], self.shard(part), z.group_of(part), z)
+        if z.frozen_shards is not None:
+            z.frozen_shards.start_gathers(unit)
 
     def acquire(self, unit: int, phase: str) -> dict:
         self._start_gathers(unit)
-        views = {} if self.zero.frozen is None else dict(self.zero.frozen.views[unit])
-        for part in self.zero.parts_of[unit]:
-            entry = self.gathered[part]
-            if entry[1] is not None:
-                entry[1].wait()
-                entry[1] = None
-            views.update(entry[0].views[0])
+        z = self.zero
+        views = {} if z.frozen is None else dict(z.frozen.views[unit])
+        if z.frozen_shards is not None:
+            views.update(z.frozen_shards.views(unit))
+        for part in z.parts_of[unit]:
+            views.update(gathered_views(self.gathered[part]))
         upcoming = unit + 1 if phase == "forward" else unit - 1  # prefetch: overlap the next gather with compute
-        if 0 <= upcoming < len(self.zero.layouts):
+        if 0 <= upcoming < len(z.layouts):
             self._start_gathers(upcoming)
         return views
 
@@ -116,9 +115,13 @@ class ShardedParams:
         if phase == "backward" or self.zero.reshard_after_forward:
             for part in self.zero.parts_of[unit]:
                 self.gathered.pop(part, None)  # free the full parameters: only the shard stays
+            if self.zero.frozen_shards is not None:
+                self.zero.frozen_shards.release(unit)
 
     def publish(self) -> None:
         self.gathered.clear()  # nothing gathered may outlive an update: the next forward gathers anew
+        if self.zero.frozen_shards is not None:
+            self.zero.frozen_shards.gathered.clear()  # nor a restore of the frozen shards
 
     def held(self):
         z = self.zero
@@ -127,6 +130,70 @@ class ShardedParams:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+def gather(layout: UnitLayout, shard, group, zero) -> list:
+    """[a single-part FlatBuffer, the handle of the all-gather filling it from every rank's shard]."""
+    buffer = FlatBuffer.allocate([layout], zero.backend.xp, zero.backend.dtype, align=zero.align)
+    return [buffer, group.iall_gather(wire_view(shard), wire_view(buffer.data))]
+
+
+def gathered_views(entry: list) -> dict:
+    """The views of a gather's buffer, once its all-gather has landed."""
+    if entry[1] is not None:
+        entry[1].wait()
+        entry[1] = None
+    return entry[0].views[0]
+
+
+class ShardedFrozen:
+    """Stage 3's frozen tensors (LoRA's base): sharded like the trainable parameters (each unit cut into parts by
+    the group that holds its replicas, padded to a multiple of the group size, rank r keeping shard r) and gathered
+    whole for a unit's forward and backward, so they cost 1/N per rank; never reduced, no optimizer state."""
+
+    def __init__(self, zero, layouts: list[UnitLayout], seed: int | None):
+        self.zero = zero
+        self.parts, self.reductions, self.parts_of = split_by_reduction(layouts, {k for k in zero.groups if k})
+        self.geometry = FlatBuffer.geometry(self.parts, align=zero.align)
+        self.sizes = [(self.geometry.unit_range(p)[1] - self.geometry.unit_range(p)[0]) // self.group_of(p).size
+                      for p in range(len(self.parts))]
+        self.offsets = np.cumsum([0] + self.sizes).tolist()
+        self.data = zero.backend.xp.zeros(self.offsets[-1], dtype=zero.backend.dtype)
+        self.gathered: dict[int, list] = {}
+        for part, layout in enumerate(self.parts):
+            if seed is not None:
+                full = initial_unit_flat(layout, seed, self.sizes[part] * self.group_of(part).size)
+                self.shard(part)[...] = zero.backend.from_host(full[slice(*self.window(part, local=True))],
+                                                                zero.backend.dtype)
+
+    def group_of(self, part: int):
+        return self.zero.groups[self.reductions[part]]
+
+    def shard(self, part: int):
+        return self.data[self.offsets[part]:self.offsets[part + 1]]
+
+    def window(self, part: int, local: bool = False) -> tuple[int, int]:
+        start = (0 if local else self.geometry.unit_range(part)[0]) + self.group_of(part).rank * self.sizes[part]
+        return start, start + self.sizes[part]
+
+    def start_gathers(self, unit: int) -> None:
+        for part in self.parts_of[unit]:
+            if part not in self.gathered:
+                self.gathered[part] = gather(self.parts[part], self.shard(part), self.group_of(part), self.zero)
+
+    def views(self, unit: int) -> dict:
+        views = {}
+        for part in self.parts_of[unit]:
+            views.update(gathered_views(self.gathered[part]))
+        return views
+
+    def release(self, unit: int) -> None:
+        for part in self.parts_of[unit]:
+            self.gathered.pop(part, None)
+
+    def windows(self) -> list:
+        """(start, end, array, offset in it) of this rank's shards, in the geometry's coordinates."""
+        return [(*self.window(p), self.data, self.offsets[p]) for p in range(len(self.parts))]
 
 
 class AccumulatedGrads:
@@ -225,16 +292,22 @@ class ZeroState(StateStrategy):
                  other_groups=None):
         """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device).
         other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp):
-        they are sharded over that group. Frozen tensors in `layouts` are held whole beside the shards
-        (state/frozen.py)."""
+        they are sharded over that group. Frozen tensors in `layouts` are held whole beside the parameters at
+        stages 1 and 2 (state/frozen.py), sharded and gathered like the parameters at stage 3 (ShardedFrozen)."""
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        layouts, self.frozen = hold_frozen(layouts, backend, seed)
         self.layouts, self.backend, self.group, self.stage = layouts, backend, group, stage
         self.overlap, self.reshard_after_forward = overlap, reshard_after_forward
         self.groups = {None: group, **(other_groups or {})}  # by reduction name (None: the main group)
-        self.parts, self.reductions, self.parts_of = split_by_reduction(layouts, other_groups or {})
         self.align = math.lcm(*(g.size for g in self.groups.values()))  # every part splits over its group
+        self.frozen = self.frozen_shards = None
+        if stage == 3:  # frozen tensors sharded and gathered like the parameters
+            layouts, frozen_layouts = split_frozen(layouts)
+            self.frozen_shards = ShardedFrozen(self, frozen_layouts, seed) if frozen_layouts else None
+        else:  # frozen tensors whole beside the full parameters
+            layouts, self.frozen = hold_frozen(layouts, backend, seed)
+        self.layouts = layouts
+        self.parts, self.reductions, self.parts_of = split_by_reduction(layouts, other_groups or {})
         self.geometry = FlatBuffer.geometry(self.parts, align=self.align)  # part ranges padded to multiples
         self.shard_sizes = [(self.geometry.unit_range(p)[1] - self.geometry.unit_range(p)[0]) // self.group_of(p).size
                             for p in range(len(self.parts))]
@@ -360,9 +433,11 @@ class ZeroState(StateStrategy):
             windows, replicated = self.params.held()
         else:
             windows, replicated = [(*self.window(p), self.master, self.shard_offsets[p]) for p in parts], False
+        shards = self.frozen_shards
         return ShardLayout(self.geometry, [self.window(p) for p in parts], windows, params_dp_replicated=replicated,
                            moments_dp_replicated=False, segment_groups=[self.group_of(p) for p in parts],
-                           frozen=self.frozen)
+                           frozen=self.frozen if shards is None else shards.geometry,
+                           frozen_windows=None if shards is None else shards.windows())
 
     def after_restore(self) -> None:
         """Derive the compute-dtype parameters from the loaded masters; nothing gathered may outlive them."""
@@ -372,4 +447,5 @@ class ZeroState(StateStrategy):
         """Bytes of the arrays this state keeps between steps (transient gathers and unit gradients excluded)."""
         master = self.placement.resident_nbytes(self.master)  # None (the params are the master) or off the device: 0
         params = self.params.nbytes + frozen_nbytes(self.frozen)
+        params += 0 if self.frozen_shards is None else int(self.frozen_shards.data.nbytes)
         return {"params": params, "grads": self.grads.nbytes, "master": master}
