@@ -9,6 +9,7 @@ the step and those ranks with their hosts, records the suspects for RUN_DIR/faul
 the world, which ends every rank (exit status HANG_EXIT_CODE). When several ranks wait on the same operation, the
 lowest-ranked live one reports and the others leave it the word (they abort on their own a little later if it
 does not). An operation that completes while being diagnosed was slow, not hung: the watchdog goes back to sleep.
+Before diagnosing, a rank with a flight recorder (flight.py) writes it, for `mpitrain doctor hang`.
 
 RUN_DIR/faults.jsonl (resilience/faulty_hosts.py appends; slurm/train.sbatch reads it to exclude a node on restart)
 gets one object per suspected rank, none when no rank is suspected (fault.heartbeat = false, or every peer is alive
