@@ -334,6 +334,9 @@ DOCUMENT_LAYOUTS = {  # name: (arch, ranks, overrides)
     "pp2": ("llama", 2, ["parallel.pp=2"]),
     "dp2-zero3": ("gpt2", 2, ["parallel.dp=2", "parallel.zero=3"]),
     "replicas2": ("llama", 1, ["train.thread_replicas=2"]),
+    "tp2-sp-llama": ("llama", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "cp2-pp2-recompute": ("gpt2", 4, ["parallel.cp=2", "parallel.pp=2", "memory.recompute=full"]),
+    "selective": ("llama", 1, ["memory.recompute=selective"]),
 }
 
 
@@ -361,3 +364,41 @@ def test_the_mask_changes_the_run(tmp_path, single_document_run):
     masked = single_document_run("gpt2")[0]
     unmasked = train_run(1, tmp_path / "plain", *ARCH["gpt2"], "model.vocab_size=16")[0]
     assert masked[0]["loss"] != pytest.approx(unmasked[0]["loss"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- a token file's stored starts
+MARK = "@"  # every document starts with it and holds no other: the stream's starts are where it stands
+
+
+@pytest.fixture(scope="module")
+def byte_file(tmp_path_factory):
+    """A byte-tokenizer file (no EOD id: its documents' starts are stored), documents of 3..40 bytes."""
+    from mpitrain.data.prepare import prepare_dataset
+    folder = tmp_path_factory.mktemp("documents")
+    rng = np.random.default_rng(7)
+    for i in range(80):
+        text = "".join(rng.choice(list("abcdefgh ,."), int(rng.integers(2, 40))))
+        (folder / f"doc{i:02d}.txt").write_text(MARK + text)
+    path = folder.parent / "documents.h5"
+    prepare_dataset(folder, path, val_fraction=0.25)
+    return path
+
+
+def test_a_byte_file_splits_rows_at_its_stored_document_starts(byte_file):
+    from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
+    dataset = TokenDataset(byte_file)
+    assert dataset.eod_id is None and dataset.doc_starts("train") is not None
+    for sampler in train_and_val_samplers(dataset, 32, 4, 0):
+        for step in range(3):
+            inputs, _ = sampler.global_batch_rows(step, range(4))
+            starts = sampler.document_starts(step, range(4))
+            assert np.array_equal(starts[:, 1:], inputs[:, 1:] == ord(MARK))
+            assert starts[:, 1:].any()
+
+
+@pytest.mark.parametrize("ranks, overrides", [(2, ["parallel.dp=2"]), (2, ["parallel.cp=2"])], ids=["dp2", "cp2"])
+def test_a_run_on_a_byte_file_matches_one_process(tmp_path, byte_file, ranks, overrides):
+    from tests.test_train_parity import assert_same_run, train_run
+    single = train_run(1, tmp_path / "one", byte_file, "data.document_mask=true", "train.eval_batches=1")
+    assert_same_run(single, train_run(ranks, tmp_path / "many", byte_file, "data.document_mask=true",
+                                      "train.eval_batches=1", *overrides))
