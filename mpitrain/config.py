@@ -134,9 +134,9 @@ class PrecisionConfig:
 class DataConfig:
     path: str = "data/stdlib.h5"  # made by: mpitrain data prepare --source python-stdlib --out data/stdlib.h5
     synthetic: bool = False  # random tokens instead of a file (benchmarks, layout tests): a pure function of step
-    # attention, learned positions and RoPE stay inside each document packed in a row (mpitrain/data/documents.py);
-    # documents end at the tokenizer's end-of-document token or the file's stored starts (synthetic: token 0)
-    document_mask: bool = False
+    # (mpitrain/data/documents.py) documents end at the tokenizer's end-of-document token, else at the file's stored
+    # starts; synthetic data ends one at every token 0
+    document_mask: bool = False  # attention, learned positions and RoPE stay inside each document packed in a row
     # blend prepared files by weight, replacing data.path (data/mix.py): ["a.h5:3", "b.h5:1"] or
     # [{path = "a.h5", weight = 3}, ...]; each row of a global batch comes from a file with probability ~ its weight
     mix: list = field(default_factory=list)
