@@ -23,6 +23,7 @@ from mpitrain.data.documents import (
 )
 from mpitrain.errors import DataError
 from mpitrain.kernels import attention as gpu_attention
+from mpitrain.kernels import cupy_status
 from mpitrain.layers import ops
 from mpitrain.layers.attention import rotate
 from mpitrain.layers.attention_core import document_bias
@@ -31,6 +32,7 @@ from mpitrain.state.replicated import ReplicatedState
 from tests.mpi_helpers import run_python_mpi_results
 
 EOD = SYNTHETIC_EOD  # the id data.synthetic ends documents with
+GPU_USABLE, GPU_REASON = cupy_status()
 
 
 # ----------------------------------------------------------------------------- documents of a row
@@ -163,6 +165,55 @@ def test_the_gpu_glue_takes_the_document_mask_and_cudnn_leaves_it_to_cublas():
         np.testing.assert_allclose(got, ref, rtol=1e-11, atol=1e-12)
     assert gpu_attention.cudnn_mask(bias, 8, 8) is None
     assert "document" in gpu_attention.describe_attention_path(np.float32, 4, 2, 8, documents=True)
+
+
+def test_a_document_mask_on_device_arrays_reaches_the_cublas_path(monkeypatch):
+    """Fake CuPy arrays (tests/fake_device.py): a per-row mask is routed to the cuBLAS GEMMs (their first product is
+    reached), never to cuDNN's graphs; per-row rotary tables get past CuPy's Python-level checks up to device work."""
+    from tests.fake_device import device_work_error, fake_cupy, fake_device_array
+    cupy = fake_cupy()
+
+    class ReachedGemm(Exception):
+        pass
+
+    def no_cudnn(*args, **kwargs):
+        raise AssertionError("a document mask reached cuDNN's graphs")
+
+    def first_product(*args):
+        raise ReachedGemm
+
+    monkeypatch.setattr(gpu_attention.cudnn_attention, "forward", no_cudnn)
+    monkeypatch.setattr(gpu_attention, "gpu_matmul", first_product)
+    rng = np.random.default_rng(6)
+    q, k, v = (fake_device_array(cupy, x.astype(np.float32)) for x in _qkv(rng, 2, 4, 2, 8, 16))
+    documents = documents_of(rng.integers(0, 3, (2, 8)), EOD)
+    bias = fake_device_array(cupy, document_bias(documents.ids, documents.positions, documents.ids,
+                                                 documents.positions, np, np.float32))
+    with pytest.raises(ReachedGemm):
+        gpu_attention.gpu_attention_forward(q, k, v, bias)
+    cos, sin = ops.rope_tables(documents.positions, 16, 10000.0, np, np.float32)
+    with pytest.raises(device_work_error(cupy)):
+        rotate(ops.rope_forward, q, fake_device_array(cupy, cos), fake_device_array(cupy, sin))
+
+
+@pytest.mark.skipif(not GPU_USABLE, reason=f"the GPU's attention needs a CUDA GPU: {GPU_REASON}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_document_masked_attention_on_the_gpu_matches_numpy(dtype):
+    import cupy as cp
+
+    from mpitrain.backend import BFLOAT16
+    low = np.float32 if dtype == "float32" else BFLOAT16
+    rng = np.random.default_rng(7)
+    q, k, v = (x.astype(np.float32) for x in _qkv(rng, 2, 4, 2, 32, 16))
+    documents = documents_of(rng.integers(0, 6, (2, 32)), EOD)
+    bias = document_bias(documents.ids, documents.positions, documents.ids, documents.positions, np, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    (out, _), saved = ops.attention_forward(*(cp.asarray(x.astype(low)) for x in (q, k, v)), cp.asarray(bias))
+    grads = ops.attention_backward(saved, cp.asarray(dout.astype(low)))
+    (want, _), want_saved = ops.attention_forward(q, k, v, bias)
+    tol = 2e-5 if dtype == "float32" else 3e-2
+    for got, ref in zip((out, *grads), (want, *ops.attention_backward(want_saved, dout))):
+        assert np.max(np.abs(cp.asnumpy(got).astype(np.float32) - ref)) <= tol * np.max(np.abs(ref))
 
 
 def test_rotary_tables_per_row_rotate_each_row_by_its_positions():
