@@ -490,6 +490,8 @@ def _validate_ramp_layout(cfg: Config) -> None:
     if not t.batch_rampup:
         return
     start, increment, _ = t.batch_rampup
+    require(p.microbatches == 0, f"config key parallel.microbatches = {p.microbatches} must be 0 with "
+                                 "train.batch_rampup: the micro-batch count grows with the ramp's batch")
     per_step = p.dp * t.micro_batch
     interleaved = p.schedule == "interleaved" and p.virtual_stages > 1
     for size in range(start, t.global_batch + 1, increment):

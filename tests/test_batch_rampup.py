@@ -89,6 +89,9 @@ def test_every_size_must_split_over_the_data_parallel_micro_batches():
     with pytest.raises(ConfigError, match=r"train\.batch_rampup = \[8, 2, 40\]: its global batch of 10 is not a "
                                           r"multiple of parallel\.dp \* train\.micro_batch = 2 \* 2 = 4"):
         resolved("train.global_batch=16", "train.micro_batch=2", "train.batch_rampup=[8, 2, 40]")
+    with pytest.raises(ConfigError, match=r"parallel\.microbatches = 4 must be 0 with train\.batch_rampup"):
+        resolved("train.global_batch=16", "train.micro_batch=2", "train.batch_rampup=[4, 4, 40]",
+                 "parallel.microbatches=4")
     with pytest.raises(ConfigError, match="its global batch of 4 is 1 micro-batches, which the interleaved schedule "
                                           r"needs to be a multiple of parallel\.pp = 2"):
         resolved("train.global_batch=16", "train.micro_batch=4", "train.batch_rampup=[4, 4, 40]", "parallel.pp=2",
