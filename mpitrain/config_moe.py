@@ -61,8 +61,5 @@ def validate_moe(cfg) -> None:
                           f"expert-parallel rank holds experts / ep of them)")
     if p.cp > 1:
         raise ConfigError("model.moe with parallel.cp > 1 is not supported yet; use parallel.cp = 1")
-    if cfg.memory.recompute == "selective":
-        raise ConfigError("model.moe with memory.recompute = 'selective' is not supported yet (it keeps the dense "
-                          "MLP's activation); use 'full' or 'none'")
     if cfg.lora.rank:
         raise ConfigError("model.moe with lora.rank > 0 is not supported yet")

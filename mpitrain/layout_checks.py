@@ -34,9 +34,6 @@ def validate_context_parallel(cfg) -> None:
     require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
             f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
-    require(cfg.memory.recompute != "selective",
-            "memory.recompute = 'selective' recomputes the one-process attention core; with parallel.cp > 1 use "
-            "memory.recompute = 'full' or 'none'")
     # train.device = 'cuda' is allowed: the ring's buffers are the backend's arrays end to end (ring_attention.py
     # and ContextParallel use array_module) and travel on the cp group's NCCL lanes, or host-staged through MPI.
 

@@ -53,8 +53,6 @@ def test_zigzag_balances_causal_attention_work_at_cp4():
 def test_config_checks_name_the_key():
     with pytest.raises(ConfigError, match="2 \\* parallel.cp"):  # seq_len 32 is no multiple of 6
         load_config("configs/tiny.toml", ["parallel.cp=3"])
-    with pytest.raises(ConfigError, match="memory.recompute = 'selective'"):
-        load_config("configs/tiny.toml", ["parallel.cp=2", "memory.recompute=selective"])
     with pytest.raises(ConfigError, match="tokens per cp rank are not divisible by parallel.tp"):
         load_config("configs/tiny.toml", ["parallel.cp=4", "parallel.tp=8", "model.n_head=8", "model.seq_len=48",
                                           "parallel.sequence_parallel=true"])

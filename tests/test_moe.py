@@ -249,6 +249,10 @@ def references(tmp_path_factory):
     ("E4-top1", 2, ["parallel.ep=2"]),
     ("E4-top1", 2, ["parallel.zero=3"]),  # ep 1: the experts are whole on every rank and shard like the rest
     ("E4-top1", 2, ["parallel.ep=2", "memory.recompute=full"]),  # the exchange runs again in backward
+    ("E4-top1", 2, ["parallel.ep=2", "memory.recompute=selective"]),  # routing and expert inputs kept
+    ("E4-top2-capacity", 4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "memory.recompute=selective"]),  # the norm's output gathered again along the sequence
+    ("E8-top2-llama", 4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero=1", "memory.recompute=selective"]),
     ("E8-top2-llama", 4, ["parallel.ep=4"]),
     ("E4-top2-capacity", 4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 ])  # and dp 4 with ep 2 (expert_dp of 2) in the resume test below

@@ -135,3 +135,37 @@ def test_training_with_recomputation_is_exact_across_layouts(layout):
     job = JOB.replace("LAYOUT", repr(LAYOUTS[layout])).replace("MODES", repr(MODES))
     worst = run_python_mpi_results(2, job, timeout=600)
     assert len(worst) == len(MODES) and all(error <= 1e-12 for error in worst.values()), worst
+
+
+MOE = {"gpt2": {"moe": {"experts": 4, "top_k": 2}},
+       "llama": {"arch": "llama", "n_kv_head": 2, "moe": {"experts": 4, "top_k": 2, "capacity_factor": 0.75}}}
+
+
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_moe_blocks_recompute_bitwise_and_selective_keeps_less(arch):
+    """MoE blocks: selective keeps the routing and the experts' inputs and recomputes only the norms and the
+    experts' nonlinearities; the same loss and gradients bitwise, and at least the dropped arrays' bytes fewer than
+    none (a capacity-dropped pick has no nonlinearity output: 3/4 of them with capacity factor 0.75)."""
+    cfg = ModelConfig(**SMALL, **MOE[arch])
+    loss, grads, none_bytes, _ = one_step(cfg, "none")
+    assert np.any(grads)
+    measured = {}
+    for mode in ("selective", "full"):
+        other_loss, other_grads, measured[mode], _ = one_step(cfg, mode)
+        assert other_loss == loss and np.array_equal(other_grads, grads), mode
+    assert measured["full"] < measured["selective"] < none_bytes, (measured, none_bytes)
+    # what selective drops per MoE block: the entered input (B T C) and the nonlinearity's output (N k F)
+    n, width = 2 * SMALL["seq_len"], 4 * SMALL["d_model"]
+    dropped = 3 * 8 * (n * SMALL["d_model"] + n * 2 * width)
+    assert none_bytes - measured["selective"] >= dropped * (0.75 if "capacity_factor" in str(MOE[arch]) else 1)
+
+
+@pytest.mark.parametrize("arch, extra", [("gpt2", []), ("llama", ["data.document_mask=true"])])
+def test_ring_attention_selective_recomputation_matches_one_process(tmp_path, arch, extra):
+    """cp 2 with selective recomputation (the ring's core kept whole, norms and entries recomputed) against one
+    process without recomputation: losses and parameters at 1e-10 in float64 (packed documents: their masks ride
+    in the kept core)."""
+    from tests.test_context_parallel import ARCH, assert_same_run, train_run
+    reference = train_run(1, tmp_path / "one", *ARCH[arch], *extra)
+    ring = train_run(2, tmp_path / "cp2", *ARCH[arch], *extra, "parallel.cp=2", "memory.recompute=selective")
+    assert_same_run(reference, ring, f"cp 2 selective, {arch}")

@@ -201,6 +201,29 @@ class MoE:
             dx += ops.linear_input_grad([params["router"]], [d_logits])
         return self.tp.start_enter_backward(dx.reshape(saved["h"].shape)).wait()
 
+    # -- selective recomputation (mpitrain/layers/recompute.py): keep the routing and the experts' inputs
+    def keep_selective(self, saved) -> dict:
+        """What a selective block keeps of `saved`: the router's probabilities and log-sum-exp, the picks and the
+        exchange's counts, the experts' dispatched inputs and nonlinearity inputs, the combined expert output. Dropped
+        (recomputed without a matmul or an exchange): the entered input and each nonlinearity's output."""
+        kept = {key: value for key, value in saved.items() if key != "h"}
+        kept["experts"] = [(block, act_saved) for block, act_saved, _ in saved["experts"]]
+        return kept
+
+    def restore_selective(self, kept, normed) -> dict:
+        """The saved state of the forward, from `kept` and the recomputed norm output `normed` (entered again)."""
+        experts = [(block, act_saved, self._activation(act_saved)) for block, act_saved in kept["experts"]]
+        return {**kept, "h": self.tp.enter(normed), "experts": experts}
+
+    def _activation(self, act_saved):
+        return ops.swiglu_forward(*act_saved)[0] if self.gated else ops.gelu_forward(act_saved)[0]
+
+    def selective_saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """saved_arrays less the entered input and the nonlinearity's output."""
+        arrays = self.saved_arrays(batch, seq_len, dtype)[1:]
+        del arrays[-2]
+        return arrays
+
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, router probabilities, and per pick (N*k, balanced routing assumed) the routed row,
         the activation's input(s) and output, and the expert output."""

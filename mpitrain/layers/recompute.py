@@ -9,6 +9,12 @@
              MLP nonlinearity's input(s). Recomputed: the norms and their entry into the tp region (the sequence
              all-gather under SP, as Megatron does), the attention scores, softmax and probs @ v, and the
              nonlinearity's output. No linear is run again.
+             An MoE layer keeps its routing (probabilities, log-sum-exp, picks, the exchange's counts), its experts'
+             dispatched inputs, their nonlinearities' inputs and the combined expert output: no router, expert
+             matmul or all-to-all runs again, only the nonlinearities (MoE.keep_selective).
+             Ring attention (parallel.cp > 1) keeps its whole core (q, k, v, output and log-sum-exp: it saves no
+             probabilities to drop); recomputed are the norms, their entry into the tp region and the output's
+             merged heads.
 `memory.recompute_layers = K`: only the first K blocks of each model chunk (pipeline stage) recompute; 0: all.
 
 Exact: the recomputed arrays are the same operations on the same inputs, so they are bitwise the forward's, and a
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 from mpitrain.layers import ops
 from mpitrain.layers.attention import merge_heads
+from mpitrain.layers.moe import MoE
+from mpitrain.layers.ring_attention import lse_dtype
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -55,7 +63,13 @@ def forward(block, params, x, ctx):
     x1 = x + attention
     h2, _ = block.norm2.forward(params, x1)
     mlp, mlp_saved = block.mlp.forward(params, h2, ctx)
-    kept.update(x1=x1, qkv=attention_saved["core"][:3], activation=mlp_saved["activation"])
+    # the ring keeps its whole core (q, k, v, output, log-sum-exp): its backward recomputes no (T x T) block anyway
+    core = attention_saved["core"] if block.attention.ring is not None else attention_saved["core"][:3]
+    kept.update(x1=x1, core=core)
+    if isinstance(block.mlp, MoE):
+        kept["moe"] = block.mlp.keep_selective(mlp_saved)
+    else:
+        kept["activation"] = mlp_saved["activation"]
     return x1 + mlp, kept
 
 
@@ -65,14 +79,21 @@ def restore(block, params, kept) -> dict:
     if block.recompute == "full":
         return block.forward_all(params, kept["x"], ctx)[1]
     h1, norm1 = block.norm1.forward(params, kept["x"])
-    (out, _), core = ops.attention_forward(*kept["qkv"], ctx["bias"])
+    if block.attention.ring is not None:
+        core = kept["core"]
+        out = core[3]  # the ring's output in the input's dtype, as its forward handed it to the projection
+    else:
+        (out, _), core = ops.attention_forward(*kept["core"], ctx["bias"])
     attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": merge_heads(out)}
     if block.attention.rope:
         attention["rope"] = kept["rope"]
     h2, norm2 = block.norm2.forward(params, kept["x1"])
-    activation = kept["activation"]
-    act = ops.swiglu_forward(*activation)[0] if block.mlp.gated else ops.gelu_forward(activation)[0]
-    mlp = {"up": block.mlp.up.tp.enter(h2), "activation": activation, "down": act}
+    if isinstance(block.mlp, MoE):
+        mlp = block.mlp.restore_selective(kept["moe"], h2)
+    else:
+        activation = kept["activation"]
+        act = ops.swiglu_forward(*activation)[0] if block.mlp.gated else ops.gelu_forward(activation)[0]
+        mlp = {"up": block.mlp.up.tp.enter(h2), "activation": activation, "down": act}
     return {"norm1": norm1, "attention": attention, "norm2": norm2, "mlp": mlp}
 
 
@@ -84,6 +105,10 @@ def saved_arrays(block, batch: int, seq_len: int, dtype) -> list:
         return [residual]
     a = block.attention
     qkv = [((batch, a.heads, seq_len, a.head_dim), dtype)] + [((batch, a.kv_heads, seq_len, a.head_dim), dtype)] * 2
+    if a.ring is not None:  # its output and log-sum-exp too
+        qkv += [((batch, a.heads, seq_len, a.head_dim), dtype), ((batch, a.heads, seq_len), lse_dtype(dtype))]
+    if isinstance(block.mlp, MoE):
+        return [residual, residual] + qkv + block.mlp.selective_saved_arrays(batch, seq_len, dtype)
     hidden = ((batch, seq_len, block.mlp.local_width), dtype)
     return [residual, residual] + qkv + [hidden] * (2 if block.mlp.gated else 1)
 
