@@ -156,7 +156,8 @@ for stage in (0, 1, 2, 3):
     out[stage] = {"names": sorted(names), "moments": int(optimizer.exp_avg.size), "grads": state.memory()["grads"],
                   "frozen_same": all(np.array_equal(before[u]["base"], after[u]["base"]) for u in (0, 1)),
                   "trained": all(not np.array_equal(before[u]["w"], after[u]["w"]) for u in (0, 1)),
-                  "checkpointed": state.checkpoint_layout().frozen.size}
+                  "checkpointed": sum(u.size for u in state.checkpoint_layout().frozen.layouts),
+                  "params": state.memory()["params"]}
 if group.rank == 0:
     print("RESULTS " + json.dumps(out))
 """
@@ -164,6 +165,8 @@ if group.rank == 0:
 
 @pytest.mark.parametrize("compute", ["float64", "bfloat16"])
 def test_frozen_tensors_get_no_gradient_no_optimizer_state_and_stay_put(compute):
+    """Two units of a trained (5, 3) and a frozen (7, 3) tensor on 2 ranks: stages 0-2 hold the frozen ones whole,
+    stage 3 its shard of each (11 of 22 padded elements), gathered for forward and backward and never changed."""
     n, trainable, frozen, itemsize = 2, 2 * 15, 2 * 21, {"float64": 8, "bfloat16": 2}[compute]
     for stage, held in run_python_mpi_results(n, FROZEN_JOB.replace("COMPUTE", compute)).items():
         assert held["names"] == ["base", "w"] and held["frozen_same"] and held["trained"], (stage, held)
@@ -171,6 +174,9 @@ def test_frozen_tensors_get_no_gradient_no_optimizer_state_and_stay_put(compute)
         assert held["moments"] <= trainable // shards + 2 * (n - 1), (stage, held)  # padding: n-1 per unit
         assert held["grads"] <= (trainable // (n if stage in "23" else 1) + 2 * (n - 1)) * itemsize, (stage, held)
         assert held["checkpointed"] == frozen
+        # ZeRO-3 shards the frozen tensors as the parameters (each unit padded to a multiple of n): 1/n per rank
+        whole = (trainable + (2 * (n - 1) if stage != "0" else 0) + frozen) * itemsize
+        assert held["params"] == (whole if stage != "3" else (2 * 8 + 2 * 11) * itemsize), (stage, held)
 
 
 HELD_GRADS_JOB = """
