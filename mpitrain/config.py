@@ -170,7 +170,7 @@ class LoggingConfig:
 class FaultConfig:
     """Surviving faults: hung or slow ranks, bad steps, silent data corruption (mpitrain/resilience/)."""
     timeout_s: float = 300.0  # a collective or transfer not done after this long aborts the job, naming it; 0: off
-    heartbeat: bool = True  # each rank's watchdog rewrites RUN_DIR/heartbeat/rank_NNNNN.json about once a second
+    heartbeat: bool = True  # every rank's watchdog record, about once a second, in RUN_DIR/heartbeat/node_NNNNN.json
     straggler_factor: float = 1.5  # report a rank computing more than this factor x the median rank; 0: off
     straggler_steps: int = 3  # ... when it is that slow on this many logged steps in a row
     spike_zscore: float = 0.0  # skip the update when the loss exceeds the window's mean by this many std; 0: off

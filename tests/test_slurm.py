@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 
 from mpitrain.data.prepare import prepare_dataset
+from mpitrain.resilience.heartbeat import read_heartbeats
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
 
 SBATCH_SCRIPT = REPO_ROOT / "slurm" / "train.sbatch"
@@ -497,7 +498,7 @@ def test_lost_node_run_continues_on_the_other(slurm_env, jobs, tmp_path, dataset
     slurmd = SlurmdOf(second, slurm_env)
 
     def ranks_on_second() -> list[int]:
-        beats = [json.loads(path.read_text()) for path in (run_dir / "heartbeat").glob("rank_*.json")]
+        beats = read_heartbeats(run_dir / "heartbeat").values()
         return [beat["pid"] for beat in beats if beat.get("host") == second and beat.get("state") == "running"]
 
     try:

@@ -322,9 +322,8 @@ def stop_rank_when_at_step(process, run_dir: Path, rank: int, step: int) -> int:
     """SIGSTOP `rank` (its pid from its heartbeat) once its heartbeat shows `step` while it still runs; returns the
     pid. A rank whose heartbeat already says "finished" is never stopped: it would be stopped inside MPI's
     finalize, where no watchdog looks, and the job would hang instead of showing the recovery."""
-    path = run_dir / "heartbeat" / f"rank_{rank:05d}.json"
     while process.poll() is None:
-        record = HeartbeatFiles(path.parent, rank).read(rank) if path.exists() else None
+        record = read_heartbeats(run_dir / "heartbeat").get(rank)  # the node's file (resilience/heartbeat.py)
         if record and record.get("state") != "running":
             finish_job(process)
             pytest.fail(f"rank {rank} {record.get('state')} before a heartbeat showed it at step {step}")
