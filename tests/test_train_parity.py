@@ -113,8 +113,8 @@ def test_metrics_have_the_contract_keys(tmp_path, dataset):
     (2, ["train.global_batch=6", "train.micro_batch=2"], "train.global_batch = 6 is not divisible"),
     (2, ["model.colour=3"], "unknown config key model.colour"),
     (2, ["train.steps=\"ten\""], "config key train.steps must be int"),
-    (3, ["parallel.dp=2"], "do not match the 3 MPI ranks"),
-    (2, ["data.path=/nonexistent/corpus.h5"], "dataset file not found: /nonexistent/corpus.h5"),
+    (3, ["parallel.dp=2"], "world size 3 does not match parallel dp"),
+    (2, ["data.path=/nonexistent/corpus.h5"], "data file /nonexistent/corpus.h5 not found"),
     (2, ["model.arch=bert"], "model.arch = 'bert' is not allowed"),
 ])
 def test_bad_input_fails_fast_with_one_clear_line(tmp_path, ranks, overrides, message):
