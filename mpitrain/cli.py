@@ -117,8 +117,9 @@ def train(config, overrides, run_dir, resume, allowed_changes):
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("-n", "n_ranks", type=int, required=True, help="Number of MPI ranks.")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
-              help="After a failure (an exit status other than 0 and 75), run the job again from its last committed "
-                   "checkpoint (--resume auto), at most this many times; prints the time each restart lost.")
+              help="After a failure (an exit status other than 0, 73, 74 and 75), run the job again from its last "
+                   "committed checkpoint (--resume auto), at most this many times; prints the time each restart "
+                   "lost.")
 @CONFIG_ARG
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
 @_user_errors

@@ -121,4 +121,5 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert beats[0]["step"] == beats[1]["step"] and beats[0]["state"] == beats[1]["state"] == "finished", beats
     saved = int(result.stdout.split("(signal on another rank): saved step ")[1].split(";")[0])
     assert (run_dir / "checkpoints" / f"step_{saved:08d}" / "COMMITTED").is_file()
+    assert not (run_dir / ".lock").exists()  # released on the way out of a stop request (run/lock.py)
 

@@ -149,7 +149,7 @@ class RunDirLock:
         heard = f", heartbeat {max(0.0, time.time() - float(beat)):.0f} s ago" if beat else ""
         return (f"{self.run_dir} is in use by {describe_holder(holder)}{heard} ({self.path}); two jobs writing one "
                 f"run directory would mix their metrics and checkpoints: wait for it to end, stop it, or train into "
-                f"another --out (a holder that is gone is taken over by itself)")
+                f"another --out (the lock of a job that is gone is taken over without asking)")
 
     def _link(self) -> bool:
         """Write the record to a file of its own, then hard-link it to the lock: atomic, also on NFS."""
