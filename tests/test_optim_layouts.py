@@ -7,6 +7,8 @@ shards LoRA's frozen base like the trainable parameters."""
 from __future__ import annotations
 
 import json
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -43,10 +45,77 @@ ADAFACTOR = ("optim.name=adafactor",)  # its default first moment: int4 (quantiz
 
 @pytest.mark.parametrize("layout, model", [(["parallel.zero=1"], ()), (["parallel.zero=2"], ()),
                                            (["parallel.zero=3"], ()), (["parallel.tp=2"], ()),
+                                           (["parallel.tp=2"], ("model.vocab_size=259",)),
                                            (["parallel.ep=2"], tuple(MOE))],
-                         ids=["zero1", "zero2", "zero3", "tp2", "ep2-moe"])
+                         ids=["zero1", "zero2", "zero3", "tp2", "tp2-vocab-padding", "ep2-moe"])
 def test_adafactor_on_two_ranks_is_the_one_process_run(tmp_path, one_process, layout, model):
     assert_same_run(one_process(ADAFACTOR, model), run_training(2, tmp_path, [*FLOAT64, *ADAFACTOR, *model, *layout]))
+
+
+class ThreadGroup:
+    """The ranks of one process group as threads: all_reduce (sum in rank order, or max) over their buffers."""
+
+    def __init__(self, shared, rank: int):
+        self.shared, self.rank, self.size = shared, rank, shared.size
+
+    def all_reduce(self, buf, op: str = "sum") -> None:
+        self.shared.buffers[self.rank] = buf.copy()
+        self.shared.barrier.wait()
+        result = np.max(self.shared.buffers, axis=0) if op == "max" else sum(self.shared.buffers[1:],
+                                                                               self.shared.buffers[0])
+        self.shared.barrier.wait()  # every rank has read every buffer
+        buf[...] = result
+
+
+# matrices a little over and under a 128-block, rows of 64 and 1000, a bias and a gain: shards cut rows and blocks
+ZERO_LAYOUTS = [UnitLayout("a", [ParamSpec("w", (70, 64), "normal"), ParamSpec("b", (100,), "zeros"),
+                                 ParamSpec("w2", (30, 50), "normal")]),
+                UnitLayout("b", [ParamSpec("w", (3, 1000), "normal"), ParamSpec("g", (7,), "ones")])]
+
+
+def _zero_adafactor(n_ranks: int, gradients, momentum: str):
+    """The parameters after Adafactor's steps, each of n_ranks (threads) updating its ZeRO shard of every unit."""
+    geometry = FlatBuffer.geometry(ZERO_LAYOUTS, align=n_ranks)
+    params, grads = np.zeros(geometry.size), np.zeros(geometry.size)
+    for unit, layout in enumerate(ZERO_LAYOUTS):  # the same start in every layout (padding apart)
+        params[geometry.offsets[unit]:geometry.offsets[unit] + layout.size] = np.linspace(1, 2, layout.size)
+    decayed = geometry.ranges(lambda spec: spec.decay)
+    shared = SimpleNamespace(size=n_ranks, buffers=[None] * n_ranks, barrier=threading.Barrier(n_ranks))
+
+    def rank(r: int):
+        windows = [(a + r * (b - a) // n_ranks, a + (r + 1) * (b - a) // n_ranks)
+                   for a, b in (geometry.unit_range(u) for u in range(len(ZERO_LAYOUTS)))]
+        groups = [ThreadGroup(shared, r)] * len(ZERO_LAYOUTS) if n_ranks > 1 else None
+        segments = [Segment(params[a:b], grads[a:b], intersect(decayed, a, b)) for a, b in windows]
+        optimizer = Adafactor(segments, ShardLayout(geometry, windows, segment_groups=groups), weight_decay=0.1,
+                              momentum=momentum)
+        for step, g in enumerate(gradients):
+            shared.barrier.wait()
+            if r == 0:
+                for unit, layout in enumerate(ZERO_LAYOUTS):
+                    grads[geometry.offsets[unit]:geometry.offsets[unit] + layout.size] = g[unit] * (1 + step)
+            shared.barrier.wait()
+            optimizer.step(1e-2 * (1 + step), grad_scale=0.7)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n_ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return [params[geometry.offsets[u]:geometry.offsets[u] + layout.size] for u, layout in enumerate(ZERO_LAYOUTS)]
+
+
+@pytest.mark.parametrize("momentum", ["full", "int4"])
+@pytest.mark.parametrize("n_ranks", [3, 5])
+def test_adafactor_over_shards_that_cut_rows_and_blocks_is_the_one_process_run(n_ranks, momentum):
+    """ZeRO shards over 3 and 5 ranks (threads): shard boundaries fall mid-row and inside int4 blocks, and at 5
+    ranks the (3 x 1000) matrix's rows span three shards; 4 steps give the one process's parameters."""
+    rng = np.random.default_rng(3)
+    gradients = [[rng.normal(size=layout.size) for layout in ZERO_LAYOUTS] for _ in range(4)]
+    one = _zero_adafactor(1, gradients, momentum)
+    for unit_one, unit_sharded in zip(one, _zero_adafactor(n_ranks, gradients, momentum)):
+        np.testing.assert_allclose(unit_sharded, unit_one, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(one[0], np.linspace(1, 2, ZERO_LAYOUTS[0].size))  # the steps moved them
 
 
 def test_adafactor_with_its_moment_in_full_under_zero_and_tp(tmp_path, one_process):
