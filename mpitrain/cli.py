@@ -64,11 +64,11 @@ def data():
 def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes, tokenizer_file, text_field,
                  workers):
     """Tokenize documents into an HDF5 token file with train and val splits and each document's start."""
-    from mpitrain.data.prepare import prepare_dataset
+    from mpitrain.data.prepare import default_workers, prepare_dataset
     source = "python-stdlib" if list(sources) == ["python-stdlib"] else list(sources)
     summary = prepare_dataset(source, out_path, tokenizer=tokenizer, vocab_size=vocab_size,
                               val_fraction=val_fraction, max_bytes=max_bytes, tokenizer_file=tokenizer_file,
-                              text_field=text_field, workers=workers)
+                              text_field=text_field, workers=workers or default_workers())
     click.echo(f"wrote {summary['out']}: {summary['train_tokens']:,} train + {summary['val_tokens']:,} val tokens "
                f"from {summary['documents']:,} documents ({summary['bytes']:,} bytes), "
                f"{summary['tokenizer']} tokenizer, vocabulary {summary['vocab_size']}, {summary['workers']} worker(s)")

@@ -41,11 +41,12 @@ def default_workers() -> int:
 
 
 def prepare_dataset(sources, out_path, tokenizer="byte", vocab_size=None, val_fraction=0.05, max_bytes=None,
-                    tokenizer_file=None, text_field=TEXT_FIELD, workers=None):
+                    tokenizer_file=None, text_field=TEXT_FIELD, workers=1):
     """Reads, tokenizes and splits the documents of `sources`; writes `out_path`; returns a summary dict.
     `tokenizer_file`: a tokenizer.json (e.g. a Hugging Face model's) to tokenize with instead of `tokenizer`;
-    `text_field`: the JSON lines field / Parquet column holding the text; `workers`: tokenizing processes."""
-    workers = default_workers() if workers is None else workers
+    `text_field`: the JSON lines field / Parquet column holding the text; `workers`: tokenizing processes, started
+    by spawning (the command defaults to default_workers()): a script that asks for more than one must call this
+    under `if __name__ == "__main__":`, as Python's multiprocessing requires."""
     _check_options(val_fraction, max_bytes, text_field, workers)
     paths, source_label = _document_paths(sources)
     documents = _read_documents(paths, max_bytes, text_field)
