@@ -137,6 +137,17 @@ def test_another_hosts_lock_is_kept_while_it_beats_and_taken_after_silence(tmp_p
     requeued.release()
 
 
+def test_an_unreadable_lock_is_looked_at_again_then_taken_over_and_a_create_is_exclusive(tmp_path):
+    (tmp_path / LOCK_NAME).write_text('{"job": "lo')  # not a record (a crash of a writer without hard links)
+    lock = RunDirLock(tmp_path, refresh_s=3600)
+    taken, line = lock.acquire()
+    assert taken and line == f"run dir: took over {tmp_path / LOCK_NAME} from an unknown holder (it is unreadable)"
+    assert not RunDirLock(tmp_path)._create_exclusive()  # the fallback where hard links are missing: exclusive too
+    lock.release()
+    other = RunDirLock(tmp_path)
+    assert other._create_exclusive() and read_lock(tmp_path / LOCK_NAME)["token"] == other.record["token"]
+
+
 def test_a_lock_replaced_between_the_look_and_the_move_is_put_back(tmp_path):
     write_lock(tmp_path, token="newer")
     lock = RunDirLock(tmp_path)

@@ -13,13 +13,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE
+from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE, CheckpointManager
 from mpitrain.checkpoint.pieces import Piece
-from mpitrain.checkpoint.store import describe_os_error, storage_cause, write_rank_file
+from mpitrain.checkpoint.store import CheckpointWriteFailed, describe_os_error, storage_cause, write_rank_file
 from mpitrain.resilience.faults import FaultPlan, parse_faults
 from mpitrain.resilience.inject import storage_fault
 from tests.mpi_helpers import OVERSUBSCRIBED_ENV, REPO_ROOT, describe, find_mpiexec, run_mpi
@@ -54,6 +55,29 @@ def test_the_storage_cause_is_found_behind_hdf5s_own_error():
     wrapped.__context__ = OSError(errno.ENOSPC, "No space left on device")  # the write's own
     assert storage_cause(wrapped).errno == errno.ENOSPC
     assert storage_cause(ValueError("not storage")) is None
+
+
+class OneRank:
+    """A world of one rank: its collectives return what they are given."""
+    rank, size = 0, 1
+
+    def all_reduce_scalar(self, x, op="sum"):
+        return x
+
+    def broadcast_object(self, obj, root=0):
+        return obj
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_fails_the_save_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    manager = CheckpointManager(blocker / "checkpoints", 3, cfg=None, mesh=SimpleNamespace(world=OneRank()),
+                                state=None, optimizer=SimpleNamespace(steps_taken=0))
+    with pytest.raises(CheckpointWriteFailed) as failed:
+        manager._prepare(4)
+    assert str(failed.value) == (f"checkpoint: saving step 4 failed: rank 0 could not write {blocker / 'checkpoints'}: "
+                                 f"ENOTDIR (Not a directory); removed step_00000004.partial; no checkpoint of this "
+                                 f"run is committed yet; exiting with status 74")
 
 
 # ---- real jobs -------------------------------------------------------------------------------------------------------

@@ -137,9 +137,9 @@ class CheckpointManager:
                 partial.mkdir()
             except OSError as exc:
                 failure = storage_failure(0, exc, partial)
-        failure = self.world.broadcast_object(failure)  # the directory exists before anyone writes into it
-        if failure:
-            self._fail(step, partial, [failure])
+        # the directory exists before anyone writes into it (a watched collective; the details only on a failure)
+        if self.world.all_reduce_scalar(float(failure is not None), op="max"):
+            self._fail(step, partial, [self.world.broadcast_object(failure)])
         return partial, final
 
     def _host_pieces(self) -> list:

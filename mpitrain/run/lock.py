@@ -19,12 +19,13 @@ and a second job is refused in one line naming the holder, with RUN_DIR_IN_USE_E
 
 Taking it is atomic on local filesystems and on NFS: the whole record is written to a file of its own, then
 hard-linked to `.lock` (os.link fails when `.lock` exists; a link is atomic on NFS, where O_EXCL was not always, and a
-reader never sees a half-written lock). A lock left by a dead job is taken over with one line saying so: on the same
-host when its process is gone; from another host when it belongs to an earlier attempt of this job (the same
-SLURM_JOB_ID after a requeue, the same `mpitrain launch` supervisor) or its heartbeat is older than
-stale_after_s (max(STALE_AFTER_S, 2 x fault.timeout_s)). The stale lock is first renamed aside (only one of two
-jobs racing for it can), then the link is tried again. The lock is removed when the run ends, normally, with an
-error or on a stop request; a killed job leaves it, for the rules above.
+reader never sees a half-written lock). On a filesystem without hard links it is created with O_CREAT | O_EXCL, and a
+lock found unreadable is looked at again before it counts as abandoned. A lock left by a dead job is taken over with
+one line saying so: on the same host when its process is gone; from another host when it belongs to an earlier
+attempt of this job (the same SLURM_JOB_ID after a requeue, the same `mpitrain launch` supervisor) or its heartbeat
+is older than stale_after_s (max(STALE_AFTER_S, 2 x fault.timeout_s)). The stale lock is first renamed aside (only
+one of two jobs racing for it can), then the link is tried again. The lock is removed when the run ends, normally,
+with an error or on a stop request; a killed job leaves it, for the rules above.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ LOCK_NAME = ".lock"
 RUN_DIR_IN_USE_EXIT_CODE = 73  # EX_CANTCREAT: another live job writes this run directory; not restarted
 STALE_AFTER_S = 600.0  # a holder on another host silent this long is taken for dead
 REFRESH_S = 30.0
+LOOKS = 3  # tries to take the lock (one may be released, taken over or still being written meanwhile)
+UNREADABLE_WAIT_S = 0.5  # a lock made without a hard link (see _link) may be read before its record is written
 JOB_ID_VARIABLES = ("SLURM_JOB_ID", "MPITRAIN_JOB_ID")
 
 
@@ -126,14 +129,19 @@ class RunDirLock:
 
     def acquire(self) -> tuple[bool, str | None]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        said = None
-        for _ in range(3):  # a lock released or taken over between our looks: look again
+        said, unreadable = None, 0
+        for _ in range(2 * LOOKS):  # a lock released, taken over or being written between our looks: look again
             if self._link():
                 self._start_refreshing()
                 return True, said
             holder = read_lock(self.path)
-            if holder is None and not self.path.exists():
-                continue
+            if holder is None:
+                if not self.path.exists():
+                    continue
+                unreadable += 1
+                if unreadable < LOOKS:
+                    time.sleep(UNREADABLE_WAIT_S)
+                    continue
             why = "it is unreadable" if holder is None else takeover_reason(holder, self.record, time.time(),
                                                                             self.stale_after_s)
             if why is None:
@@ -141,10 +149,12 @@ class RunDirLock:
             if self._move_aside(holder):
                 said = (f"run dir: took over {self.path} from "
                         f"{describe_holder(holder) if holder else 'an unknown holder'} ({why})")
-        holder = read_lock(self.path) or {}
-        return False, self.refusal(holder)
+        return False, self.refusal(read_lock(self.path))
 
-    def refusal(self, holder: dict) -> str:
+    def refusal(self, holder: dict | None) -> str:
+        if holder is None:
+            return (f"{self.run_dir} is in use: its lock {self.path} changed hands under every one of "
+                    f"{2 * LOOKS} tries to take it; try again, or train into another --out")
         beat = holder.get("heartbeat")
         heard = f", heartbeat {max(0.0, time.time() - float(beat)):.0f} s ago" if beat else ""
         return (f"{self.run_dir} is in use by {describe_holder(holder)}{heard} ({self.path}); two jobs writing one "
@@ -152,7 +162,8 @@ class RunDirLock:
                 f"another --out (the lock of a job that is gone is taken over without asking)")
 
     def _link(self) -> bool:
-        """Write the record to a file of its own, then hard-link it to the lock: atomic, also on NFS."""
+        """Write the record to a file of its own, then hard-link it to the lock: atomic, also on NFS. Where the
+        filesystem has no hard links, an exclusive create (O_CREAT | O_EXCL) and then the record."""
         own = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}")
         own.write_text(json.dumps(self.record) + "\n")
         try:
@@ -161,9 +172,20 @@ class RunDirLock:
         except FileExistsError:
             return False
         except OSError:
-            return own.stat().st_nlink == 2  # NFS: the link may be made yet its reply lost
+            if own.stat().st_nlink == 2:  # NFS: the link was made, its reply lost
+                return True
+            return self._create_exclusive()
         finally:
             own.unlink(missing_ok=True)
+
+    def _create_exclusive(self) -> bool:
+        try:
+            descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(descriptor, "w") as lock:
+            lock.write(json.dumps(self.record) + "\n")
+        return True
 
     def _move_aside(self, holder: dict | None) -> bool:
         """Rename the stale lock aside (of two jobs racing, one renames it); put back one that changed meanwhile."""
@@ -173,7 +195,7 @@ class RunDirLock:
         except FileNotFoundError:
             return False
         moved = read_lock(aside)
-        if holder is not None and (moved or {}).get("token") != holder.get("token"):
+        if (moved or {}).get("token") != (holder or {}).get("token"):
             with contextlib.suppress(OSError):  # another job took it over between our look and the rename: put back
                 os.link(aside, self.path)
             aside.unlink(missing_ok=True)
