@@ -260,6 +260,19 @@ def test_a_stopped_lora_run_resumes_bitwise(tmp_path, dataset, reference):
         assert np.array_equal(params[name], value), name
 
 
+def test_a_zero3_lora_run_stopped_resumes_in_one_process(tmp_path, dataset, reference):
+    """ZeRO-3 shards the frozen base (mpitrain/state/zero.py, ShardedFrozen): its checkpoint holds each rank's
+    shard of the base, which one process reads back whole; the run then ends as the one-process run."""
+    train_run(2, tmp_path, dataset, "parallel.zero=3", "train.stop_at=3", expect=75)
+    metrics, params = train_run(1, tmp_path, dataset, resume="auto")
+    assert metrics[-1]["loss"] == pytest.approx(reference[0][-1]["loss"], rel=1e-10, abs=0)
+    for name, value in reference[1].items():
+        if "_lora_" in name:
+            assert np.linalg.norm(params[name] - value) <= 1e-10 * np.linalg.norm(value), name
+        else:
+            assert np.array_equal(params[name], value), name  # the base: bitwise, through the shards
+
+
 def test_a_bfloat16_lora_run_keeps_the_base_exactly_in_its_checkpoint(tmp_path, dataset):
     import ml_dtypes
 
