@@ -44,7 +44,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    moe: dict = field(default_factory=dict)  # {experts, top_k, capacity_factor, aux_loss, z_loss, every}: config_moe.py
+    # {experts, top_k, capacity_factor, aux_loss, z_loss, every, balance, bias_rate, seq_aux_loss}: config_moe.py
+    moe: dict = field(default_factory=dict)
 
     @property
     def kv_heads(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from mpitrain.config_rules import did_you_mean
 from mpitrain.errors import ConfigError
 
+BALANCE_MODES = ("aux_loss", "bias")
+
 
 @dataclass(frozen=True)
 class MoeSettings:
@@ -17,6 +19,9 @@ class MoeSettings:
     aux_loss: float = 0.01
     z_loss: float = 0.001
     every: int = 1  # blocks every-1, 2*every-1, ... are MoE layers
+    balance: str = "aux_loss"  # aux_loss: the batch-level balance loss (aux_loss); bias: DeepSeek-V3's routing bias
+    bias_rate: float = 0.001  # balance = "bias": how far each step moves an expert's routing bias
+    seq_aux_loss: float = 0.0  # DeepSeek-V3's sequence-level balance loss coefficient (either balance)
 
     @classmethod
     def of(cls, model_cfg) -> MoeSettings:
@@ -30,6 +35,12 @@ class MoeSettings:
                                   f"{did_you_mean(key, cls.__dataclass_fields__, 'model.moe.{}')}"
                                   f"allowed: {', '.join(cls.__dataclass_fields__)}")
             kind = type(getattr(defaults, key))
+            if kind is str:
+                if value not in BALANCE_MODES:
+                    raise ConfigError(f"config key model.moe.{key} must be one of {', '.join(BALANCE_MODES)}, got "
+                                      f"{value!r}")
+                values[key] = value
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
                                                                                   not isinstance(value, int)):
                 raise ConfigError(f"config key model.moe.{key} must be {kind.__name__}, got {value!r}")
@@ -43,7 +54,16 @@ class MoeSettings:
                                   f"= {settings.experts}")
             if settings.every < 1:
                 raise ConfigError("config key model.moe.every must be >= 1 (every n-th block is an MoE layer)")
+            if settings.balance == "bias" and raw.get("aux_loss", 0):
+                raise ConfigError("config key model.moe.aux_loss weighs the batch-level balance loss of balance = "
+                                  "'aux_loss'; with model.moe.balance = 'bias' leave it out (seq_aux_loss is the "
+                                  "loss that goes with the bias)")
         return settings
+
+    @property
+    def batch_aux_loss(self) -> float:
+        """The batch-level balance loss's coefficient: none under bias balancing."""
+        return self.aux_loss if self.balance == "aux_loss" else 0.0
 
     def is_moe_block(self, index: int) -> bool:
         return self.experts > 0 and (index + 1) % self.every == 0
@@ -61,5 +81,12 @@ def validate_moe(cfg) -> None:
                           f"expert-parallel rank holds experts / ep of them)")
     if p.cp > 1:
         raise ConfigError("model.moe with parallel.cp > 1 is not supported yet; use parallel.cp = 1")
+    if moe.seq_aux_loss and p.cp > 1:
+        raise ConfigError("model.moe.seq_aux_loss with parallel.cp > 1: a cp rank routes part of each sequence, the "
+                          "sequence-level loss needs all of it; set model.moe.seq_aux_loss = 0 or parallel.cp = 1")
+    if moe.balance == "bias" and p.zero == 3:
+        raise ConfigError("model.moe.balance = 'bias' with parallel.zero = 3: the routing biases are frozen tensors "
+                          "updated in place after each step, which ZeRO-3 holds only as shards; use parallel.zero "
+                          "<= 2 or model.moe.balance = 'aux_loss'")
     if cfg.lora.rank:
         raise ConfigError("model.moe with lora.rank > 0 is not supported yet")

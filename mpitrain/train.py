@@ -24,6 +24,7 @@ from mpitrain.comm.mesh import Mesh, validate_degrees
 from mpitrain.comm.nccl import make_group_factory
 from mpitrain.comm.nodes import discover_nodes
 from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
+from mpitrain.config_moe import MoeSettings
 from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.documents import check_document_boundaries, documents_from_starts
 from mpitrain.data.mix import mix_samplers
@@ -44,7 +45,7 @@ from mpitrain.parallel.schedule import make_schedule
 from mpitrain.parallel.timeline import bubble_fraction, merge_events
 from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
-from mpitrain.profile.moe_metrics import moe_step_metrics
+from mpitrain.profile.moe_metrics import moe_step_metrics, step_expert_loads
 from mpitrain.profile.wandb_sink import require_wandb
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
@@ -216,6 +217,8 @@ class Trainer:
         lr = lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.steps, o.schedule, o.decay_fraction, o.decay_shape)
         if verdict == GOOD:
             self.optimizer.step(lr, clip_scale(grad_norm, o.clip) / loss_scale)
+            if MoeSettings.of(cfg.model).balance == "bias":  # the routing biases follow the step's expert loads
+                self.model.update_routing_biases(state, step_expert_loads(aux, self.mesh.dp_cp))
         state.after_step()
         self.breakdown.pop()
         if self.guard.strikes("flip", step + 1):

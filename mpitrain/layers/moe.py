@@ -10,10 +10,19 @@ pick adds nothing, so a token whose every pick is dropped passes through the blo
 dropless, every pick is served.
 
 Auxiliary losses, per micro-batch of N tokens (Switch Transformer / GShard and ST-MoE), in the loss as
-N * (aux_loss * balance + z_loss * z), i.e. their micro-batch means enter the mean loss per token:
+N * (aux_loss * balance + seq_aux_loss * seq_balance + z_loss * z), i.e. their micro-batch means enter the mean
+loss per token:
     balance = E * sum_e f_e * P_e    f_e: share of the N*k picks routed to e (before capacity), P_e: mean prob of e;
                                      1 when routing is uniform; gradient through P only (f counts are constant)
     z       = mean over tokens of logsumexp(logits)^2     keeps the router's logits small
+    seq_balance = mean over the micro-batch's sequences of E * sum_e f_e,s * P_e,s   (DeepSeek-V3's sequence-wise
+                  balance loss, weight seq_aux_loss: f and P of each sequence's own tokens; gradient through P only)
+
+Balancing (`balance`): "aux_loss" weighs the balance loss above by aux_loss. "bias" is DeepSeek-V3's auxiliary-loss-free
+balancing instead: a per-expert routing bias (`router_bias`, a frozen tensor, saved in checkpoints like any) is added
+to the probabilities for the top-k choice only, the gates stay the raw probabilities; after each step the model moves
+it by bias_rate * sign(mean load - load of e), from the step's picks per expert summed over the data-parallel ranks
+(update_routing_bias): the same numbers, hence the same bias, on every rank of every layout.
 
 Parallelism. Expert parallelism (mpitrain/layers/expert_parallel.py): this rank holds E/ep consecutive experts and
 routes its own tokens to the ranks that hold their experts with all-to-all(v), forward and backward. Tensor
@@ -63,6 +72,23 @@ def rank_experts(cfg) -> ExpertParallel:
     return ExpertParallel(None, MoeSettings.of(cfg.model).experts or 1, size=cfg.parallel.ep)
 
 
+def sequence_shares(token, expert, seq_len: int, sequences: int, moe: MoeSettings):
+    """(sequences, E): each sequence's share of its seq_len * k picks routed to each expert (before capacity), for
+    DeepSeek-V3's sequence-level balance loss. Tokens are rows of the (sequences * seq_len) micro-batch."""
+    counts = np.zeros((sequences, moe.experts))
+    np.add.at(counts, (token // seq_len, expert), 1.0)
+    return counts / (seq_len * moe.top_k)
+
+
+def update_routing_bias(bias, loads, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, in place: after a step, each expert's routing bias moves by
+    `rate` towards balance, up for an expert that got fewer than the mean of the step's picks and down for one that
+    got more (`loads`: the step's picks per expert over every rank, the same numbers on every rank)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    step = rate * np.sign(loads.mean() - loads)
+    bias += array_module(bias).asarray(step, dtype=bias.dtype)
+
+
 def _expert_spec(name, full_shape, tp_axis, tp, ep, std) -> ParamSpec:
     """This rank's experts (axis 0, ep) and their tp slice (tp_axis) of a (E, ., .) batch of weights."""
     shape, offset = list(full_shape), [0, 0, 0]
@@ -84,6 +110,8 @@ class MoE:
         self.ups = ["expert_w_gate", "expert_w_up"] if self.gated else ["expert_w_fc"]
         self.down = "expert_w_down" if self.gated else "expert_w_proj"
         self.specs = [ParamSpec("router", (c, e), "normal", std)]
+        if moe.balance == "bias":  # not learned: moved after each step by the step's loads (update_routing_bias)
+            self.specs.append(ParamSpec("router_bias", (e,), "zeros", trainable=False))
         self.specs += [_expert_spec(name, (e, c, f), 2, tp, ep, std) for name in self.ups]
         self.specs.append(_expert_spec(self.down, (e, f, c), 1, tp, ep, out_std))
         self.partial_grads: list[str] = []
@@ -100,7 +128,10 @@ class MoE:
         total = probs.sum(axis=-1, keepdims=True)
         probs /= total
         lse = (top + xp.log(total))[:, 0]
-        picks = np.argsort(-to_host(probs), axis=1, kind="stable")[:, :moe.top_k]  # ties: the lower expert
+        scores = to_host(probs)
+        if "router_bias" in params:  # bias balancing: the bias steers the choice, the gates stay the probabilities
+            scores = scores + to_host(params["router_bias"]).astype(scores.dtype)
+        picks = np.argsort(-scores, axis=1, kind="stable")[:, :moe.top_k]  # ties: the lower expert
         # picks in GShard's priority order: all first choices (token order), then all second choices, ...
         token = np.tile(np.arange(n), moe.top_k)
         expert = picks.T.reshape(-1)
@@ -117,13 +148,13 @@ class MoE:
         picked = {"token": token[keep][order], "expert": expert[keep][order], "rank": rank_of[keep][order]}
         picked["gate"] = probs[picked["token"], picked["expert"]]
         shares = routed / (n * moe.top_k)
-        return probs, lse, picked, shares
+        return probs, lse, picked, shares, (token, expert)
 
     def forward(self, params, x, ctx=None):
         h = self.tp.enter(x)
         x2d = h.reshape(-1, self.d_model)
         n, xp = x2d.shape[0], array_module(x2d)
-        probs, lse, picked, shares = self._route(params, x2d)
+        probs, lse, picked, shares, routed = self._route(params, x2d)
         routing = self.ep.route(np.bincount(picked["expert"], minlength=self.moe.experts))
         rows = self.ep.dispatch(x2d[picked["token"]], routing)
         expert_out, expert_saved = self._experts_forward(params, rows, routing)
@@ -133,19 +164,29 @@ class MoE:
             mine = picked["rank"] == j
             y[picked["token"][mine]] += picked["gate"][mine, None] * out[mine]
         y = self.tp.exit(y.reshape(h.shape))
-        balance = self.moe.experts * float(shares @ to_host(probs.mean(axis=0)))
-        z = float((lse * lse).mean())
+        seq_shares = sequence_shares(*routed, h.shape[1], h.shape[0], self.moe)
+        seq_probs = to_host(probs).reshape(h.shape[0], -1, self.moe.experts).mean(axis=1)  # P per sequence
+        losses = {"balance": self.moe.experts * float(shares @ to_host(probs.mean(axis=0))),
+                  "seq_balance": self.moe.experts * float((seq_shares * seq_probs).sum(axis=1).mean()),
+                  "z": float((lse * lse).mean())}
         if ctx is not None and ctx.get("loss_scale") is not None and "aux_losses" in ctx:  # training: log them
-            record = ctx["aux_losses"]
-            record["weighted"] = record.get("weighted", 0.0) + n * (self.moe.aux_loss * balance + self.moe.z_loss * z)
-            record["balance"] = record.get("balance", 0.0) + n * balance
-            record["z"] = record.get("z", 0.0) + n * z
-            record["layers"] = record.get("layers", 0) + 1
-            record.setdefault("routed", {})
-            record["routed"][self.index] = record["routed"].get(self.index, 0) + shares * (n * self.moe.top_k)
-        saved = {"h": h, "probs": probs, "lse": lse, "picked": picked, "shares": shares, "routing": routing,
-                 "experts": expert_saved, "out": out, "loss_scale": (ctx or {}).get("loss_scale")}
+            self._record(ctx["aux_losses"], n, losses, shares, dropped=routed[0].size - picked["token"].size)
+        saved = {"h": h, "probs": probs, "lse": lse, "picked": picked, "shares": shares, "seq_shares": seq_shares,
+                 "routing": routing, "experts": expert_saved, "out": out, "loss_scale": (ctx or {}).get("loss_scale")}
         return y, saved
+
+    def _record(self, record: dict, n: int, losses: dict, shares, dropped: int) -> None:
+        """Adds this micro-batch's auxiliary losses (their share of the loss sum: n tokens times the mean) and this
+        layer's routed and dropped picks to the step's record."""
+        moe = self.moe
+        weighted = moe.batch_aux_loss * losses["balance"] + moe.seq_aux_loss * losses["seq_balance"]
+        record["weighted"] = record.get("weighted", 0.0) + n * (weighted + moe.z_loss * losses["z"])
+        for key, value in losses.items():
+            record[key] = record.get(key, 0.0) + n * value
+        record["layers"] = record.get("layers", 0) + 1
+        for key, value in (("routed", shares * (n * moe.top_k)), ("dropped", dropped)):
+            per_layer = record.setdefault(key, {})
+            per_layer[self.index] = per_layer.get(self.index, 0) + value
 
     def _experts_forward(self, params, rows, routing):
         """Each of this rank's experts on its block of the expert-major rows (a block may be empty)."""
@@ -193,7 +234,10 @@ class MoE:
         d_probs = xp.zeros_like(probs)
         d_probs[picked["token"], picked["expert"]] = d_gate
         scale = saved["loss_scale"] or 0.0  # d(loss)/d(loss sum), as the head receives it
-        d_probs += scale * moe.aux_loss * moe.experts * xp.asarray(saved["shares"], dtype=probs.dtype)
+        d_probs += scale * moe.batch_aux_loss * moe.experts * xp.asarray(saved["shares"], dtype=probs.dtype)
+        if moe.seq_aux_loss:  # each token's row: its sequence's shares (the mean over the sequence's tokens)
+            seq_term = np.repeat(saved["seq_shares"], probs.shape[0] // len(saved["seq_shares"]), axis=0)
+            d_probs += scale * moe.seq_aux_loss * moe.experts * xp.asarray(seq_term, dtype=probs.dtype)
         d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))
         d_logits += (2.0 * scale * moe.z_loss) * saved["lse"][:, None] * probs
         ops.add_weight_grad(grads["router"], x2d, d_logits)

@@ -38,7 +38,7 @@ from mpitrain.layers import ops
 from mpitrain.layers.attention_core import document_bias
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.lora import apply_lora, with_frozen_sinks
-from mpitrain.layers.moe import inactive_params
+from mpitrain.layers.moe import inactive_params, update_routing_bias
 from mpitrain.layers.precision import LOW_PRECISION
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.units import Block, Embedding, Head
@@ -269,6 +269,16 @@ class GPT:
         call (mpitrain/layers/moe.py: "weighted" is their share of the loss sum), and forget them."""
         aux, self.aux_losses = self.aux_losses, {}
         return aux
+
+    def update_routing_biases(self, state, loads: dict) -> None:
+        """model.moe.balance = 'bias', after a step: each MoE block of this rank moves its routing bias (a frozen
+        tensor, changed in place) by the step's `loads` ({block index: picks per expert over the dp ranks})."""
+        moe = MoeSettings.of(self.cfg)
+        for i, unit in enumerate(self.units):
+            index = getattr(getattr(unit, "mlp", None), "index", None)
+            if index in loads:
+                update_routing_bias(state.acquire(i, "forward")["router_bias"], loads[index], moe.bias_rate)
+                state.release(i, "forward")
 
     @property
     def moe_layers(self) -> int:
