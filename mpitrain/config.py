@@ -76,6 +76,7 @@ class ParallelConfig:
     stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
     ep: int = 1
+    etp: int = 0  # expert tensor parallelism (model.moe): 1 = whole experts, tp = split like the MLP; 0: tp
     zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward (False: keep for backward)
     bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB); ZeRO reduces one unit at a time

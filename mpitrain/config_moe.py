@@ -73,14 +73,14 @@ def validate_moe(cfg) -> None:
     """Config checks that need no MPI (called from config.validate)."""
     moe, p = MoeSettings.of(cfg.model), cfg.parallel
     if not moe.experts:
-        if p.ep != 1:
-            raise ConfigError(f"parallel.ep = {p.ep} needs experts: set model.moe = {{experts = E, ...}}")
+        if p.ep != 1 or p.etp not in (0, p.tp):
+            key = f"parallel.ep = {p.ep}" if p.ep != 1 else f"parallel.etp = {p.etp}"
+            raise ConfigError(f"{key} needs experts: set model.moe = {{experts = E, ...}}")
         return
+    validate_expert_mesh(cfg, moe)
     if moe.experts % p.ep:
         raise ConfigError(f"model.moe.experts = {moe.experts} is not divisible by parallel.ep = {p.ep} (each "
                           f"expert-parallel rank holds experts / ep of them)")
-    if p.cp > 1:
-        raise ConfigError("model.moe with parallel.cp > 1 is not supported yet; use parallel.cp = 1")
     if moe.seq_aux_loss and p.cp > 1:
         raise ConfigError("model.moe.seq_aux_loss with parallel.cp > 1: a cp rank routes part of each sequence, the "
                           "sequence-level loss needs all of it; set model.moe.seq_aux_loss = 0 or parallel.cp = 1")
@@ -90,3 +90,16 @@ def validate_moe(cfg) -> None:
                           "<= 2 or model.moe.balance = 'aux_loss'")
     if cfg.lora.rank:
         raise ConfigError("model.moe with lora.rank > 0 is not supported yet")
+
+
+def validate_expert_mesh(cfg, moe: MoeSettings) -> None:
+    """The experts' mesh etp x ep x edp (mpitrain/comm/mesh.py): what it needs that the rank count does not say."""
+    p = cfg.parallel
+    if p.etp not in (0, 1, p.tp):
+        raise ConfigError(f"parallel.etp = {p.etp} must be 1 (whole experts, the tp ranks route their own share of "
+                          f"the tokens) or parallel.tp = {p.tp} (experts split like the MLP); 0 means parallel.tp")
+    if p.cp > 1 and moe.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor = {moe.capacity_factor} with parallel.cp = {p.cp}: capacity "
+                          f"serves an expert's picks first come first served in the order of the whole sequence's "
+                          f"tokens, which context parallelism splits over the cp ranks, so no cp rank can tell which "
+                          f"of its picks fit; use capacity_factor = 0 (dropless) or parallel.cp = 1")

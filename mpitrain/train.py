@@ -31,6 +31,7 @@ from mpitrain.data.mix import mix_samplers
 from mpitrain.data.synthetic import SyntheticSampler
 from mpitrain.errors import ConfigError, DataError, shown_path
 from mpitrain.kernels.attention import describe_attention_path
+from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.gpt import GPT
@@ -100,7 +101,7 @@ class Trainer:
         self.breakdown = Breakdown(synchronize=device_synchronize(self.backend))  # GPU: synchronized at each part
         self.run_summary = RunSummary()
         # --- from here on, collectives
-        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, progress=progress,
+        self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, progress=progress,
                          allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes, listener=self.breakdown,
                          group_factory=make_group_factory(cfg.train.collectives, cfg.train.device, say=say))
         self.model = self._build_model()
@@ -131,7 +132,8 @@ class Trainer:
         cfg, p = self.cfg, self.cfg.parallel
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
         tp = TensorParallel(self.mesh.tp, p.sequence_parallel, breakdown=self.breakdown)
-        model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep_group=self.mesh.ep)
+        experts = ExpertParallel.of_mesh(self.mesh, MoeSettings.of(cfg.model).experts or 1)  # the expert mesh
+        model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep=experts)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
         apply_context_parallel(model, ContextParallel(self.mesh.cp))  # parallel.cp: ring attention, dp x cp
         model.document_mask = cfg.data.document_mask  # every stage gets its micro-batches' documents
@@ -326,7 +328,7 @@ def check_start(cfg: Config, world_size: int) -> tuple:
     the batch splits, then the data): (train.batch_rampup's BatchRamp or None, make_samplers(cfg, ramp))."""
     resolve_layout(cfg, world_size)
     p = cfg.parallel
-    validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+    validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
     ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
     require_wandb(cfg.logging.wandb)  # the logging rank's sink: refused on every rank alike
     return ramp, make_samplers(cfg, ramp)

@@ -16,6 +16,7 @@ from mpitrain.comm import (
     validate_degrees,
 )
 from mpitrain.comm.failure import format_failure
+from mpitrain.comm.mesh import expert_coordinates
 from mpitrain.errors import LayoutError
 
 try:
@@ -40,7 +41,7 @@ LAYOUTS = [
 def test_groups_partition_the_world_with_the_right_sizes(degrees):
     expected_size = {
         "world": degrees.world_size, "dp": degrees.dp, "tp": degrees.tp, "pp": degrees.pp, "cp": degrees.cp,
-        "ep": degrees.ep, "expert_dp": degrees.dp // degrees.ep, "dp_cp": degrees.dp * degrees.cp,
+        "ep": degrees.ep, "expert_dp": degrees.expert_dp, "dp_cp": degrees.dp * degrees.cp,
     }
     for kind in GROUP_KINDS:
         groups = {tuple(group_members(kind, rank, degrees)) for rank in range(degrees.world_size)}
@@ -57,8 +58,10 @@ def test_coordinates_follow_pp_dp_cp_tp_order(degrees):
         # A rank's position in each single-axis group is its coordinate on that axis.
         for axis in ("dp", "tp", "pp", "cp"):
             assert group_members(axis, rank, d).index(rank) == getattr(c, axis)
-        assert group_members("ep", rank, d).index(rank) == c.dp % d.ep
-        assert group_members("expert_dp", rank, d).index(rank) == c.dp // d.ep
+        e = expert_coordinates(rank, d)  # the experts' mesh: ep drawn from dp x cp (here etp = tp)
+        assert e.etp == c.tp and e.edp * d.ep + e.ep == c.dp * d.cp + c.cp
+        assert group_members("ep", rank, d).index(rank) == e.ep
+        assert group_members("expert_dp", rank, d).index(rank) == e.edp
 
 
 def test_tp_is_innermost_and_contiguous():
@@ -88,7 +91,7 @@ def test_layout_errors_name_the_degrees():
     message = str(info.value)
     assert "dp=2 x tp=2 x pp=1 x cp=1 = 4" in message and "2 MPI ranks" in message and "-n 4" in message
     assert "\n" not in message
-    with pytest.raises(LayoutError, match=r"parallel\.ep=3 does not divide parallel\.dp=4.*1, 2, 4"):
+    with pytest.raises(LayoutError, match=r"parallel\.ep=3 does not divide parallel\.dp=4 x cp=1 x tp/etp=1 = 4.*2, 4"):
         validate_degrees(4, dp=4, ep=3)
     with pytest.raises(LayoutError, match=r"parallel\.tp must be a positive integer, got 0"):
         validate_degrees(4, dp=4, tp=0)

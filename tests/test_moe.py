@@ -107,8 +107,8 @@ def test_config_keys_are_checked_by_name():
         load_config(None, ["parallel.ep=2"])
     with pytest.raises(ConfigError, match="not divisible by parallel.ep = 4"):
         load_config(None, ["model.moe={experts = 6}", "parallel.ep=4"])
-    with pytest.raises(ConfigError, match="model.moe with parallel.cp > 1 is not supported"):
-        load_config(None, ["model.moe={experts = 4}", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match="capacity_factor = 0.5 with parallel.cp = 2: capacity serves"):
+        load_config(None, ["model.moe={experts = 4, capacity_factor = 0.5}", "parallel.cp=2"])
     assert load_config(None, ["model.moe={experts = 4}", "parallel.ep=2", "parallel.zero=3"]).parallel.zero == 3
     cfg = load_config(None, ["model.moe={experts = 8, top_k = 2, every = 2}", "model.n_layer=4"])
     assert [MoeSettings.of(cfg.model).is_moe_block(i) for i in range(4)] == [False, True, False, True]

@@ -85,7 +85,7 @@ def held_pieces(kind: str, geometry, windows, dp_replicated: bool, dp: tuple[int
                 replicas, index = 1, 0
                 if dp_replicated:
                     replicas, index = expert_dp if expert_dp and spec.reduce_over == "expert_dp" else dp
-                if spec.tp_replicated:
+                if spec.tp_replicated and spec.reduce_over != "expert_dp":  # expert_dp holds every copy of a piece
                     replicas, index = replicas * tp[0], index * tp[0] + tp[1]
                 piece = Piece(kind, name, tuple(spec.full_shape), tuple(spec.start), tuple(spec.shape),
                               (lo - offset, hi - offset))

@@ -5,8 +5,16 @@ World ranks are laid out pp-major, then dp, then cp, with tp innermost (fastest)
     world_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so a tensor-parallel group is a run of consecutive ranks (inside one node, where its frequent all-reduces are
-cheap). Expert parallelism is carved out of data parallelism: dp_rank = dp_outer * ep + ep_rank, the ep ranks of one
-expert group are consecutive dp ranks, and `expert_dp` joins the ranks that hold the same experts.
+cheap). That is the attention (dense) mesh, tp x cp x dp per pipeline stage. The experts of MoE layers sit on a
+second mesh over the same ranks of a stage (Megatron's "parallel folding"), etp x ep x edp, etp fastest:
+
+    stage_rank = world_rank mod (tp * cp * dp) = (edp_rank * ep + ep_rank) * etp + etp_rank
+
+etp (`parallel.etp`, 0: tp) is 1 or tp: with etp = tp an expert is split like the dense MLP over the tp group; with
+etp = 1 experts are whole and the tp ranks, which hold the same tokens, each route their own share of them. So the
+ep ranks of one expert group are consecutive "token holders" (tp shares, then cp ranks, then dp ranks: ep is drawn
+from tp/etp x cp x dp), and `expert_dp` (edp) joins the ranks that hold the same expert pieces. With cp = 1 and
+etp = tp this is the earlier layout: ep consecutive dp ranks.
 
 The layout is pure functions of (world_rank, degrees), testable without MPI; `Mesh` only turns them into groups.
 """
@@ -24,6 +32,7 @@ from mpitrain.config_rules import positive_degree
 from mpitrain.errors import LayoutError
 
 GROUP_KINDS = ("world", "dp", "tp", "pp", "cp", "ep", "expert_dp", "dp_cp")
+EXPERT_KINDS = ("ep", "expert_dp")  # groups of the expert mesh
 
 
 @dataclass(frozen=True)
@@ -33,13 +42,29 @@ class Degrees:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 0  # expert tensor parallelism; 0: tp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a pipeline stage holding the same expert pieces: tp * cp * dp / (etp * ep)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep}"
+        etp = f" etp={self.etp}" if self.etp else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep}{etp}"
+
+    def describe_meshes(self) -> str:
+        """The two meshes of a pipeline stage, e.g. `attention tp2 x cp2 x dp1, experts etp1 x ep2 x edp2`."""
+        return (f"attention tp{self.tp} x cp{self.cp} x dp{self.dp}, experts etp{self.expert_tp} x ep{self.ep} x "
+                f"edp{self.expert_dp}")
 
 
 class Coordinates(NamedTuple):
@@ -49,7 +74,15 @@ class Coordinates(NamedTuple):
     tp: int
 
 
-def validate_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Degrees:
+class ExpertCoordinates(NamedTuple):
+    pp: int
+    edp: int
+    ep: int
+    etp: int
+
+
+def validate_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                     etp: int = 0) -> Degrees:
     """Check the degrees against the world size before any collective; raise LayoutError naming what to change."""
     for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         positive_degree(f"parallel.{key}", value, LayoutError)
@@ -59,13 +92,17 @@ def validate_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, cp:
             f"parallel degrees dp={dp} x tp={tp} x pp={pp} x cp={cp} = {product} do not match the {world_size} MPI "
             f"ranks (world size); change parallel.dp/tp/pp/cp or run with -n {product}"
         )
-    if dp % ep:
-        choices = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+    if etp not in (0, 1, tp):
+        raise LayoutError(f"parallel.etp={etp} must be 1 (whole experts) or parallel.tp={tp} (experts split like "
+                          f"the dense MLP); 0 means parallel.tp")
+    holders = tp // (etp or tp) * cp * dp  # the ranks of a stage holding distinct tokens for the experts
+    if holders % ep:
+        choices = ", ".join(str(d) for d in range(1, holders + 1) if holders % d == 0)
         raise LayoutError(
-            f"parallel.ep={ep} does not divide parallel.dp={dp} (expert parallelism is carved out of data "
-            f"parallelism); choose parallel.ep among {choices}"
+            f"parallel.ep={ep} does not divide parallel.dp={dp} x cp={cp} x tp/etp={tp // (etp or tp)} = {holders} "
+            f"(expert parallelism is drawn from the ranks holding other tokens); choose parallel.ep among {choices}"
         )
-    return Degrees(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    return Degrees(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
 
 
 def mesh_coordinates(world_rank: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> Coordinates:
@@ -78,31 +115,20 @@ def mesh_coordinates(world_rank: int, dp: int = 1, tp: int = 1, pp: int = 1, cp:
     return Coordinates(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
 
 
-def _same_group(kind: str, a: Coordinates, b: Coordinates, ep: int) -> bool:
-    same = {axis: getattr(a, axis) == getattr(b, axis) for axis in Coordinates._fields}
-    if kind == "world":
-        return True
-    if kind == "dp_cp":
-        return same["pp"] and same["tp"]
-    if kind in ("dp", "tp", "pp", "cp"):  # everything but this axis is shared
-        return all(value for axis, value in same.items() if axis != kind)
-    if kind in ("ep", "expert_dp"):
-        shared = same["pp"] and same["cp"] and same["tp"]
-        if kind == "ep":  # the same block of ep consecutive dp ranks
-            return shared and a.dp // ep == b.dp // ep
-        return shared and a.dp % ep == b.dp % ep  # ranks holding the same experts
-    raise ValueError(f"unknown group kind {kind!r}; expected one of {', '.join(GROUP_KINDS)}")
+def expert_coordinates(world_rank: int, degrees: Degrees) -> ExpertCoordinates:
+    """(pp, edp, ep, etp) coordinates of a world rank on the expert mesh of its pipeline stage; etp varies fastest."""
+    d = degrees
+    pp_rank, stage_rank = divmod(world_rank, d.tp * d.cp * d.dp)
+    rest, etp_rank = divmod(stage_rank, d.expert_tp)
+    edp_rank, ep_rank = divmod(rest, d.ep)
+    return ExpertCoordinates(pp=pp_rank, edp=edp_rank, ep=ep_rank, etp=etp_rank)
 
 
 def group_members(kind: str, world_rank: int, degrees: Degrees | Mapping[str, int]) -> list[int]:
     """World ranks of `world_rank`'s group of `kind`, in group-rank order (which is ascending world rank)."""
     d = degrees if isinstance(degrees, Degrees) else Degrees(**degrees)
-    mine = mesh_coordinates(world_rank, d.dp, d.tp, d.pp, d.cp)
-    return [
-        rank
-        for rank in range(d.world_size)
-        if _same_group(kind, mine, mesh_coordinates(rank, d.dp, d.tp, d.pp, d.cp), d.ep)
-    ]
+    mine = _group_key(kind, world_rank, d)
+    return [rank for rank in range(d.world_size) if _group_key(kind, rank, d) == mine]
 
 
 def pipeline_neighbours(world_rank: int, degrees: Degrees | Mapping[str, int]) -> tuple[int | None, int | None]:
@@ -114,26 +140,26 @@ def pipeline_neighbours(world_rank: int, degrees: Degrees | Mapping[str, int]) -
     return previous, following
 
 
-def _group_key(kind: str, c: Coordinates, ep: int) -> tuple:
-    """What the members of one group of `kind` share (the same partition as `_same_group`, in one pass)."""
+def _group_key(kind: str, world_rank: int, d: Degrees) -> tuple:
+    """What the members of one group of `kind` share: every axis of its mesh but the group's own."""
+    if kind in EXPERT_KINDS:
+        e = expert_coordinates(world_rank, d)
+        return (e.pp, e.edp, e.etp) if kind == "ep" else (e.pp, e.ep, e.etp)
+    c = mesh_coordinates(world_rank, d.dp, d.tp, d.pp, d.cp)
     if kind == "world":
         return ()
     if kind == "dp_cp":
         return (c.pp, c.tp)
     if kind in ("dp", "tp", "pp", "cp"):
         return tuple(getattr(c, axis) for axis in Coordinates._fields if axis != kind)
-    if kind in ("ep", "expert_dp"):
-        return (c.pp, c.cp, c.tp, c.dp // ep if kind == "ep" else c.dp % ep)
     raise ValueError(f"unknown group kind {kind!r}; expected one of {', '.join(GROUP_KINDS)}")
 
 
 def all_groups_of(kind: str, degrees: Degrees) -> list[list[int]]:
     """Every group of `kind` as its world ranks (ascending), in O(world size)."""
-    d = degrees
     groups: dict[tuple, list[int]] = {}
-    for rank in range(d.world_size):
-        key = _group_key(kind, mesh_coordinates(rank, d.dp, d.tp, d.pp, d.cp), d.ep)
-        groups.setdefault(key, []).append(rank)
+    for rank in range(degrees.world_size):
+        groups.setdefault(_group_key(kind, rank, degrees), []).append(rank)
     return list(groups.values())
 
 
@@ -162,7 +188,8 @@ class Mesh:
     """All process groups of one run, built with the same sequence of comm.Split calls on every rank.
 
     Groups: world, dp, tp, pp, cp, ep, expert_dp, dp_cp (dp and cp together: what gradients are reduced over when
-    cp > 1). Degrees are in `mesh.degrees`; `mesh.dp.size == mesh.degrees.dp`. `pp_prev`/`pp_next` are world ranks.
+    cp > 1); ep and expert_dp are the expert mesh's (module docstring), its etp group is tp's or one rank.
+    Degrees are in `mesh.degrees`; `mesh.dp.size == mesh.degrees.dp`. `pp_prev`/`pp_next` are world ranks.
     All groups enter their operations in one progress record (`mesh.progress`, the watchdog's view of this rank).
     `mesh.nodes` is the node layout (learnt with a shared-memory split unless given); a tp or ep group that spans
     nodes is refused unless `allow_cross_node_tp`.
@@ -170,9 +197,9 @@ class Mesh:
 
     def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  progress: ProgressRecord | None = None, nodes: NodeLayout | None = None,
-                 allow_cross_node_tp: bool = False, group_factory=None, listener=None):
+                 allow_cross_node_tp: bool = False, group_factory=None, listener=None, etp: int = 0):
         self.group_factory = group_factory or Group  # (comm, kind, progress) -> a Group; nccl.make_group_factory
-        self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
         self.nodes = nodes if nodes is not None else discover_nodes(world_comm)
         check_fast_groups_in_node(self.degrees, self.nodes, allow_cross_node_tp)
         self.rank = world_comm.Get_rank()
@@ -181,7 +208,8 @@ class Mesh:
             self.progress.listener = listener
         coords = mesh_coordinates(self.rank, dp, tp, pp, cp)
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = coords
-        self.ep_rank = self.dp_rank % ep
+        experts = expert_coordinates(self.rank, self.degrees)
+        self.ep_rank, self.etp_rank, self.edp_rank = experts.ep, experts.etp, experts.edp
         self.pp_prev, self.pp_next = pipeline_neighbours(self.rank, self.degrees)
 
         # Split is collective: every rank builds the groups in this same order.
@@ -207,7 +235,8 @@ class Mesh:
     def describe(self) -> str:
         return (
             f"mesh {self.degrees} on {self.degrees.world_size} ranks; rank {self.rank}: pp {self.pp_rank}, "
-            f"dp {self.dp_rank}, cp {self.cp_rank}, tp {self.tp_rank}, ep {self.ep_rank}"
+            f"dp {self.dp_rank}, cp {self.cp_rank}, tp {self.tp_rank}; experts: ep {self.ep_rank}, "
+            f"etp {self.etp_rank}, edp {self.edp_rank}"
         )
 
     def describe_layout(self) -> str:
@@ -217,10 +246,12 @@ class Mesh:
     def describe_placement(self) -> str:
         """One line: the nodes and their ranks, and which groups cross nodes (their traffic leaves the node)."""
         d = self.degrees
+        experts = d.ep > 1 or d.expert_tp != d.tp  # the expert mesh differs from the attention mesh
         shown = [kind for kind, degree in (("dp", d.dp), ("tp", d.tp), ("pp", d.pp), ("cp", d.cp), ("ep", d.ep),
-                                           ("expert_dp", d.dp // d.ep if d.ep > 1 else 1),
+                                           ("expert_dp", d.expert_dp if experts else 1),
                                            ("dp_cp", d.dp * d.cp if d.cp > 1 else 1)) if degree > 1]
         crossing = [kind for kind in groups_crossing_nodes(d, self.nodes) if kind in shown]
         inside = [kind for kind in shown if kind not in crossing]
+        meshes = f"; meshes per stage: {d.describe_meshes()}" if experts else ""
         return (f"placement: {self.nodes.describe()}; groups crossing nodes: {', '.join(crossing) or 'none'}; "
-                f"inside one node: {', '.join(inside) or 'none'}")
+                f"inside one node: {', '.join(inside) or 'none'}{meshes}")

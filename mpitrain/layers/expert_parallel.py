@@ -1,8 +1,11 @@
 """Expert parallelism: the experts of an MoE layer live on the ranks of the ep group; tokens travel to them and back.
 
-The ep group is carved out of the data-parallel ranks (comm/mesh.py): ep consecutive dp ranks form one group, each
-holding E/ep consecutive experts (rank r: experts r*E/ep ... (r+1)*E/ep - 1), and `expert_dp` joins the ranks that
-hold the same experts, over which the experts' gradients are summed. Every rank routes its own tokens.
+The ep group comes from the experts' own mesh (comm/mesh.py, etp x ep x edp over the ranks of a pipeline stage):
+ep consecutive holders of other tokens (tp shares, cp ranks, dp ranks) form one group, each holding E/ep consecutive
+experts (rank r: experts r*E/ep ... (r+1)*E/ep - 1), and `expert_dp` joins the ranks that hold the same expert pieces,
+over which the experts' gradients are summed. Every rank routes its own tokens: a cp rank its chunks of the
+sequences (MoE is per token, so they are just more tokens to the experts), and with etp = 1 < tp each tp rank its
+share of the tokens the tp ranks all hold. With etp = tp each expert is split over the tp group like the dense MLP.
 
 One exchange, used four times per MoE layer and micro-batch (forward: dispatch, combine; backward: the gradients
 the other way round):
@@ -25,7 +28,8 @@ class ExpertParallel:
     """The ep group (None: one rank) and where each of `experts` experts lives. `size` without a group: only the
     shapes of rank 0's pieces are wanted (mpitrain memory)."""
 
-    def __init__(self, group=None, experts: int = 1, size: int | None = None):
+    def __init__(self, group=None, experts: int = 1, size: int | None = None, etp=None, etp_size: int | None = None,
+                 tokens=None, share: tuple[int, int] = (0, 1)):
         self.group = group
         self.size = group.size if group is not None else (size or 1)
         self.rank = group.rank if group is not None else 0
@@ -33,6 +37,38 @@ class ExpertParallel:
             raise ValueError(f"{experts} experts do not split over {self.size} expert-parallel ranks")
         self.experts, self.local = experts, experts // self.size
         self.first = self.rank * self.local  # global index of this rank's first expert
+        self.etp = etp  # the group each expert's width is split over (the tp group when etp = tp), or None
+        self.etp_size = etp.size if etp is not None else (etp_size or 1)
+        self.etp_rank = etp.rank if etp is not None else 0
+        self.tokens = tokens  # the group one micro-batch's tokens are split over (cp), or None
+        self.share, self.shares = share  # etp = 1 < tp: which of the tp ranks' equal shares of the tokens is ours
+
+    @classmethod
+    def of_mesh(cls, mesh, experts: int) -> ExpertParallel:
+        """This rank's place on the mesh's expert mesh (`parallel.etp`: 1 or tp)."""
+        d = mesh.degrees
+        whole = d.expert_tp == 1 < d.tp  # whole experts: each tp rank routes its share of the tokens
+        return cls(mesh.ep, experts, etp=None if whole else mesh.tp, tokens=mesh.cp if d.cp > 1 else None,
+                   share=(mesh.tp_rank, d.tp) if whole else (0, 1))
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts' gradients are summed over their own group (expert_dp), not the dense tensors'."""
+        return self.size > 1 or self.shares > 1
+
+    def my_picks(self, token, n: int):
+        """Which picks (by their token, of n) this rank sends to the experts: all, or its share's."""
+        if self.shares == 1:
+            return slice(None)
+        return np.flatnonzero(token * self.shares // n == self.share)
+
+    def token_sums(self, values: np.ndarray) -> np.ndarray:
+        """Sums over the ranks that split one micro-batch's tokens (cp): the routing statistics of the whole
+        micro-batch, which the auxiliary loss needs (it is not a sum over tokens of per-token terms)."""
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        if self.tokens is not None:
+            self.tokens.all_reduce(values)
+        return values
 
     def __repr__(self) -> str:
         return f"ExpertParallel(rank {self.rank} of {self.size}, experts {self.first}..{self.first + self.local - 1})"

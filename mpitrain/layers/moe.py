@@ -69,7 +69,9 @@ def inactive_params(cfg) -> int:
 
 def rank_experts(cfg) -> ExpertParallel:
     """Expert-parallel rank 0's share of the experts, without a group (mpitrain memory plans shapes only)."""
-    return ExpertParallel(None, MoeSettings.of(cfg.model).experts or 1, size=cfg.parallel.ep)
+    p = cfg.parallel
+    return ExpertParallel(None, MoeSettings.of(cfg.model).experts or 1, size=p.ep, etp_size=p.etp or p.tp,
+                          share=(0, p.tp // (p.etp or p.tp)))
 
 
 def sequence_shares(token, expert, seq_len: int, sequences: int, moe: MoeSettings):
@@ -89,15 +91,33 @@ def update_routing_bias(bias, loads, rate: float) -> None:
     bias += array_module(bias).asarray(step, dtype=bias.dtype)
 
 
-def _expert_spec(name, full_shape, tp_axis, tp, ep, std) -> ParamSpec:
-    """This rank's experts (axis 0, ep) and their tp slice (tp_axis) of a (E, ., .) batch of weights."""
+def _expert_spec(name, full_shape, tp_axis, ep, std) -> ParamSpec:
+    """This rank's experts (axis 0, ep) and their etp slice (tp_axis) of a (E, ., .) batch of weights."""
     shape, offset = list(full_shape), [0, 0, 0]
     shape[0], offset[0] = ep.local, ep.first
-    shape[tp_axis] //= tp.size
-    offset[tp_axis] = tp.rank * shape[tp_axis]
+    shape[tp_axis] //= ep.etp_size
+    offset[tp_axis] = ep.etp_rank * shape[tp_axis]
     return ParamSpec(name, tuple(shape), "normal", std, tuple(full_shape), tuple(offset),
-                     tp_replicated=tp.size == 1, tp_axis=tp_axis if tp.size > 1 else None,
-                     reduce_over="expert_dp" if ep.size > 1 else "dp")
+                     tp_replicated=ep.etp_size == 1, tp_axis=tp_axis if ep.etp_size > 1 else None,
+                     reduce_over="expert_dp" if ep.folded else "dp")
+
+
+def micro_batch_shares(ep: ExpertParallel, routed, picks: int):
+    """f of the balance loss: each expert's share of the micro-batch's picks, whose tokens the cp ranks split."""
+    if ep.tokens is None:
+        return routed / picks
+    sums = ep.token_sums(np.append(routed, picks))
+    return sums[:-1] / sums[-1]
+
+
+def micro_batch_mean_probs(ep: ExpertParallel, probs):
+    """P of the balance loss: each expert's mean probability over the micro-batch's tokens (over the cp ranks)."""
+    mean = to_host(probs.mean(axis=0))
+    if ep.tokens is None:
+        return mean
+    n = probs.shape[0]
+    sums = ep.token_sums(np.append(mean * n, n))
+    return sums[:-1] / sums[-1]
 
 
 class MoE:
@@ -106,14 +126,14 @@ class MoE:
         self.index = index  # the block's: names this layer's routing counts in the logged metrics
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.moe, self.tp, self.ep, self.d_model = moe, tp, ep, c
-        self.gated, self.local_width = cfg.arch == "llama", f // tp.size
+        self.gated, self.local_width = cfg.arch == "llama", f // ep.etp_size
         self.ups = ["expert_w_gate", "expert_w_up"] if self.gated else ["expert_w_fc"]
         self.down = "expert_w_down" if self.gated else "expert_w_proj"
         self.specs = [ParamSpec("router", (c, e), "normal", std)]
         if moe.balance == "bias":  # not learned: moved after each step by the step's loads (update_routing_bias)
             self.specs.append(ParamSpec("router_bias", (e,), "zeros", trainable=False))
-        self.specs += [_expert_spec(name, (e, c, f), 2, tp, ep, std) for name in self.ups]
-        self.specs.append(_expert_spec(self.down, (e, f, c), 1, tp, ep, out_std))
+        self.specs += [_expert_spec(name, (e, c, f), 2, ep, std) for name in self.ups]
+        self.specs.append(_expert_spec(self.down, (e, f, c), 1, ep, out_std))
         self.partial_grads: list[str] = []
 
     # -- routing (every tp rank the same)
@@ -147,7 +167,7 @@ class MoE:
         order = np.argsort(expert[keep], kind="stable")  # by expert, priority order within
         picked = {"token": token[keep][order], "expert": expert[keep][order], "rank": rank_of[keep][order]}
         picked["gate"] = probs[picked["token"], picked["expert"]]
-        shares = routed / (n * moe.top_k)
+        shares = micro_batch_shares(self.ep, routed, n * moe.top_k)  # the whole micro-batch's, over cp
         return probs, lse, picked, shares, (token, expert)
 
     def forward(self, params, x, ctx=None):
@@ -155,24 +175,27 @@ class MoE:
         x2d = h.reshape(-1, self.d_model)
         n, xp = x2d.shape[0], array_module(x2d)
         probs, lse, picked, shares, routed = self._route(params, x2d)
-        routing = self.ep.route(np.bincount(picked["expert"], minlength=self.moe.experts))
-        rows = self.ep.dispatch(x2d[picked["token"]], routing)
+        mine = self.ep.my_picks(picked["token"], n)  # etp = 1 < tp: this tp rank's share of the tokens
+        sent = {key: value[mine] for key, value in picked.items()}
+        routing = self.ep.route(np.bincount(sent["expert"], minlength=self.moe.experts))
+        rows = self.ep.dispatch(x2d[sent["token"]], routing)
         expert_out, expert_saved = self._experts_forward(params, rows, routing)
-        out = self.ep.combine(expert_out, routing)  # (picks, C), partial over tp
+        out = self.ep.combine(expert_out, routing)  # (sent picks, C), partial over tp (etp, or the token shares)
         y = xp.zeros_like(x2d)
         for j in range(self.moe.top_k):  # one pick per token per rank j: plain fancy-index adds, fixed order
-            mine = picked["rank"] == j
-            y[picked["token"][mine]] += picked["gate"][mine, None] * out[mine]
+            rank_j = sent["rank"] == j
+            y[sent["token"][rank_j]] += sent["gate"][rank_j, None] * out[rank_j]
         y = self.tp.exit(y.reshape(h.shape))
         seq_shares = sequence_shares(*routed, h.shape[1], h.shape[0], self.moe)
         seq_probs = to_host(probs).reshape(h.shape[0], -1, self.moe.experts).mean(axis=1)  # P per sequence
-        losses = {"balance": self.moe.experts * float(shares @ to_host(probs.mean(axis=0))),
+        losses = {"balance": self.moe.experts * float(shares @ micro_batch_mean_probs(self.ep, probs)),
                   "seq_balance": self.moe.experts * float((seq_shares * seq_probs).sum(axis=1).mean()),
                   "z": float((lse * lse).mean())}
         if ctx is not None and ctx.get("loss_scale") is not None and "aux_losses" in ctx:  # training: log them
             self._record(ctx["aux_losses"], n, losses, shares, dropped=routed[0].size - picked["token"].size)
         saved = {"h": h, "probs": probs, "lse": lse, "picked": picked, "shares": shares, "seq_shares": seq_shares,
-                 "routing": routing, "experts": expert_saved, "out": out, "loss_scale": (ctx or {}).get("loss_scale")}
+                 "mine": mine, "routing": routing, "experts": expert_saved, "out": out,
+                 "loss_scale": (ctx or {}).get("loss_scale")}
         return y, saved
 
     def _record(self, record: dict, n: int, losses: dict, shares, dropped: int) -> None:
@@ -221,16 +244,18 @@ class MoE:
         xp = array_module(probs)
         x2d = saved["h"].reshape(-1, self.d_model)
         d_y = self.tp.exit_backward(dy).reshape(-1, self.d_model)
-        d_token = d_y[picked["token"]]
-        d_gate = (d_token * saved["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
+        sent = {key: value[saved["mine"]] for key, value in picked.items()}
+        d_token = d_y[sent["token"]]
+        d_gate = xp.zeros(picked["token"].shape, d_token.dtype)  # picks of the other tp ranks' token shares: 0
+        d_gate[saved["mine"]] = (d_token * saved["out"]).sum(axis=-1)  # this tp rank's part of <dy, expert output>
         self.tp.all_reduce(d_gate)
         routing = saved["routing"]
-        d_rows = self.ep.dispatch((picked["gate"][:, None] * d_token).astype(d_token.dtype), routing)  # wire dtype
+        d_rows = self.ep.dispatch((sent["gate"][:, None] * d_token).astype(d_token.dtype), routing)  # wire dtype
         d_in = self.ep.combine(self._experts_backward(params, grads, saved["experts"], d_rows, routing), routing)
         dx = xp.zeros_like(x2d)
         for j in range(moe.top_k):
-            mine = picked["rank"] == j
-            dx[picked["token"][mine]] += d_in[mine]
+            rank_j = sent["rank"] == j
+            dx[sent["token"][rank_j]] += d_in[rank_j]
         d_probs = xp.zeros_like(probs)
         d_probs[picked["token"], picked["expert"]] = d_gate
         scale = saved["loss_scale"] or 0.0  # d(loss)/d(loss sum), as the head receives it
@@ -272,7 +297,7 @@ class MoE:
         """The entered input, router probabilities, and per pick (N*k, balanced routing assumed) the routed row,
         the activation's input(s) and output, and the expert output."""
         n, e = batch * seq_len, self.moe.experts
-        picks = n * self.moe.top_k
+        picks = n * self.moe.top_k // self.ep.shares  # etp = 1 < tp: this tp rank's share of the tokens
         hidden = ((picks, self.local_width), dtype)
         return [((batch, seq_len, self.d_model), dtype), ((n, e), dtype), ((picks, self.d_model), dtype),
                 *[hidden] * (2 if self.gated else 1), hidden, ((picks, self.d_model), dtype)]

@@ -34,6 +34,7 @@ import math
 import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES, make_backend
+from mpitrain.comm.mesh import Degrees
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.moe import rank_experts
@@ -209,7 +210,7 @@ _SHARES: dict = {}  # shape key -> (dense, expert) trainable parameters: a walk 
 def shape_key(cfg: Config, pp_rank: int = 0) -> str:
     p, m = cfg.parallel, cfg.memory
     return repr((cfg.model, cfg.lora, cfg.precision.compute, p.tp, p.sequence_parallel, p.pp, p.virtual_stages,
-                 p.stage_layers, p.cp, p.ep, m.recompute, m.recompute_layers, pp_rank))
+                 p.stage_layers, p.cp, p.ep, p.etp, m.recompute, m.recompute_layers, pp_rank))
 
 
 def rank_model(cfg: Config, pp_rank: int = 0):
@@ -260,15 +261,28 @@ def rank_param_count(cfg: Config, pp_rank: int = 0) -> int:
 
 def reduction_shares(cfg: Config, pp_rank: int = 0) -> list[tuple[int, int]]:
     """[(trainable parameters of this rank, the ranks that reduce their gradients and ZeRO-shard them)]: dp x cp (cp
-    ranks hold the same parameters); experts under ep > 1 over expert_dp, the dp / ep ranks that hold the same
-    experts (state/zero.py split_by_reduction). Frozen tensors (LoRA's base) are neither reduced nor sharded."""
+    ranks hold the same parameters); experts on their own mesh (ep > 1 or etp != tp) over expert_dp, the
+    tp * cp * dp / (etp * ep) ranks that hold the same expert pieces (state/zero.py split_by_reduction). Frozen
+    tensors (LoRA's base) are neither reduced nor sharded."""
     p, key = cfg.parallel, shape_key(cfg, pp_rank)
     if key not in _SHARES:
         trainable, _ = split_rank_layouts(cfg, pp_rank)
         experts = sum(spec.size for layout in trainable for spec in layout.specs if spec.reduce_over == "expert_dp")
         _SHARES[key] = (sum(spec.size for layout in trainable for spec in layout.specs) - experts, experts)
     dense, experts = _SHARES[key]
-    return [(dense, p.dp * p.cp)] + ([(experts, p.dp // p.ep)] if experts else [])
+    return [(dense, p.dp * p.cp)] + ([(experts, expert_degrees(cfg).expert_dp)] if experts else [])
+
+
+def expert_degrees(cfg: Config) -> Degrees:
+    p = cfg.parallel
+    return Degrees(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
+
+
+def expert_mesh_note(cfg: Config) -> str:
+    """model.moe: the two meshes of a pipeline stage, attention tp x cp x dp and experts etp x ep x edp."""
+    if not MoeSettings.of(cfg.model).experts:
+        return ""
+    return f"; meshes per stage: {expert_degrees(cfg).describe_meshes()}"
 
 
 def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str = "unfused") -> dict:
@@ -301,7 +315,7 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
     stage = "the first" if pp_rank == 0 else "the last" if pp_rank == p.pp - 1 else f"pipeline rank {pp_rank}'s"
     in_flight = "one micro-batch" if p.pp == 1 else f"{stage} stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
-    formulas["params"] += moe_note(cfg)  # model.moe: experts held here, active parameters per token
+    formulas["params"] += moe_note(cfg) + expert_mesh_note(cfg)  # model.moe: experts held here, both meshes
     if p.cp > 1:
         formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
     elif attention == "fused":

@@ -18,7 +18,7 @@ def moe_step_metrics(aux: dict, moe_layers: int, mesh, tokens: int) -> tuple[dic
     if not moe_layers:
         return {}, 0.0
     totals = [aux.get(key, 0.0) for key in ("weighted", "balance", "seq_balance", "z")]
-    totals = [mesh.pp.all_reduce_scalar(mesh.dp.all_reduce_scalar(value)) for value in totals]
+    totals = [mesh.pp.all_reduce_scalar(mesh.dp_cp.all_reduce_scalar(value)) for value in totals]  # cp: other tokens
     metrics = {"moe_aux_loss": totals[0] / tokens, "moe_balance": totals[1] / (tokens * moe_layers),
                "moe_seq_balance": totals[2] / (tokens * moe_layers), "moe_z_loss": totals[3] / (tokens * moe_layers)}
     mine = {key: aux.get(key, {}) if mesh.tp.rank == 0 else {} for key in ("routed", "dropped")}  # tp ranks alike

@@ -63,6 +63,8 @@ class ReplicatedState(StateStrategy):
         other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp)."""
         xp, dtype = backend.xp, backend.dtype
         self.group, self.overlap = group, overlap
+        # experts on their own mesh can be reduced over expert_dp while dp is one rank (tp 2 with whole experts)
+        self.reduces = group is not None and max([group.size, *(g.size for g in (other_groups or {}).values())]) > 1
         layouts, self.frozen = hold_frozen(layouts, backend, seed)
         off_device = placement is not None and backend.mixed  # parameters that are their own master stay
         self.placement = placement if off_device else OnDevice(xp)
@@ -112,7 +114,7 @@ class ReplicatedState(StateStrategy):
 
     def begin_micro_batch(self, last: bool) -> None:
         """Only the last micro-batch of a step reduces: earlier ones just accumulate into the same buffer."""
-        self._syncing = last and self.group is not None and self.group.size > 1
+        self._syncing = last and self.reduces
         self._remaining = [len(units) for _, _, units in self.buckets]
 
     def finish(self) -> None:
