@@ -119,6 +119,24 @@ def test_parquet_errors_name_the_file(tmp_path):
         prepare_dataset([str(tmp_path / "broken.parquet")], tmp_path / "x.h5")
 
 
+def test_a_parquet_null_is_refused_naming_file_and_row(tmp_path):
+    _write_parquet(tmp_path / "t.parquet", ["one", "two", None, "four"])
+    with pytest.raises(DataError, match=r"t\.parquet, row 2: column 'text' holds NoneType, not a string"):
+        prepare_dataset([str(tmp_path / "t.parquet")], tmp_path / "x.h5")
+
+
+def test_max_bytes_stops_inside_a_jsonl_file_and_cuts_the_last_document(tmp_path):
+    texts = _texts("m", 10)
+    _write_jsonl(tmp_path / "d.jsonl", texts)
+    size = len(texts[0].encode("utf-8"))
+    summary = prepare_dataset([str(tmp_path / "d.jsonl")], tmp_path / "m.h5", max_bytes=3 * size + 10,
+                              val_fraction=0.5)
+    assert summary["documents"] == 4 and summary["bytes"] == 3 * size + 10
+    train, _ = _documents(tmp_path / "m.h5", "train")
+    val, _ = _documents(tmp_path / "m.h5", "val")
+    assert train[0].removesuffix("\n\n") == texts[0] and val[-1] == texts[3][:10]
+
+
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow.parquet` fail
