@@ -52,6 +52,14 @@ def test_adafactor_on_two_ranks_is_the_one_process_run(tmp_path, one_process, la
     assert_same_run(one_process(ADAFACTOR, model), run_training(2, tmp_path, [*FLOAT64, *ADAFACTOR, *model, *layout]))
 
 
+def test_adafactor_experts_under_zero3_over_expert_dp_and_ep_are_the_one_process_run(tmp_path, one_process):
+    """4 ranks, dp 4, ep 2, ZeRO-3: an expert tensor's pieces are split over ep (its experts) and over expert_dp
+    (the ZeRO shards of those), so its clipping sums travel over both groups in turn."""
+    settings, model = (*ADAFACTOR, "train.micro_batch=2"), tuple(MOE)
+    assert_same_run(one_process(settings, model), run_training(4, tmp_path, [*FLOAT64, *settings, *model,
+                                                                           "parallel.ep=2", "parallel.zero=3"]))
+
+
 class ThreadGroup:
     """The ranks of one process group as threads: all_reduce (sum in rank order, or max) over their buffers."""
 
