@@ -130,11 +130,15 @@ def test_tensor_and_expert_parallel_pieces_are_runs_in_their_tensors_blocks():
     optim = SimpleNamespace(name="adam8bit", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                             adafactor_beta1=0.9, adafactor_momentum="int4")
     tp_piece = ParamSpec("w", (64, 32), "normal", 0.02, (64, 64), (0, 32), tp_replicated=False, tp_axis=1)
-    runs = make_optimizer(optim, _state_with(tp_piece)).runs[0]
+    tp, ep = SimpleNamespace(size=2), SimpleNamespace(size=2)  # the groups holding the other pieces
+    with pytest.raises(ValueError, match="w is a piece of a tensor split over tp"):
+        make_optimizer(optim, _state_with(tp_piece))  # without the group its blocks would be the piece's
+    runs = make_optimizer(optim, _state_with(tp_piece), tp=tp).runs[0]
     assert [(run.start, run.end, run.first) for run in runs[:2]] == [(0, 32, 32), (32, 64, 96)] and len(runs) == 64
     assert runs[0].partial_blocks(BLOCK) == [0] and runs[0].total == 64 * 64
-    unaligned_experts = ParamSpec("expert_w_fc", (1, 30, 40), "normal", 0.02, (2, 30, 40), (1, 0, 0))
-    (run,) = make_optimizer(optim, _state_with(unaligned_experts)).runs[0]
+    unaligned_experts = ParamSpec("expert_w_fc", (1, 30, 40), "normal", 0.02, (2, 30, 40), (1, 0, 0),
+                                  reduce_over="expert_dp")
+    (run,) = make_optimizer(optim, _state_with(unaligned_experts), ep=ep).runs[0]
     assert (run.first, run.size, run.partial_blocks(BLOCK)) == (1200, 1200, [0])
 
 

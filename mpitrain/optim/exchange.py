@@ -73,7 +73,11 @@ def segment_pieces(layout: ShardLayout) -> list[list[Piece]]:
 def holder_groups(layout: ShardLayout, unit: int, spec, tp=None, ep=None) -> list:
     """The groups whose ranks hold the other pieces of `spec`'s tensor, in exchange order (size-1 groups left out)."""
     shard = layout.segment_groups[unit] if layout.segment_groups else None
-    groups = [shard, tp if spec.tp_axis is not None else None, ep if spec.reduce_over == "expert_dp" else None]
+    split_tp, split_ep = spec.tp_axis is not None, spec.reduce_over == "expert_dp"
+    if (split_tp and tp is None) or (split_ep and ep is None):  # its statistics would silently be the piece's
+        raise ValueError(f"{spec.name} is a piece of a tensor split over {'tp' if split_tp else 'ep'}: the "
+                         "optimizer needs that group (make_optimizer's tp and ep)")
+    groups = [shard, tp if split_tp else None, ep if split_ep else None]
     return [g for g in groups if g is not None and g.size > 1]
 
 
