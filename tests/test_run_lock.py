@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE
 from mpitrain.resilience.faulty_hosts import this_host
 from mpitrain.resilience.heartbeat import read_heartbeats
+from mpitrain.resilience.restart import Supervisor
 from mpitrain.run.lock import (
     LOCK_NAME,
     RUN_DIR_IN_USE_EXIT_CODE,
@@ -154,6 +157,19 @@ def test_a_lock_replaced_between_the_look_and_the_move_is_put_back(tmp_path):
     assert not lock._move_aside({"token": "judged-stale"})
     assert read_lock(tmp_path / LOCK_NAME)["token"] == "newer"
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+
+
+@pytest.mark.parametrize("status", [RUN_DIR_IN_USE_EXIT_CODE, STORAGE_FAILED_EXIT_CODE])
+def test_launch_runs_its_attempts_as_one_job_and_restarts_neither_a_refused_run_nor_a_refused_save(tmp_path, status):
+    seen = tmp_path / "job_ids"
+    program = (f"import os, sys; open({str(seen)!r}, 'a').write(os.environ['MPITRAIN_JOB_ID'] + '\\n'); "
+               f"sys.exit({status})")
+    env = {key: value for key, value in os.environ.items() if key != "MPITRAIN_JOB_ID"}
+    lines = []
+    supervisor = Supervisor([sys.executable, "-c", program], [], env, 2, tmp_path / "metrics.jsonl",
+                            tmp_path / "checkpoints", lines.append)
+    assert supervisor.run() == status and lines == []  # one attempt, nothing restarted
+    assert seen.read_text().splitlines() == [f"launch-{os.getpid()}@{socket.gethostname()}"]
 
 
 # ---- real jobs -------------------------------------------------------------------------------------------------------
