@@ -18,6 +18,7 @@ from mpitrain.data.mix import MixSampler, mix_samplers
 from mpitrain.data.prepare import prepare_dataset
 from mpitrain.data.tokenizer import ByteTokenizer
 from mpitrain.errors import ConfigError
+from mpitrain.optim.schedule import BatchRamp
 from mpitrain.train import make_samplers
 from tests.mpi_helpers import describe, run_mpi
 from tests.test_train_parity import PARITY_STEPS, assert_same_run, run_training
@@ -64,6 +65,20 @@ def test_a_row_reads_its_file_at_its_own_sample_position(numbered):
         own_inputs, own_targets = train.samplers[source].global_batch_rows(step, [row])
         assert np.array_equal(inputs[row], own_inputs[0]) and np.array_equal(targets[row], own_targets[0])
     assert np.array_equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_a_batch_ramp_reaches_every_file_and_the_draws_stay_put(numbered):
+    """train.batch_rampup: step s's rows are the ramp's, each file reads its own sampler at the ramp's positions."""
+    ramp = BatchRamp(start=4, increment=4, ramp_samples=64, global_batch=BATCH)
+    train, val, _ = mix_samplers([(numbered[0], 1.0), (numbered[1], 2.0)], SEQ_LEN, BATCH, seed=9, ramp=ramp)
+    plain, _, _ = mix_samplers([(numbered[0], 1.0), (numbered[1], 2.0)], SEQ_LEN, BATCH, seed=9)
+    assert [train.batch_size(s) for s in (0, 6)] == [4, 8] and val.batch_size(0) == BATCH
+    inputs, _ = train.global_batch_rows(6, slice(None))
+    assert inputs.shape == (8, SEQ_LEN)
+    assert np.array_equal(train.sources_of(6, range(8)), plain.sources_of(6, range(8)))  # the same file per row
+    for row, source in enumerate(train.sources_of(6, range(8))):
+        assert np.array_equal(inputs[row], train.samplers[source].global_batch_rows(6, [row])[0][0])
+    assert not np.array_equal(inputs, plain.global_batch_rows(6, range(8))[0])  # other windows: the ramp's positions
 
 
 def test_document_starts_are_each_rows_own_files(tmp_path):
