@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpitrain.config import Config, config_from_dict, load_config, to_toml, validate
-from mpitrain.data.dataset import TokenDataset
+from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.mix import MixSampler, mix_samplers
 from mpitrain.data.prepare import prepare_dataset
 from mpitrain.data.tokenizer import ByteTokenizer
@@ -97,6 +97,15 @@ def test_document_starts_are_each_rows_own_files(tmp_path):
     assert set(sources.tolist()) == {0, 1} and starts.shape == (BATCH, SEQ_LEN) and starts.dtype == bool
     for row, source in enumerate(sources):
         assert np.array_equal(starts[row], train.samplers[source].document_starts(3, [row])[0])
+
+
+def test_a_mix_of_one_file_reads_what_data_path_reads(numbered):
+    mixed, mixed_val, _ = mix_samplers([(numbered[2], 4.0)], SEQ_LEN, BATCH, seed=5)
+    plain, plain_val = train_and_val_samplers(TokenDataset(numbered[2]), SEQ_LEN, BATCH, seed=5)
+    for step in (0, 7, 300):
+        every_row = slice(None)
+        assert np.array_equal(mixed.global_batch_rows(step, every_row)[0], plain.global_batch_rows(step, every_row)[0])
+    assert np.array_equal(mixed_val.global_batch_rows(1, range(4))[1], plain_val.global_batch_rows(1, range(4))[1])
 
 
 def test_the_batch_is_a_pure_function_of_seed_step_and_row(numbered):
