@@ -337,3 +337,89 @@ def test_init_from_a_missing_path_is_one_clear_line(tmp_path, dataset):
     result = run_mpi(1, args)
     assert result.returncode != 0 and "train.init_from" in result.stderr and "Traceback" not in result.stderr, \
         describe(result)
+
+
+# ---- mixture of experts: adapters on the experts' weights, the router frozen unless named ------------------------
+MOE_TARGETS = {"gpt2": ["wq", "wo", "expert_w_fc", "expert_w_proj"],
+               "llama": ["wv", "expert_w_gate", "expert_w_up", "expert_w_down"]}
+
+
+def moe_model(arch, targets):
+    cfg = ModelConfig(arch=arch, n_layer=2, d_model=16, n_head=4, vocab_size=40, seq_len=8,
+                      moe={"experts": 4, "top_k": 2, "aux_loss": 0.1, "z_loss": 0.05, "balance": "aux_loss"})
+    backend = make_backend("cpu", "float64")
+    model = GPT(cfg, backend, lora=LoraConfig(rank=2, alpha=4.0, targets=targets))
+    return model, ReplicatedState(model.layouts, backend, 0)
+
+
+@pytest.mark.parametrize("arch, router", [("gpt2", False), ("llama", True)])
+def test_expert_adapters_and_a_named_router_match_finite_differences(arch, router):
+    """float64: every trainable tensor's gradient (the experts' and attention's adapters, the router when named),
+    the auxiliary losses included, against central differences of the loss; nothing else trains."""
+    targets = MOE_TARGETS[arch] + (["router"] if router else [])
+    model, state = moe_model(arch, targets)
+    randomise_adapters(state)
+    names = [n for n, _ in state.params.named_views()]
+    assert any("expert_w_" in n and "_lora_" in n for n in names)
+    assert all("_lora_" in n or (router and n.endswith(".router")) for n in names), names
+    assert any(n.endswith(".router") for n in names) == router
+    rng = np.random.default_rng(1)
+    tokens, targets_ = rng.integers(0, 40, (2, 8)), rng.integers(0, 40, (2, 8))
+
+    def loss():
+        state.zero_grads()
+        state.begin_micro_batch(last=True)
+        value, saved = model.forward(state, tokens, targets_, loss_scale=1.0)
+        value += model.pop_aux_losses()["weighted"]
+        model.backward(state, saved, 1.0)
+        state.finish()
+        return float(value)
+    loss()
+    analytic, params = state.grads.data.copy(), state.params
+    checked = 0
+    for index in rng.choice(params.size, 60, replace=False):
+        keep = params.data[index]
+        params.data[index] = keep + 1e-6
+        plus = loss()
+        params.data[index] = keep - 1e-6
+        minus = loss()
+        params.data[index] = keep
+        assert analytic[index] == pytest.approx((plus - minus) / 2e-6, rel=1e-5, abs=1e-8), index
+        checked += abs(analytic[index]) > 1e-6
+    assert checked > 30
+
+
+def test_moe_lora_with_tensor_parallel_is_refused_by_name():
+    from mpitrain.config import load_config
+    from mpitrain.errors import ConfigError
+    with pytest.raises(ConfigError, match="model.moe with lora.rank > 0 and parallel.tp = 2"):
+        load_config(None, ["model.moe={experts = 4}", "lora.rank=2", "parallel.tp=2"])
+
+
+MOE_LORA = ["model.moe={experts = 4, top_k = 2}", "model.arch=gpt2", "lora.rank=4", "lora.alpha=8.0",
+            'lora.targets=["wq", "wv", "expert_w_fc", "expert_w_proj", "router"]']
+
+
+@pytest.fixture(scope="module")
+def moe_lora_reference(tmp_path_factory):
+    from tests.test_moe import train_run as moe_train_run
+    return moe_train_run(1, tmp_path_factory.mktemp("moe-lora-one"), *MOE_LORA)
+
+
+@pytest.mark.parametrize("ranks, layout", [(2, ["parallel.ep=2"]), (2, ["parallel.dp=2", "parallel.zero=1"]),
+                                           (4, ["parallel.ep=2", "parallel.zero=1"])])
+def test_moe_lora_layouts_match_one_process(tmp_path, moe_lora_reference, ranks, layout):
+    """Expert adapters split over ep (reduced over expert_dp with dp 4 x ep 2), the router trained, ZeRO-1 over
+    the adapters: losses, gradient norms and every tensor (the frozen base unchanged) at 1e-10 in float64."""
+    from tests.test_moe import RTOL
+    from tests.test_moe import train_run as moe_train_run
+    run = moe_train_run(ranks, tmp_path / "run", *MOE_LORA, *layout)
+    (ref_metrics, ref_params), (metrics, params) = moe_lora_reference, run
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics]
+    for ref, got in zip(ref_metrics, metrics):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert got[key] == pytest.approx(ref[key], rel=RTOL, abs=0), (key, got["step"])
+    assert params.keys() == ref_params.keys()
+    for name, value in ref_params.items():  # frozen zero biases must stay exactly zero
+        assert np.linalg.norm(params[name] - value) <= RTOL * np.linalg.norm(value), name
+    assert np.abs(params["blocks.0.expert_w_fc_lora_b"]).max() > 0  # the experts' adapters trained

@@ -1,5 +1,10 @@
 """LoRA (Hu et al., 2021): low-rank adapters on named linears, every base tensor frozen.
 
+Mixture of experts (model.moe): the experts' weights (expert_w_fc / expert_w_proj, or expert_w_gate / expert_w_up /
+expert_w_down) take one adapter per expert (ExpertAdapter, split over ep like the experts); the router stays frozen
+unless lora.targets names "router", then it trains whole (its routing bias, model.moe.balance = "bias", is never a
+parameter and keeps moving).
+
 A weight W (in, out) of a linear gets a: (in, r), random (seeded like every tensor, so every layout starts alike),
 and b: (r, out), zero, and the linear computes x W + (alpha / r) (x a) b. Only a and b train. In the paper's
 notation (W0 x + B A x, A: r x in, B: out x r) our a is A^T and b is B^T; the merged weight is W + (alpha / r) a b.
@@ -63,6 +68,42 @@ class Adapter:
         return ops.linear_input_grad([params[self.a]], [du])
 
 
+class ExpertAdapter:
+    """The adapters of a batch of expert weights (E, in, out) of an MoE layer (mpitrain/layers/moe.py): a (E, in, r),
+    b (E, r, out), expert e computing x W[e] + scale (x a[e]) b[e]. Split over the experts (axis 0) like the weight,
+    so an expert-parallel rank holds its experts' adapters, reduced over the weight's group (expert_dp under ep);
+    the experts are whole on each rank (model.moe with LoRA needs tp = 1)."""
+
+    def __init__(self, weight, rank: int, alpha: float):
+        self.a, self.b = weight.name + SUFFIXES[0], weight.name + SUFFIXES[1]
+        self.scale = alpha / rank
+        (experts, n_in, n_out), first = weight.full_shape, weight.offset[0]
+
+        def piece(name, inner, init, std=0.0):
+            return ParamSpec(name, (weight.shape[0], *inner), init, std, (experts, *inner), (first, 0, 0),
+                             reduce_over=weight.reduce_over)
+        self.specs = [piece(self.a, (n_in, rank), "normal", 1.0 / math.sqrt(n_in)), piece(self.b, (rank, n_out),
+                                                                                           "zeros")]
+        self.partial_grads: list[str] = []
+
+    def add_forward(self, params, e: int, x, y) -> None:
+        """y += scale (x a[e]) b[e], in place: expert e's output on its rows x."""
+        y += self.scale * ops.linear_forward(ops.linear_forward(x, params[self.a][e])[0], params[self.b][e])[0]
+
+    def backward(self, params, grads, e: int, x, dy):
+        """Adds expert e's adapter gradients; returns their share of the input gradient."""
+        u = ops.linear_forward(x, params[self.a][e])[0]  # recomputed, not saved
+        du = self.scale * ops.linear_input_grad([params[self.b][e]], [dy])
+        ops.add_weight_grad(grads[self.b][e], self.scale * u, dy)
+        ops.add_weight_grad(grads[self.a][e], x, du)
+        return ops.linear_input_grad([params[self.a][e]], [du])
+
+
+def _experts(unit):
+    """The block's MoE layer (its experts and router), or None."""
+    return next((layer for layer in unit.sublayers if hasattr(layer, "expert_weights")), None)
+
+
 def _linears(unit) -> list:
     """(linear, kind, {weight name: global (in, out)}) of a block's attention and MLP, and of the head."""
     found = []
@@ -70,7 +111,7 @@ def _linears(unit) -> list:
         specs = {s.name: s.full_shape for s in layer.specs}
         for attribute in ("qkv", "out", "up", "down", "projection"):
             linear = getattr(layer, attribute, None)
-            if linear is None:
+            if not hasattr(linear, "adapters"):  # none, or an MoE layer's weight name
                 continue
             kind = "row" if hasattr(linear, "weight") else "column"
             names = [linear.weight] if kind == "row" else linear.weights
@@ -80,8 +121,13 @@ def _linears(unit) -> list:
 
 def target_names(units) -> set[str]:
     """The weight names LoRA can target in this model (the blocks' linears)."""
-    return {name for unit in units if unit.layout.name.startswith("blocks.")
-            for _, _, _, shapes in _linears(unit) for name in shapes}
+    names = set()
+    for unit in units:
+        if unit.layout.name.startswith("blocks."):
+            names.update(name for _, _, _, shapes in _linears(unit) for name in shapes)
+            experts = _experts(unit)
+            names.update([*experts.expert_weights, "router"] if experts else [])
+    return names
 
 
 def apply_lora(units, rank: int, alpha: float, targets, tp: TensorParallel) -> None:
@@ -104,10 +150,23 @@ def apply_lora(units, rank: int, alpha: float, targets, tp: TensorParallel) -> N
                 adapter = Adapter(name, kind, shapes[name], rank, alpha, tp)
                 linear.adapters[name] = adapter
                 adapters.append(adapter)
-        specs = [replace(s, trainable=False) for s in unit.layout.specs]
+        experts, trained = _experts(unit), set()
+        if experts is not None and unit.layout.name.startswith("blocks."):
+            adapters += _adapt_experts(experts, rank, alpha, targets)
+            trained = {"router"} & set(targets)  # the router trains only when named
+        specs = [replace(s, trainable=s.name in trained) for s in unit.layout.specs]
         unit.layout = UnitLayout(unit.layout.name, specs + [s for a in adapters for s in a.specs])
         unit.partial_grads = [n for a in adapters for n in a.partial_grads]
         unit.frozen = True
+
+
+def _adapt_experts(layer, rank: int, alpha: float, targets) -> list:
+    """Freezes an MoE layer (its router too unless `targets` names it) and adapts its named expert weights."""
+    specs = {spec.name: spec for spec in layer.specs}
+    layer.frozen_experts, layer.router_trainable = True, "router" in targets
+    for name in [n for n in layer.expert_weights if n in targets]:
+        layer.adapters[name] = ExpertAdapter(specs[name], rank, alpha)
+    return list(layer.adapters.values())
 
 
 def with_frozen_sinks(views: dict, layout: UnitLayout, xp, dtype) -> dict:

@@ -135,6 +135,9 @@ class MoE:
         self.specs += [_expert_spec(name, (e, c, f), 2, ep, std) for name in self.ups]
         self.specs.append(_expert_spec(self.down, (e, f, c), 1, ep, out_std))
         self.partial_grads: list[str] = []
+        self.expert_weights = [*self.ups, self.down]
+        self.adapters: dict = {}  # LoRA (mpitrain/layers/lora.py): expert weight name -> ExpertAdapter
+        self.frozen_experts, self.router_trainable = False, True  # LoRA freezes both (the router unless targeted)
 
     # -- routing (every tp rank the same)
     def _route(self, params, x2d):
@@ -218,12 +221,30 @@ class MoE:
         for e, count in enumerate(routing.per_local_expert):
             block = rows[start:start + int(count)]
             start += int(count)
-            ups = [ops.linear_forward(block, params[w][e])[0] for w in self.ups]
+            ups = [self._expert_linear(params, w, e, block) for w in self.ups]
             act, act_saved = ops.swiglu_forward(*ups) if self.gated else ops.gelu_forward(ups[0])
-            outputs.append(ops.linear_forward(act, params[self.down][e])[0])
+            outputs.append(self._expert_linear(params, self.down, e, act))
             saved.append((block, act_saved, act))
         out = xp.concatenate(outputs) if outputs else rows[:0]
         return out, saved
+
+    def _expert_linear(self, params, weight: str, e: int, x):
+        """x W[e], plus its LoRA adapter's term where it has one."""
+        y = ops.linear_forward(x, params[weight][e])[0]
+        if weight in self.adapters:
+            self.adapters[weight].add_forward(params, e, x, y)
+        return y
+
+    def _expert_linear_backward(self, params, grads, weights: list[str], e: int, x, d_ys):
+        """The input gradient of expert e's linears `weights` (one input x, outputs' gradients d_ys); their weight
+        gradients (none when frozen) and their adapters' gradients added."""
+        dx = ops.linear_input_grad([params[w][e] for w in weights], list(d_ys))
+        for w, dy in zip(weights, d_ys):
+            if not self.frozen_experts:
+                ops.add_weight_grad(grads[w][e], x, dy)
+            if w in self.adapters:
+                dx += self.adapters[w].backward(params, grads, e, x, dy)
+        return dx
 
     def _experts_backward(self, params, grads, experts_saved, d_out, routing):
         xp = array_module(d_out)
@@ -231,12 +252,9 @@ class MoE:
         for e, (block, act_saved, act) in enumerate(experts_saved):
             d_block = d_out[start:start + block.shape[0]]
             start += block.shape[0]
-            ops.add_weight_grad(grads[self.down][e], act, d_block)
-            d_act = ops.linear_input_grad([params[self.down][e]], [d_block])
+            d_act = self._expert_linear_backward(params, grads, [self.down], e, act, [d_block])
             d_ups = ops.swiglu_backward(act_saved, d_act) if self.gated else [ops.gelu_backward(act_saved, d_act)]
-            for w, d_up in zip(self.ups, d_ups):
-                ops.add_weight_grad(grads[w][e], block, d_up)
-            d_rows.append(ops.linear_input_grad([params[w][e] for w in self.ups], list(d_ups)))
+            d_rows.append(self._expert_linear_backward(params, grads, self.ups, e, block, d_ups))
         return xp.concatenate(d_rows) if d_rows else d_out[:0]
 
     def backward(self, params, grads, saved, dy, deferred=None):
@@ -265,7 +283,8 @@ class MoE:
             d_probs += scale * moe.seq_aux_loss * moe.experts * xp.asarray(seq_term, dtype=probs.dtype)
         d_logits = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))
         d_logits += (2.0 * scale * moe.z_loss) * saved["lse"][:, None] * probs
-        ops.add_weight_grad(grads["router"], x2d, d_logits)
+        if self.router_trainable:
+            ops.add_weight_grad(grads["router"], x2d, d_logits)
         if self.tp.rank == 0:  # the same on every tp rank: entered once into the region's gradient sum
             dx += ops.linear_input_grad([params["router"]], [d_logits])
         return self.tp.start_enter_backward(dx.reshape(saved["h"].shape)).wait()
