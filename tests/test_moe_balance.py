@@ -123,8 +123,14 @@ def assert_same_run(reference, other):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_run(1, tmp_path_factory.mktemp("bias-one"), *BIAS)
+def reference_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bias-one")
+    return path, train_run(1, path, *BIAS)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    return reference_dir[1]
 
 
 def test_the_biases_move_and_the_loads_are_logged(reference):
@@ -157,3 +163,14 @@ def test_a_stopped_run_resumes_bitwise_with_its_biases(tmp_path, reference):
     for name, value in straight[1].items():
         assert np.array_equal(resumed[1][name], value), name
     assert_same_run(reference, resumed)
+
+
+def test_the_report_names_each_blocks_busiest_expert(reference_dir):
+    pytest.importorskip("matplotlib")
+    from mpitrain.profile.report import build_figure
+    path, (metrics, _) = reference_dir
+    load = metrics[-1]["expert_load"]
+    title = build_figure(path).get_suptitle()
+    expected = (f"MoE busiest expert / uniform at step {metrics[-1]['step']}: block 0 "
+                f"{load['0']['max_over_uniform']:.2f}, block 1 {load['1']['max_over_uniform']:.2f}")
+    assert title.endswith(expected), title

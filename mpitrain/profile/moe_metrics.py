@@ -58,3 +58,14 @@ def expert_shares(routed_per_rank: list[dict]) -> dict:
         for layer, counts in part.items():
             routed[layer] = routed.get(layer, 0) + np.asarray(counts)
     return {str(layer): (counts / counts.sum()).round(6).tolist() for layer, counts in sorted(routed.items())}
+
+
+def expert_load_line(row: dict) -> str | None:
+    """One line of a logged row's per-block expert load for `mpitrain report` (None without MoE layers)."""
+    load = row.get("expert_load")
+    if not load:
+        return None
+    blocks = ", ".join(f"block {block} {value['max_over_uniform']:.2f}" + (f" ({value['dropped']} dropped)"
+                                                                            if value["dropped"] else "")
+                       for block, value in load.items())
+    return f"MoE busiest expert / uniform at step {row['step']}: {blocks}"

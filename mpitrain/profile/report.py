@@ -7,8 +7,8 @@
 Panels, one above the other so the step axes line up (a slow step shows in every panel at the same x): loss and
 validation loss; tokens/s and MFU; the stacked time breakdown per step (mean over ranks, so the stack is the mean
 step time); bytes sent per kind per step; the last logged step per rank. Each legend sits to the right of its own
-panel, outside the data. Reading tolerates a torn last line, so it works on a run still going. Needs matplotlib
-(pip install 'mpitrain[report]').
+panel, outside the data. An MoE run's title adds each block's busiest expert over uniform (last logged step).
+Reading tolerates a torn last line, so it works on a run still going. Needs matplotlib (pip install 'mpitrain[report]').
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from mpitrain.errors import MpitrainError
 from mpitrain.profile.breakdown import COMM_PREFIX, ordered_parts
 from mpitrain.profile.jsonl import read_records
+from mpitrain.profile.moe_metrics import expert_load_line
 
 _EVENT_COLORS = {"forward": "#4c72b0", "backward": "#55a868", "backward_input": "#55a868",
                  "backward_weight": "#c44e52", "reduce_grads": "#8172b2"}
@@ -230,7 +231,9 @@ def build_figure(run_dir):
         total = config.get("train", {}).get("steps")
         head = f"{Path(run_dir).resolve().name}: step {rows[-1]['step']}" + (f" of {total}" if total else "")
         layout = layout_words(config)
-        figure.suptitle(head + (f"  ({layout})" if layout else ""), fontsize=FONT_PT + 2)
+        moe_line = expert_load_line(next((row for row in reversed(rows) if "expert_load" in row), {}))
+        figure.suptitle(head + (f"  ({layout})" if layout else "") + (f"\n{moe_line}" if moe_line else ""),
+                        fontsize=FONT_PT + 2)
     return figure
 
 
