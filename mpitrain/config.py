@@ -182,6 +182,7 @@ class FaultConfig:
     skip_steps: list = field(default_factory=list)  # steps (from 1) whose update is skipped on purpose
     mtbf_hours: float = 0.0  # mean time between failures of the job's machines; > 0: print Young/Daly advice
     flight_ops: int = 256  # each rank's last N group operations, for `mpitrain doctor hang` (comm/flight.py); 0: off
+    attribute: bool = False  # replay bad steps: transient ones are applied, persistent ones name a host to exclude
 
 
 @dataclass
@@ -411,6 +412,9 @@ def validate(cfg: Config) -> None:
     require(cfg.optim.adafactor_momentum in ("int4", "full"),
             f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
     require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
+    require(not cfg.fault.attribute or cfg.parallel.zero == 0,
+            f"config key fault.attribute needs parallel.zero = 0, got {cfg.parallel.zero}: sharded gradients reduce "
+            "the norm over the replicas, so a rank's own fault could not be told from the data's")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
     require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")

@@ -48,6 +48,7 @@ from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics, step_expert_loads
 from mpitrain.profile.wandb_sink import require_wandb
+from mpitrain.resilience.attribution import FaultAttribution, flip_gradient_exponent
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
 from mpitrain.resilience.heartbeat import start_fault_watch
@@ -126,6 +127,7 @@ class Trainer:
         self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
+        self.attribution = FaultAttribution(cfg.fault.attribute, self.mesh.world, self.guard, run_dir, print)
 
     def _build_model(self) -> GPT:
         """This rank's stages of the model, with recomputation and ring attention (parallel.cp) applied."""
@@ -191,27 +193,21 @@ class Trainer:
         for group in groups:
             group.reset_counters()
         self.breakdown.start_step()
-        state.zero_grads()
         loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping
         global_batch = self.batch_size(batch)  # a batch ramp counts in batches, as the samples consumed do
         if self.ramp is not None:
             self._use_batch_size(global_batch)
         tokens = global_batch * cfg.model.seq_len
-        dloss = loss_scale / tokens  # the loss is the mean over every token of this step's global batch
-        loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro, global_batch), dloss)
-        aux = self.model.pop_aux_losses()  # model.moe
-        self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, tokens)
-        loss_sum += aux_sum  # MoE auxiliary losses are part of the loss (their gradients already are)
-        compute = compute_seconds(self.pipeline.timeline.events)
-        compute += inject_slowdown(self.faults, step + 1, compute)
-        self.guard.inject(step + 1, self.optimizer.segments)
+        loss_sum, aux, compute = self._forward_backward(step, batch, global_batch, loss_scale)
         self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / tokens
         verdict, stop_requested = self.guard.step_verdict(step + 1, loss, grad_norm, stop_here())  # same everywhere
         if verdict == NONFINITE_GRAD and self.loss_scale.dynamic:
             verdict = OVERFLOW  # float16: the scale was too large for this step's gradients, no sign of trouble
+        if self.attribution.wanted(verdict):  # fault.attribute: replay the step; a transient fault's is applied
+            verdict, loss, grad_norm, aux = self._replay(step, batch, global_batch, verdict, (loss, grad_norm))
         if verdict in (GOOD, OVERFLOW):
             self.loss_scale.update(grad_norm if verdict == GOOD else math.inf)  # halves on overflow
         self.guard.record(verdict, loss)
@@ -236,6 +232,34 @@ class Trainer:
             if gathered is not None:
                 result.bubble = bubble_fraction(merge_events(gathered))
         return result
+
+    def _forward_backward(self, step: int, batch: int, global_batch: int, loss_scale: float) -> tuple:
+        """(this rank's loss sum, MoE auxiliary losses, compute seconds) of step `step` on data batch `batch`, from
+        the current parameters, its gradients reduced into the state; injected gradient faults strike here."""
+        self.state.zero_grads()
+        tokens = global_batch * self.cfg.model.seq_len
+        dloss = loss_scale / tokens  # the loss is the mean over every token of this step's global batch
+        loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro, global_batch), dloss)
+        aux = self.model.pop_aux_losses()  # model.moe
+        self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, tokens)
+        compute = compute_seconds(self.pipeline.timeline.events)
+        compute += inject_slowdown(self.faults, step + 1, compute)
+        self.guard.inject(step + 1, self.optimizer.segments)
+        if self.guard.strikes("gradflip", step + 1):
+            flip_gradient_exponent(self.optimizer.segments)
+        # MoE auxiliary losses are part of the loss (their gradients already are)
+        return loss_sum + aux_sum, aux, compute
+
+    def _replay(self, step: int, batch: int, global_batch: int, verdict: int, first: tuple) -> tuple:
+        """Bad step `step` computed again from the same parameters (its update was skipped) and attributed
+        (resilience/attribution.py, collective): (verdict, loss, grad norm, MoE auxiliary losses) of the replay."""
+        loss_scale, tokens = self.loss_scale.scale, global_batch * self.cfg.model.seq_len
+        self.breakdown.pop()  # the replay's parts are charged as the step's were
+        loss_sum, aux, _ = self._forward_backward(step, batch, global_batch, loss_scale)
+        self.breakdown.push("optimizer")
+        grad_norm = self.global_grad_norm() / loss_scale
+        loss = self._total(loss_sum) / tokens
+        return self.attribution.judge(step + 1, verdict, first, (loss, grad_norm)), loss, grad_norm, aux
 
     def _fetch(self, batch: int, micro: int, global_batch: int):
         with self.breakdown.part("data"):

@@ -2,6 +2,7 @@
 
 Format: one JSON object per line, appended by whoever detects a fault on a machine (the watchdog, the replica check):
     {"host": "node7", "kind": "hang", "time": 1764570000.0, "rank": 3, "step": 120, "detail": "all_reduce on dp"}
+A replayed bad step's record (attribution.py) also has "verdict": only a "persistent" one names a host to exclude.
 "host" and "kind" are required; "time" (Unix seconds) lets a reader ignore faults older than its job; other keys are
 for people. `record_fault` appends one line in one write (O_APPEND), so several ranks may report at once.
 
@@ -62,9 +63,14 @@ def read_faults(run_dir: Path, since: float | None = None, warn=None) -> list[di
     return records
 
 
+HOST_NOT_AT_FAULT = ("genuine", "transient")  # replayed bad steps (attribution.py) that blame no machine
+
+
 def faulty_hosts(records: list[dict]) -> list[str]:
-    """Hosts named by the records, first-named first, each once."""
-    return list(dict.fromkeys(str(record["host"]) for record in records))
+    """Hosts named by the records, first-named first, each once; a bad step whose replay found the data or a
+    passing glitch at fault ("verdict": genuine or transient) names none."""
+    return list(dict.fromkeys(str(record["host"]) for record in records
+                              if record.get("verdict") not in HOST_NOT_AT_FAULT))
 
 
 def hosts_to_exclude(faulty: list[str], nodes: list[str]) -> tuple[list[str], str | None]:
