@@ -56,7 +56,8 @@ UNCOMMENTED = {
     "model.moe.aux_loss": "weight of the load-balance loss E * sum_e f_e * P_e",
     "model.moe.z_loss": "weight of the router z-loss mean(logsumexp(logits)^2)",
     "parallel.cp": "context parallelism: every sequence split over cp ranks (zig-zag ring attention)",
-    "parallel.ep": "expert parallelism: the experts spread over ep ranks, carved out of the data-parallel ranks",
+    "parallel.ep": "expert parallelism: the experts spread over ep ranks of their own mesh, drawn from dp x cp (and "
+                   "the tp ranks' token shares at parallel.etp = 1)",
     "train.steps": "optimizer steps",
     "train.seed": "the global batch of step s is a pure function of (seed, s)",
     "train.log_every": "print and log to metrics.jsonl every N steps",

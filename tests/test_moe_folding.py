@@ -107,3 +107,19 @@ def test_a_dp2_cp2_ep2_run_resumes_on_dp2_ep2_and_in_one_process(tmp_path, refer
     resumed = train_run(1, tmp_path, *LLAMA, resume="auto")
     assert_same_run(references["llama"], resumed)
     assert np.isfinite(resumed[0][-1]["loss"])
+
+
+def test_plan_searches_etp_and_ep_drawn_from_dp_x_cp():
+    from mpitrain.plan.clusters import load_cluster
+    from mpitrain.plan.cost import Layout, estimate
+    from mpitrain.plan.search import candidate_layouts
+    cfg = load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}", "model.seq_len=16384"])
+    cluster = load_cluster("h100")
+    meshes = {(lay.dp, lay.tp, lay.cp, lay.ep, lay.etp) for group in candidate_layouts(cfg, 8, cluster)
+              for lay in group}
+    assert (1, 2, 4, 8, 1) in meshes  # ep 8 from the tp pair's token shares and cp 4
+    assert (2, 1, 4, 8, 1) in meshes and (2, 2, 2, 4, 2) in meshes  # ep beyond dp, from dp x cp
+    whole = Layout(dp=2, tp=2, pp=1, ep=4, etp=1)
+    assert whole.describe().startswith("dp2 tp2 pp1 ep4 etp1")
+    assert estimate(load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}"]), whole,
+                    cluster)["fits"]

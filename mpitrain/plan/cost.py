@@ -91,10 +91,12 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     offload: str = "none"
+    etp: int = 0  # expert tensor parallelism: 0 = tp (experts split like the MLP), 1 = whole experts
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}"] * (self.cp > 1) + \
-                [f"ep{self.ep}"] * (self.ep > 1) + [f"zero{self.zero}", f"mb{self.micro_batch}"]
+                [f"ep{self.ep}"] * (self.ep > 1) + [f"etp{self.etp}"] * (0 < self.etp < self.tp) + \
+                [f"zero{self.zero}", f"mb{self.micro_batch}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + [f"offload-{self.offload}"] * \
@@ -109,6 +111,7 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     cfg.train, cfg.memory, cfg.precision = copy.copy(base.train), copy.copy(base.memory), copy.copy(base.precision)
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.cp, p.ep, p.zero = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero
+    p.etp = layout.etp
     p.sequence_parallel, p.schedule, p.virtual_stages = layout.tp > 1, layout.schedule, layout.virtual_stages
     p.microbatches, p.stage_layers, p.allow_cross_node_tp = 0, [], True
     cfg.train.micro_batch, cfg.train.device = layout.micro_batch, "cpu"  # shapes only: cp's device check aside
@@ -297,7 +300,7 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
                                                                                        cluster.matmul_efficiency)
         cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
 
-    ep_link, ep_crosses = group_link(cluster, p.ep, p.tp * p.cp)
+    ep_link, ep_crosses = group_link(cluster, p.ep, p.etp or p.tp)  # ep: consecutive holders of other tokens
     ep_micro = 0.0
     if work.moe.experts and p.ep > 1:
         routed = work.rows * work.moe.top_k * m_cfg.d_model * e
@@ -362,9 +365,9 @@ def rank_skew_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_mic
 def reduction_rings(cfg: Config, cluster: Cluster):
     """rings(op, bytes_per_param, times=1): seconds of ring collectives over this rank's gradients or parameters,
     each share over its own group (plan/memory.py reduction_shares): the dense ones over dp x cp, experts under
-    ep > 1 over expert_dp (dp / ep ranks, ep * cp * tp apart)."""
+    ep > 1 over expert_dp (the expert mesh's outer axis: ranks etp * ep apart)."""
     p = cfg.parallel
-    strides = (p.tp, p.tp * p.cp * p.ep)  # the dense share first, then the experts'
+    strides = (p.tp, (p.etp or p.tp) * p.ep)  # the dense share first, then the experts'
     shares = [(count, ranks, group_link(cluster, ranks, stride)[0])
               for (count, ranks), stride in zip(reduction_shares(cfg), strides)]
 

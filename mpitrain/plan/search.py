@@ -1,7 +1,8 @@
 """`mpitrain plan`: enumerate layouts of a model on a cluster, keep those that fit, rank them by predicted step time,
 and say why the obvious alternatives lost.
 
-The space: dp x tp x pp x cp x ep = the GPUs; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
+The space: dp x tp x pp x cp = the GPUs, ep (from dp x cp, and the tp ranks' token shares at etp = 1) and
+etp (1 or tp) for MoE; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
 interleaved with 2 chunks per rank, zb1p; gpipe has 1f1b's bubble with m instead of p micro-batches in flight, so
 it never wins); optimizer offload (tried only where the layout does not fit without it). Layouts mpitrain itself
 refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so that the table can say what it costs.
@@ -37,16 +38,17 @@ def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
         if tp > 2 * cluster.gpus_per_node or m.n_head % tp:
             continue
         for cp in divisors(gpus // tp):
-            if cp > 1 and (not long_context or experts):
+            if cp > 1 and not long_context:
                 continue
             for pp in divisors(gpus // (tp * cp)):
                 if pp > min(MAX_PP, m.n_layer // 2) and pp > 1:
                     continue
                 dp = gpus // (tp * cp * pp)
-                for ep in (divisors(dp) if experts else [1]):
-                    if experts and experts % ep:
-                        continue
-                    yield from _settings(cfg, Layout(dp, tp, pp, cp, ep), cluster)
+                for etp in ([tp, 1] if experts and tp > 1 else [tp]):  # experts on their own mesh (comm/mesh.py)
+                    for ep in (divisors(dp * cp * tp // etp) if experts else [1]):
+                        if experts and experts % ep:
+                            continue
+                        yield from _settings(cfg, Layout(dp, tp, pp, cp, ep, etp=etp), cluster)
 
 
 def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
@@ -59,8 +61,8 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
             continue
         for schedule, v in schedules:
             for zero in zeros:  # recomputation only adds FLOPs: the search stops at the first mode that fits
-                yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v)
-                       for recompute in recomputes]
+                yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
+                              etp=mesh.etp) for recompute in recomputes]
 
 
 def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None) -> dict:
