@@ -33,8 +33,9 @@ anything else.
 
 Checkpoints hold element-wise kinds: each element's row statistic, its column statistic, its second moment (the
 factored estimate for factored matrices) and, with beta1 > 0, its first moment (int4: each element's code and block
-scale; restored into other blocks, requantized to nearest), so any layout can be restored; into the same layout,
-bitwise.
+scale; restored into other blocks, requantized to nearest), so any layout can be restored: a matrix's whole row and
+column vectors come back from every holder's pieces (a max over them: each element carries its row's and column's
+value), so a restore is bitwise in any layout whose blocks are the tensor's (every layout now).
 """
 from __future__ import annotations
 
