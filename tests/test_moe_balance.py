@@ -153,6 +153,16 @@ def test_bias_balancing_matches_one_process(tmp_path, reference, ranks, layout):
     assert_same_run(reference, train_run(ranks, tmp_path / "run", *BIAS, *layout))
 
 
+def test_bias_balancing_under_context_parallelism_matches_one_process(tmp_path):
+    """cp 2 (each cp rank routes half of every sequence, ep drawn from cp): the loads summed over dp x cp are the
+    one process's, so are the biases (no sequence-level loss: it needs whole sequences)."""
+    settings = [BIAS[0].replace(", seq_aux_loss = 0.01", ""), *BIAS[1:]]
+    one = train_run(1, tmp_path / "one", *settings)
+    assert_same_run(one, train_run(2, tmp_path / "cp2", *settings, "parallel.cp=2", "parallel.ep=2"))
+    with pytest.raises(ConfigError, match="model.moe.seq_aux_loss with parallel.cp > 1"):
+        load_config(None, [BIAS[0], "parallel.cp=2"])
+
+
 def test_a_stopped_run_resumes_bitwise_with_its_biases(tmp_path, reference):
     """Steps 1-5 on ep 2, saved with the biases, resumed for steps 6-10 on ep 2: the same losses and parameters
     as the uninterrupted ep 2 run, bit for bit (and as the one-process run to 1e-10)."""

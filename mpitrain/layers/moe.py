@@ -195,22 +195,24 @@ class MoE:
                   "seq_balance": self.moe.experts * float((seq_shares * seq_probs).sum(axis=1).mean()),
                   "z": float((lse * lse).mean())}
         if ctx is not None and ctx.get("loss_scale") is not None and "aux_losses" in ctx:  # training: log them
-            self._record(ctx["aux_losses"], n, losses, shares, dropped=routed[0].size - picked["token"].size)
+            self._record(ctx["aux_losses"], n, losses, np.bincount(routed[1], minlength=self.moe.experts),
+                         dropped=routed[0].size - picked["token"].size)
         saved = {"h": h, "probs": probs, "lse": lse, "picked": picked, "shares": shares, "seq_shares": seq_shares,
                  "mine": mine, "routing": routing, "experts": expert_saved, "out": out,
                  "loss_scale": (ctx or {}).get("loss_scale")}
         return y, saved
 
-    def _record(self, record: dict, n: int, losses: dict, shares, dropped: int) -> None:
+    def _record(self, record: dict, n: int, losses: dict, counts, dropped: int) -> None:
         """Adds this micro-batch's auxiliary losses (their share of the loss sum: n tokens times the mean) and this
-        layer's routed and dropped picks to the step's record."""
+        layer's picks per expert of this rank's tokens (before capacity: whole numbers, exact in any sum) and
+        dropped picks to the step's record."""
         moe = self.moe
         weighted = moe.batch_aux_loss * losses["balance"] + moe.seq_aux_loss * losses["seq_balance"]
         record["weighted"] = record.get("weighted", 0.0) + n * (weighted + moe.z_loss * losses["z"])
         for key, value in losses.items():
             record[key] = record.get(key, 0.0) + n * value
         record["layers"] = record.get("layers", 0) + 1
-        for key, value in (("routed", shares * (n * moe.top_k)), ("dropped", dropped)):
+        for key, value in (("routed", counts), ("dropped", dropped)):
             per_layer = record.setdefault(key, {})
             per_layer[self.index] = per_layer.get(self.index, 0) + value
 
