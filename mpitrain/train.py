@@ -123,7 +123,7 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops(cfg.logging.peak_flops, self.backend, cfg.precision.compute)
         self.recomputed_flops = recomputed_flops_per_token(cfg.model, stage_layer_counts(
             cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers), cfg.memory.recompute,
-            cfg.memory.recompute_layers)
+            cfg.memory.recompute_layers, ring=p.cp > 1)
         self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back

@@ -180,3 +180,11 @@ def test_moe_blocks_with_expert_adapters_recompute_bitwise():
     for mode in ("selective", "full"):
         other_loss, other_grads, _, _ = one_step(cfg, mode, lora=lora)
         assert other_loss == loss and np.array_equal(other_grads, grads), mode
+
+
+def test_selective_under_ring_attention_recomputes_no_attention_flops():
+    from mpitrain.profile.flops import recomputed_flops_per_token
+    cfg = ModelConfig(**SMALL)
+    assert recomputed_flops_per_token(cfg, [3], "selective", ring=True) == 0.0
+    assert recomputed_flops_per_token(cfg, [3], "selective") == 3 * 4.0 * cfg.d_model * cfg.seq_len
+    assert recomputed_flops_per_token(cfg, [3], "full", ring=True) == recomputed_flops_per_token(cfg, [3], "full")

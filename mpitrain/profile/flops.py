@@ -73,13 +73,15 @@ def block_matmul_weights(model_cfg) -> int:
     return 2 * d * d + 2 * d * kv + mlp
 
 
-def recomputed_flops_per_token(model_cfg, layer_counts: list[int], mode: str, layers: int = 0) -> float:
+def recomputed_flops_per_token(model_cfg, layer_counts: list[int], mode: str, layers: int = 0,
+                               ring: bool = False) -> float:
     """FLOPs per token that recomputation adds: layer_counts are the blocks of each (virtual) pipeline stage, of
-    which the first `layers` (0: all) recompute in `mode` (memory.recompute)."""
+    which the first `layers` (0: all) recompute in `mode` (memory.recompute). ring (parallel.cp > 1): selective
+    keeps ring attention's whole core, so it recomputes no attention."""
     if mode == "none":
         return 0.0
     blocks = sum(count if layers == 0 else min(layers, count) for count in layer_counts)
-    attention = 4.0 * model_cfg.d_model * model_cfg.seq_len
+    attention = 0.0 if ring and mode == "selective" else 4.0 * model_cfg.d_model * model_cfg.seq_len
     per_block = attention + (2.0 * block_matmul_weights(model_cfg) if mode == "full" else 0.0)
     return blocks * per_block
 
