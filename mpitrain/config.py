@@ -188,7 +188,7 @@ class FaultConfig:
 @dataclass
 class MemoryConfig:
     """Memory savers: each key says what it trades for memory."""
-    offload: str = "none"  # none | host | disk: fp32 master weights and optimizer state off the device (state/offload.py)
+    offload: str = "none"  # none | host | disk: fp32 master and optimizer state off the device (state/offload.py)
     offload_dir: str = ""  # memory.offload = disk: one set of memory-mapped files per rank; "": RUN_DIR/offload
     offload_chunk_mb: float = 16.0  # offloaded state streams through the device in chunks of this size per array
     recompute: str = "none"  # none | selective | full: recompute activations in backward (layers/recompute.py)
