@@ -154,6 +154,7 @@ class CheckpointConfig:
     every: int = 0  # save every N steps (and always at the end, and on SIGUSR1/SIGTERM); 0: only those
     keep: int = 3  # newest committed checkpoints kept (the newest is never deleted); 0: keep all
     async_: bool = False  # key `checkpoint.async`: write in a background thread while training goes on
+    peer_every: int = 0  # every N steps each rank's state into node memory, and a partner's on another node; 0: off
 
     def directory(self, run_dir) -> Path:
         """Where the run's checkpoints live; train, launch's restarts and the sbatch loop must agree on it."""
@@ -386,7 +387,7 @@ def validate(cfg: Config) -> None:
               "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
               "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
               "fault.mtbf_hours", "fault.flight_ops", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
-              "memory.recompute_layers", "train.thread_replicas"]
+              "memory.recompute_layers", "train.thread_replicas", "checkpoint.peer_every"]
     for key in nonneg:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

@@ -291,13 +291,19 @@ class CheckpointManager:
         held = self.held()
         self._check_tensors(checkpoint, held)
         checkpoint.load_into(held)
+        return self.after_load(checkpoint.index, path)
+
+    def after_load(self, saved: dict, kept: Path | None) -> int:
+        """Collective, once the tensors are loaded (from files, or from peer memory: checkpoint/peer.py): the state
+        beside them from `saved` (an index, or a peer copy's header), then this directory's checkpoints beyond its
+        step set aside (`kept`: the checkpoint of that step, if any). Returns the step to continue from."""
         self.state.after_restore()
         self.optimizer.after_restore()  # e.g. 8-bit Adam's block scales from the loaded element-wise ones
-        self.optimizer.steps_taken = int(checkpoint.index["train_state"]["optimizer_steps"])
-        step = int(checkpoint.index["train_state"]["next_step"])
-        self.load_extra(checkpoint.index.get("extra_state", {}))
-        self.set_aside_beyond(step, kept=path)
-        self.resumed_from = path
+        self.optimizer.steps_taken = int(saved["train_state"]["optimizer_steps"])
+        step = int(saved["train_state"]["next_step"])
+        self.load_extra(saved.get("extra_state", {}))
+        self.set_aside_beyond(step, kept=kept)
+        self.resumed_from = kept
         return step
 
     def set_aside_beyond(self, step: int, kept: Path | None = None) -> None:

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from mpitrain.checkpoint.manager import PREEMPTED_EXIT_CODE, CheckpointManager
+from mpitrain.checkpoint.peer import PeerCheckpoints
 from mpitrain.checkpoint.resume import review_changes
 from mpitrain.checkpoint.store import Checkpoint, step_dir_name
 from mpitrain.checkpoint.weights import load_weights
@@ -25,6 +26,8 @@ class Checkpointing:
         self.manager, self.cfg, self.breakdown, self.say, self.logger = manager, cfg, breakdown, say, logger
         c = cfg.checkpoint
         manager.check_writable("checkpoint.dir" if c.dir else "checkpoint.dir (default RUN_DIR/checkpoints)")
+        # checkpoint.peer_every: the memory tier, copies in node memory (checkpoint/peer.py)
+        self.peer = PeerCheckpoints(manager, c.peer_every, say) if c.peer_every else None
 
     @property
     def directory(self) -> Path:
@@ -35,8 +38,35 @@ class Checkpointing:
         (with train.init_from's weights, and this directory's checkpoints set aside: they are not this run's past).
         `layout`: this run's, for the banner of a restart; allowed_changes: the --allow-changes keys (a change of
         the config since the checkpoint that alters the run's meaning is refused unless named there)."""
+        started = time.perf_counter()
+        path = self.manager.find_resume_point(resume) if resume else None
+        if self.peer is not None and resume == "auto":  # the memory tier first: it may be newer than the files
+            restored = self._start_from_peer_memory(path, time.perf_counter() - started, allowed_changes)
+            if restored is not None:
+                return restored
+        start = self._start_from_files(path, resume, layout, allowed_changes)
+        if self.peer is not None:
+            self.peer.settle(start)
+        return start
+
+    def _start_from_peer_memory(self, path: Path | None, finding_s: float, allowed_changes) -> int | None:
+        """The step restored from the copies in node memory, with the time it took against the file checkpoint's
+        (`path`, found in `finding_s` seconds, then loaded into scratch buffers to time it), or None."""
+        restored = self.peer.restore(path, allowed_changes)
+        if restored is None:
+            return None
+        step, seconds = restored
+        if path is None:
+            files = "no file checkpoint to compare"
+        else:
+            file_s = finding_s + self.peer.time_file_load(path)
+            files = f"file checkpoint {path.name}: {file_s:.3f} s, measured now by verifying and loading it too"
+        self.say(f"checkpoint: restored step {step} from peer memory in {seconds:.3f} s ({files})")
+        self.peer.settle(step)
+        return step
+
+    def _start_from_files(self, path: Path | None, resume: str | None, layout: str, allowed_changes) -> int:
         manager, say = self.manager, self.say
-        path = manager.find_resume_point(resume) if resume else None
         if path is None:
             if resume:
                 say("checkpoint: none to resume from; starting fresh")
@@ -74,12 +104,17 @@ class Checkpointing:
         if c.every and done % c.every == 0 and done < self.cfg.train.steps:
             with self.breakdown.part("checkpoint"):
                 (self.manager.save_async if c.async_ else self.manager.save)(done)
+        if self.peer is not None and done % c.peer_every == 0 and done < self.cfg.train.steps:
+            with self.breakdown.part("checkpoint"):
+                self.peer.copy(done)
 
     def finish(self, tokenizer, run_dir: Path) -> None:
         """The final save; then, on the logging rank, a sample from it (a real tokenizer and train.sample_tokens)
         and where it is."""
         t = self.cfg.train
         self.manager.save(t.steps)
+        if self.peer is not None:
+            self.peer.discard()  # the run is over: its copies would only hold the nodes' memory
         if not self.logger:
             return
         final = self.directory / step_dir_name(t.steps)
