@@ -70,6 +70,33 @@ def test_memory_plan_shows_both_meshes_and_shards_experts_over_edp():
     assert reduction_shares(whole)[1][1] == 2  # whole experts on both tp ranks: reduced over the pair
 
 
+PLACEMENT = """
+import json
+from mpi4py import MPI
+from mpitrain.comm.mesh import Mesh
+from mpitrain.layers.expert_parallel import ExpertParallel
+world = MPI.COMM_WORLD
+mesh = Mesh(world, dp=2, tp=2, ep=4, etp=1)
+experts = ExpertParallel.of_mesh(mesh, 8)
+mine = {"placement": mesh.describe_placement(), "ep": mesh.ep.size, "edp": mesh.expert_dp.size,
+        "first": experts.first, "share": [experts.share, experts.shares], "etp": experts.etp_size}
+everyone = world.gather(mine)
+if world.rank == 0:
+    print("RESULTS " + json.dumps(everyone))
+"""
+
+
+def test_the_placement_line_and_the_ranks_show_the_expert_mesh():
+    """dp 2 x tp 2 with whole experts and ep 4: every rank of the stage is one ep rank with 2 of the 8 experts, each tp
+    rank routes its half of the tokens, and the start-up placement line names both meshes."""
+    from tests.mpi_helpers import run_python_mpi_results
+    ranks = run_python_mpi_results(4, PLACEMENT)
+    assert [r["first"] for r in ranks] == [0, 2, 4, 6] and [r["share"] for r in ranks] == [[0, 2], [1, 2]] * 2
+    assert all(r["ep"] == 4 and r["edp"] == 1 and r["etp"] == 1 for r in ranks)
+    assert ranks[0]["placement"].endswith("; meshes per stage: attention tp2 x cp1 x dp2, experts etp1 x ep4 x edp1")
+    assert "inside one node: dp, tp, ep" in ranks[0]["placement"]
+
+
 # ---- training runs: float64 parity with one process, every step ----------------------------------------------------
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
@@ -84,6 +111,7 @@ def references(tmp_path_factory):
     ("llama", 4, ["parallel.cp=2", "parallel.zero=2"]),  # ep 1 under cp: experts reduced over dp x cp like the rest
     ("gpt2", 2, ["parallel.tp=2", "parallel.etp=1"]),  # whole experts, each tp rank routes half the tokens
     ("llama", 2, ["parallel.tp=2", "parallel.etp=1", "parallel.ep=2"]),  # ... and ep drawn from the tp pair
+    ("gpt2", 2, ["parallel.tp=2", "parallel.etp=1", "parallel.zero=3"]),  # dp 1: experts sharded over the tp pair
     ("llama", 4, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
 ])
 def test_folded_layouts_match_one_process(tmp_path, references, case, ranks, layout):
