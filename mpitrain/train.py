@@ -486,6 +486,7 @@ def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes
                     log.write(record)
                 if result.skipped and (restored := resilience.after_bad_step(result, manager)) is not None:
                     step = restored
+                    checkpoints.rolled_back(restored)
                     continue
                 checkpoints.poll()
                 stopping = resilience.stop_reason(done, result.stop_requested)

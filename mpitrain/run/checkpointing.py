@@ -83,6 +83,11 @@ class Checkpointing:
         say(f"checkpoint: resumed from {path} at step {start}")
         return start
 
+    def rolled_back(self, step: int) -> None:
+        """After a bad-step rollback to `step`: the memory copies of later steps are not where the run goes on."""
+        if self.peer is not None:
+            self.peer.settle(step)
+
     def poll(self) -> None:
         """Commit an asynchronous save whose writers are done; its stall is carried into the next step's breakdown."""
         with self.breakdown.part("checkpoint") if self.cfg.checkpoint.async_ else nullcontext():
