@@ -304,6 +304,28 @@ def test_a_packed_row_gives_the_loss_and_gradients_of_its_documents_alone(arch, 
     np.testing.assert_allclose(packed_grads, state.grads.data, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("arch", sorted(VARIANTS))
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_declared_saved_bytes_count_the_documents(arch, recompute):
+    """GPT.saved_bytes (what `mpitrain memory` counts) with data.document_mask: the arrays the saved state keeps
+    alive (backend.nbytes_of), plus, where blocks recompute, the (B, T, T) mask of the context they keep (opaque to
+    nbytes_of: a recompute.Shared)."""
+    from mpitrain.backend import nbytes_of
+    from mpitrain.layers.recompute import Shared, apply_recompute
+    model, state = _model(arch, head=True)
+    model.document_mask = True
+    apply_recompute(model, recompute)
+    tokens, targets = _packed_rows(np.random.default_rng(8))
+    _, saved = model.forward(state, tokens, targets, documents=documents_of(tokens, EOD))
+    measured = nbytes_of(saved)
+    if recompute != "none":
+        kept = [unit["ctx"].ctx for unit in saved if isinstance(unit, dict) and isinstance(unit.get("ctx"), Shared)]
+        assert len({id(ctx["bias"]) for ctx in kept}) == 1 and kept[0]["bias"].shape == (2, 24, 24)
+        measured += kept[0]["bias"].nbytes
+    per_micro_batch, shared = model.saved_bytes(2, np.dtype(np.float64))
+    assert measured == per_micro_batch + shared
+
+
 # ----------------------------------------------------------------------------- ring attention (MPI)
 RING_SCRIPT = """
 import json

@@ -180,7 +180,27 @@ class GPT:
         per_micro_batch = sum(total(self.units[i].saved_arrays(micro_batch, seq_len, dtype))
                               for chunk in self.chunks for i in chunk)
         rope = [((seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2 if self.cfg.arch == "llama" else []
+        if self.document_mask:  # the rotary tables are then each micro-batch's own: counted by _document_arrays
+            return per_micro_batch + total(self._document_arrays(micro_batch, seq_len, dtype)), 0
         return per_micro_batch, total(rope)
+
+    def _document_arrays(self, batch: int, seq_len: int, dtype) -> list:
+        """What packed documents (data.document_mask) add to one micro-batch's kept state on this rank: the
+        embedding's per-row positions (gpt2), the per-row rotary tables (llama), under cp the whole rows' ids and
+        positions (ring attention's saved state), and where blocks recompute, the (B, T, T) mask in the context they
+        keep (a recompute.Shared, which backend.nbytes_of does not open)."""
+        units = [self.units[i] for chunk in self.chunks for i in chunk]
+        blocks = [unit for unit in units if hasattr(unit, "recompute")]
+        int64, arrays = np.dtype(np.int64), []
+        if self.cfg.arch == "gpt2" and any(isinstance(unit, Embedding) for unit in units):
+            arrays.append(((batch, seq_len), int64))
+        if self.cfg.arch == "llama" and blocks:
+            arrays += [((batch, seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2
+        if self.context_parallel is not None and any(block.recompute == "none" for block in blocks):
+            arrays += [((batch, self.cfg.seq_len), int64)] * 2
+        if self.context_parallel is None and any(block.recompute != "none" for block in blocks):
+            arrays.append(((batch, seq_len, seq_len), dtype))
+        return arrays
 
     def _sequence_length(self, x) -> int:
         """Token ids are (batch, T); activations between units are (batch, T/t, C) under sequence parallelism."""
