@@ -444,16 +444,22 @@ MARK = "@"  # every document starts with it and holds no other: the stream's sta
 
 
 @pytest.fixture(scope="module")
-def byte_file(tmp_path_factory):
-    """A byte-tokenizer file (no EOD id: its documents' starts are stored), documents of 3..40 bytes."""
-    from mpitrain.data.prepare import prepare_dataset
+def document_folder(tmp_path_factory):
+    """80 text files, documents of 3..40 bytes, each starting with MARK."""
     folder = tmp_path_factory.mktemp("documents")
     rng = np.random.default_rng(7)
     for i in range(80):
         text = "".join(rng.choice(list("abcdefgh ,."), int(rng.integers(2, 40))))
         (folder / f"doc{i:02d}.txt").write_text(MARK + text)
-    path = folder.parent / "documents.h5"
-    prepare_dataset(folder, path, val_fraction=0.25)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def byte_file(document_folder):
+    """A byte-tokenizer file (no EOD id: its documents' starts are stored)."""
+    from mpitrain.data.prepare import prepare_dataset
+    path = document_folder.parent / "documents.h5"
+    prepare_dataset(document_folder, path, val_fraction=0.25)
     return path
 
 
@@ -475,3 +481,35 @@ def test_a_run_on_a_byte_file_matches_one_process(tmp_path, byte_file, ranks, ov
     single = train_run(1, tmp_path / "one", byte_file, "data.document_mask=true", "train.eval_batches=1")
     assert_same_run(single, train_run(ranks, tmp_path / "many", byte_file, "data.document_mask=true",
                                       "train.eval_batches=1", *overrides))
+
+
+def test_a_bpe_file_ends_documents_with_its_eod_where_its_starts_say(tmp_path, document_folder):
+    """A trained BPE has an end-of-document token: rows split after it, at the same places as the stored starts."""
+    pytest.importorskip("tokenizers", reason="BPE needs the 'tokenizers' package (the bpe extra)")
+    from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
+    from mpitrain.data.prepare import prepare_dataset
+    path = tmp_path / "bpe.h5"
+    prepare_dataset(document_folder, path, tokenizer="bpe", vocab_size=300, val_fraction=0.25)
+    dataset = TokenDataset(path)
+    assert dataset.eod_id is not None
+    for sampler in train_and_val_samplers(dataset, 32, 4, 0):
+        by_eod = sampler.document_starts(1, range(4))
+        sampler.eod_id = None  # the stored starts instead
+        assert np.array_equal(by_eod[:, 1:], sampler.document_starts(1, range(4))[:, 1:])
+        assert by_eod[:, 1:].any()
+
+
+def test_train_refuses_document_mask_on_a_file_without_boundaries(tmp_path):
+    import h5py
+
+    from tests.mpi_helpers import describe, run_mpi
+    path = tmp_path / "old.h5"
+    with h5py.File(path, "w") as f:  # the format before document starts and eod_id
+        f.create_dataset("train", data=np.arange(400, dtype=np.uint16) % 256)
+        f.create_dataset("val", data=np.arange(200, dtype=np.uint16) % 256)
+        f.attrs.update({"vocab_size": 256, "tokenizer": '{"kind": "byte", "vocab_size": 256}'})
+    result = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(tmp_path / "run"),
+                         "--set", f"data.path={path}", "--set", "data.document_mask=true"])
+    assert result.returncode == 1, describe(result)
+    assert "data.document_mask = true needs document boundaries" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
