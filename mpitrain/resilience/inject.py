@@ -4,7 +4,7 @@ the start of step N.
 `kill` sends SIGKILL, as a crashed machine would. `hang` sends SIGSTOP, as `kill -STOP PID` would: the whole process
 freezes, its watchdog thread and heartbeat included, so its peers block in their next collective until their
 watchdogs end the job (mpitrain/comm/watchdog.py). One line first names the rank, host and step, so that a test or a
-demo can tell the injected fault from a real one. (nan, slow and flip change the computation inside the step.)
+demo can tell the injected fault from a real one. (nan, gradflip, slow and flip change the computation inside the step.)
 
 `enospc`, `edquot`, `erofs` and `eio` (MPITRAIN_FAULT=enospc:rank=R:step=N) make the rank's write of the checkpoint
 of step N fail halfway with that OSError (checkpoint/store.py writes through a file that raises it), as a full disk,
