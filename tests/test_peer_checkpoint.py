@@ -23,7 +23,9 @@ from mpitrain.checkpoint.peer import (
 )
 from mpitrain.checkpoint.pieces import HeldPiece, Piece
 from mpitrain.comm.nodes import NodeLayout
+from mpitrain.resilience.restart import PEER_RECORD, PendingRestart, SavedPoint, peer_copy_point, resumed_step
 from tests.mpi_helpers import describe, run_mpi
+from tests.test_restart import run_launch
 
 LAYOUT = {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero": 0}
 NODE_OF_RANK = (0, 0, 1, 1)
@@ -93,6 +95,21 @@ def test_a_restart_takes_the_newest_step_of_which_every_rank_has_a_copy():
     assert plan_restore([], LAYOUT, NODE_OF_RANK, None) == (None, "no copies in node memory")
 
 
+def test_launch_counts_the_time_lost_from_the_peer_copy_only_when_the_restart_took_it(tmp_path):
+    (tmp_path / PEER_RECORD).write_text('{"step": 6, "created": 1006.0}')
+    assert peer_copy_point(tmp_path) == SavedPoint(6, 1006.0)
+    assert peer_copy_point(tmp_path / "elsewhere") is None
+    rows = [{"step": 7, "time": 990.0}, {"step": 7, "time": 1012.0, "step_time_s": 1.0}, {"step": 8, "time": 1013.0}]
+    assert resumed_step(rows, since=1000.0) == 6 and resumed_step(rows, since=2000.0) is None
+    for resumed, saved_step, redone in ((6, 6, 1), (4, 4, 3)):
+        pending = PendingRestart(1, 137, 1010.0, 1010.0, SavedPoint(4, 1004.0), 3, SavedPoint(6, 1006.0), 1)
+        pending.resumed_at(resumed)
+        assert (pending.saved.step, pending.steps_redone) == (saved_step, redone)
+        line = pending.line(1011.0)
+        assert f"time lost {1011.0 - (1000 + saved_step):.1f} s, from the " in line
+        assert (f"from the peer copy in memory of step {saved_step}" in line) == (resumed == 6), line
+
+
 # ----------------------------------------------------------------------------- 2 fake nodes x 2 ranks
 STEPS = 10
 SETTINGS = ["data.synthetic=true", "precision.compute=float64", f"train.steps={STEPS}", "checkpoint.every=4",
@@ -128,6 +145,7 @@ def killed_after_a_peer_copy(tmp_path: Path) -> tuple[Path, dict, Path]:
     result = train(run_dir, SETTINGS + PEER, {**env, "MPITRAIN_FAULT": KILL})
     assert result.returncode != 0, describe(result)
     assert "peer copy: 0.4" in result.stdout and "MB per rank in" in result.stdout, describe(result)
+    assert json.loads((run_dir / "checkpoints" / PEER_RECORD).read_text())["step"] == 6
     (root,) = shm.iterdir()
     names = sorted(str(path.relative_to(root)) for path in root.rglob("*.bin"))
     assert names == [f"fakenode0/own/rank_0000{r}.step_00000006.bin" for r in (0, 1)] + \
@@ -146,6 +164,22 @@ def test_a_lost_node_is_restored_from_its_partners_memory(tmp_path, reference):
     assert "(file checkpoint step_00000004: " in result.stdout, describe(result)
     assert losses(run_dir) == reference  # bitwise, steps 7..10 after the restore included
     assert not root.exists()  # a finished run frees the nodes' memory
+    assert not (run_dir / "checkpoints" / PEER_RECORD).exists()
+
+
+def test_launch_restarts_from_the_peer_copies_and_counts_the_time_lost_from_them(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    env = {PEER_DIR_ENV: str(tmp_path / "shm"), FAKE_NODES_ENV: "2", "MPITRAIN_FAULT": KILL}
+    settings = [arg for setting in SETTINGS + PEER for arg in ("--set", setting)]
+    result = run_launch(["-n", "4", "--max-restarts", "1", "configs/tiny.toml", "--out", str(run_dir), *settings],
+                        env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, describe(result)
+    assert ("restart 1 of 1 from the checkpoint of step 4 or the peer copy of step 6 in memory, if every rank's "
+            "survived") in output, output
+    assert "checkpoint: restored step 6 from peer memory in " in output, output
+    assert "from the peer copy in memory of step 6 at " in output and "1 logged steps redone" in output, output
+    assert losses(run_dir) == reference
 
 
 def test_a_rank_without_any_copy_falls_back_to_the_files(tmp_path, reference):

@@ -33,10 +33,11 @@ import numpy as np
 
 from mpitrain.backend import array_module, to_host
 from mpitrain.checkpoint.pieces import HeldPiece
-from mpitrain.checkpoint.resume import review_changes
-from mpitrain.checkpoint.store import Checkpoint, step_dir_name
+from mpitrain.checkpoint.resume import model_mismatch, review_changes
+from mpitrain.checkpoint.store import Checkpoint, CheckpointError, step_dir_name
 from mpitrain.comm.nodes import NodeLayout
 from mpitrain.config import to_toml
+from mpitrain.resilience.restart import PEER_RECORD, peer_copy_point
 
 PEER_DIR_ENV = "MPITRAIN_PEER_DIR"
 FAKE_NODES_ENV = "MPITRAIN_PEER_FAKE_NODES"
@@ -153,6 +154,7 @@ class PeerCheckpoints:
         self.senders = [r for r in range(self.world.size) if partner_of(r, self.nodes) == self.rank]
         self.root = peer_root(manager.directory)
         self.node_dir = self.root / self.nodes.node_name
+        self.record = manager.directory / PEER_RECORD
         self.reported = False
 
     @property
@@ -216,6 +218,9 @@ class PeerCheckpoints:
                           f"previous copies; training goes on")
             return
         slowest = self.world.all_reduce_scalar(seconds, op="max")
+        if self.rank == 0:  # for `mpitrain launch`'s time lost (resilience/restart.py); small, on shared storage
+            with contextlib.suppress(OSError):
+                write_atomically(self.record, json.dumps({"step": step, "created": time.time()}).encode())
         if not self.reported:
             self.reported = True
             where = (f"partner rank {self.partner} on {self.nodes.names[self.nodes.node_of_rank[self.partner]]}"
@@ -271,13 +276,15 @@ class PeerCheckpoints:
                 self.echo(f"checkpoint: not restoring from peer memory: {'; '.join(p for p in problems if p)}; "
                           f"using {fallback}")
             return None
-        meta = header["meta"]
-        review_changes(Checkpoint(Path(f"peer-memory-{step_dir_name(step)}"), meta), self.manager.cfg,
-                       list(allowed_changes), self.echo)
+        saved = Checkpoint(Path(f"peer-memory-{step_dir_name(step)}"), header["meta"])  # its config, as an index's
+        mismatch = model_mismatch(saved, self.manager.cfg.model)  # the file restore's checks, the same everywhere
+        if mismatch:
+            raise CheckpointError(mismatch)
+        review_changes(saved, self.manager.cfg, list(allowed_changes), self.echo)
         for item, (_, raw) in zip(held, pieces):
             load_piece(item, raw)
         kept = self.manager.directory / step_dir_name(step)
-        self.manager.after_load(meta, kept if (kept / "COMMITTED").is_file() else None)
+        self.manager.after_load(saved.index, kept if (kept / "COMMITTED").is_file() else None)
         return step, self.world.all_reduce_scalar(time.perf_counter() - started, op="max")
 
     def _read(self, path: str) -> bytes:
@@ -319,6 +326,9 @@ class PeerCheckpoints:
     def settle(self, start: int) -> None:
         """Once the run continues from `start`: the copies of later steps are an abandoned future; the node's first
         rank deletes them (a fresh start: all)."""
+        recorded = peer_copy_point(self.manager.directory) if self.rank == 0 else None
+        if recorded is not None and recorded.step > start:
+            self.record.unlink(missing_ok=True)
         if not self.node_leader:
             return
         for folder in ("own", "peer"):
@@ -330,6 +340,8 @@ class PeerCheckpoints:
         """Collective, at the end of a finished run: free the nodes' memory of its copies."""
         if self.node_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
+        if self.rank == 0:
+            self.record.unlink(missing_ok=True)
         self.world.barrier()
         if self.node_leader:
             with contextlib.suppress(OSError):  # another node's folder is still there (fake nodes), or it is gone

@@ -35,6 +35,7 @@ from mpitrain.profile.jsonl import read_records
 STOPPED_EXIT_CODE = 75  # mpitrain.checkpoint.manager.PREEMPTED_EXIT_CODE (not imported: keep launch light)
 RUN_DIR_IN_USE_EXIT_CODE = 73  # mpitrain.run.lock's
 STORAGE_FAILED_EXIT_CODE = 74  # mpitrain.checkpoint.manager's
+PEER_RECORD = "peer_latest.json"  # CKPT_DIR/peer_latest.json: the step and time of the newest peer copy in memory
 NOT_RESTARTED = (0, STOPPED_EXIT_CODE, RUN_DIR_IN_USE_EXIT_CODE, STORAGE_FAILED_EXIT_CODE)
 POLL_SECONDS = 0.25
 
@@ -66,6 +67,22 @@ def last_committed(checkpoint_dir: Path) -> SavedPoint | None:
     """The newest committed checkpoint's step and save time (what `--resume auto` picks unless it fails to verify)."""
     points = saved_points(checkpoint_dir)
     return points[-1] if points else None
+
+
+def peer_copy_point(checkpoint_dir: Path) -> SavedPoint | None:
+    """The newest copy in node memory that every rank made (checkpoint/peer.py records it in PEER_RECORD), or None.
+    Whether it survives a failure only the restart learns."""
+    try:
+        record = json.loads((Path(checkpoint_dir) / PEER_RECORD).read_text())
+        return SavedPoint(int(record["step"]), float(record["created"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resumed_step(rows: list[dict], since: float) -> int | None:
+    """The step an attempt continued from: its first logged row's step minus one (a resume logs its first step)."""
+    later = [row for row in rows if row.get("time", 0.0) > since and "step" in row]
+    return min(later, key=lambda row: row["time"])["step"] - 1 if later else None
 
 
 def steps_logged_between(rows: list[dict], start: float, end: float) -> int:
@@ -118,6 +135,14 @@ class PendingRestart:
     started_at: float
     saved: SavedPoint | None
     steps_redone: int | None
+    peer: SavedPoint | None = None  # a newer copy in node memory (checkpoint.peer_every), if the restart takes it
+    peer_redone: int | None = None
+    from_peer: bool = False
+
+    def resumed_at(self, step: int | None) -> None:
+        """Once the attempt logged its first step: count from the peer copy when that is where it continued."""
+        if self.peer is not None and step == self.peer.step:
+            self.saved, self.steps_redone, self.from_peer = self.peer, self.peer_redone, True
 
     def line(self, first_step_at: float | None) -> str:
         head = f"launch: restart {self.number} (attempt {self.number}) after exit status {describe_status(self.status)}"
@@ -127,7 +152,8 @@ class PendingRestart:
         if first_step_at is None:
             return f"{head}: ended before its first step; time lost not known (checkpoint of step {self.saved.step})"
         redone = f", {self.steps_redone} logged steps redone" if self.steps_redone is not None else ""
-        return (f"{head}: time lost {first_step_at - self.saved.saved_at:.1f} s, from the save of step "
+        saved = "peer copy in memory" if self.from_peer else "save"
+        return (f"{head}: time lost {first_step_at - self.saved.saved_at:.1f} s, from the {saved} of step "
                 f"{self.saved.step} at {clock(self.saved.saved_at)} to the first step again at "
                 f"{clock(first_step_at)} (failure to restart {self.started_at - self.failed_at:.1f} s{redone})")
 
@@ -192,20 +218,27 @@ class Supervisor:
             attempt += 1
             saved = last_committed(self.checkpoint_dir)
             after_save = max(started, saved.saved_at) if saved is not None else started
-            redone = steps_logged_between(read_records(self.metrics_path), after_save, ended)
+            rows = read_records(self.metrics_path)
+            redone = steps_logged_between(rows, after_save, ended)
+            peer = peer_copy_point(self.checkpoint_dir)
+            peer = peer if peer is not None and peer.step > (saved.step if saved else 0) else None
             self.echo(f"launch: attempt {attempt - 1} failed with exit status {describe_status(status)}; restart "
                       f"{attempt} of {self.max_restarts} from "
-                      + (f"the checkpoint of step {saved.step}" if saved else "step 0 (no committed checkpoint)"))
-            pending = PendingRestart(attempt, status, ended, ended, saved, redone)
+                      + (f"the checkpoint of step {saved.step}" if saved else "step 0 (no committed checkpoint)")
+                      + (f" or the peer copy of step {peer.step} in memory, if every rank's survived" if peer else ""))
+            pending = PendingRestart(attempt, status, ended, ended, saved, redone, peer,
+                                     peer and steps_logged_between(rows, max(started, peer.saved_at), ended))
 
     def _report_when_known(self, pending: PendingRestart | None, started: float, final: bool = False):
         if pending is None:
             return None
         if not final and not self._metrics_changed():
             return pending  # polled 4 times a second: parse a long run's metrics.jsonl only when a row was added
-        first = first_step_started(read_records(self.metrics_path), started)
+        rows = read_records(self.metrics_path)
+        first = first_step_started(rows, started)
         if first is None and not final:
             return pending
+        pending.resumed_at(resumed_step(rows, started))
         self.echo(pending.line(first))
         return None
 
