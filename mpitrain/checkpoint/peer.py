@@ -335,6 +335,8 @@ class PeerCheckpoints:
             for _, step, path in copies_in(self.node_dir / folder):
                 if step > start:
                     path.unlink(missing_ok=True)
+            for torn in (self.node_dir / folder).glob("*.partial"):  # a copy cut short by the failure
+                torn.unlink(missing_ok=True)
 
     def discard(self) -> None:
         """Collective, at the end of a finished run: free the nodes' memory of its copies."""
