@@ -210,9 +210,9 @@ class PeerCheckpoints:
                 problem = problem or f"rank {self.rank} (copy of rank {sender}): {exc}"
         seconds = time.perf_counter() - started
         failed = self.world.all_reduce_scalar(float(problem is not None), op="max")
-        problems = self.world.gather_object(problem)
         self._forget(keep=None if failed else step, drop=step if failed else None)
         if failed:
+            problems = self.world.gather_object(problem)  # the reasons travel only when there are some
             if self.rank == 0:
                 self.echo(f"peer copy of step {step} failed ({'; '.join(p for p in problems if p)}); kept the "
                           f"previous copies; training goes on")
