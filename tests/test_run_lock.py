@@ -91,8 +91,14 @@ def test_lock_taken_refreshed_and_released_leaving_nothing_behind(tmp_path):
     assert {key: record[key] for key in ("job", "host", "pid")} == {"job": "local", "host": this_host(),
                                                                     "pid": os.getpid()}
     assert record["pid_start"] == process_start(os.getpid()) and record["started"] == record["heartbeat"]
+    (run_dir / LOCK_NAME).write_text(json.dumps(record | {"heartbeat": 1.0}))  # aged, so a refresh must show
     lock.refresh()
-    assert read_lock(run_dir / LOCK_NAME)["heartbeat"] >= record["heartbeat"]
+    assert read_lock(run_dir / LOCK_NAME)["heartbeat"] > 1.0
+    theirs = record | {"token": "theirs", "heartbeat": 1.0}
+    (run_dir / LOCK_NAME).write_text(json.dumps(theirs))
+    lock.refresh()  # another job's lock is never rewritten
+    assert read_lock(run_dir / LOCK_NAME) == theirs
+    (run_dir / LOCK_NAME).write_text(json.dumps(record))  # ours again
     second = RunDirLock(run_dir)  # a second taker in this very process counts as the same process: not refused...
     assert second.acquire()[0]  # ...it took over the first's lock, which the first must then leave alone
     lock.release()
