@@ -102,9 +102,6 @@ class NodeSlots:
     def __init__(self, array: np.ndarray, mine: int, keep=()):
         self.array, self.mine, self._keep = array, mine, keep
 
-    def __len__(self) -> int:
-        return len(self.array)
-
     def put(self, payload: bytes) -> None:
         if len(payload) > SLOT_BYTES - 8 * HEADER:
             raise ValueError(f"a heartbeat record of {len(payload)} bytes does not fit its slot of {SLOT_BYTES}")
