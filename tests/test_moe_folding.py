@@ -113,6 +113,7 @@ def references(tmp_path_factory):
     ("llama", 2, ["parallel.tp=2", "parallel.etp=1", "parallel.ep=2"]),  # ... and ep drawn from the tp pair
     ("gpt2", 2, ["parallel.tp=2", "parallel.etp=1", "parallel.zero=3"]),  # dp 1: experts sharded over the tp pair
     ("llama", 4, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.sequence_parallel=true"]),
+    ("llama", 4, ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]),  # experts split over tp, ep from cp
 ])
 def test_folded_layouts_match_one_process(tmp_path, references, case, ranks, layout):
     run = train_run(ranks, tmp_path / "run", *(GPT2 if case == "gpt2" else LLAMA), *layout)
@@ -151,3 +152,15 @@ def test_plan_searches_etp_and_ep_drawn_from_dp_x_cp():
     assert whole.describe().startswith("dp2 tp2 pp1 ep4 etp1")
     assert estimate(load_config("configs/tiny.toml", ["model.moe={experts = 8, top_k = 2}"]), whole,
                     cluster)["fits"]
+
+
+def test_cp_ranks_send_their_own_tokens_to_the_experts(tmp_path):
+    """cp 2 with ep 2 drawn from it, 2 experts, top-2: each cp rank's 2 x 16 tokens of a micro-batch each pick both
+    experts, so each sends all of its tokens to the other rank's expert and gets them back: 4 crossings (dispatch and
+    combine, forward and backward) of tokens x d_model bfloat16 values per MoE layer and micro-batch. Exactly that."""
+    metrics, _ = train_run(2, tmp_path / "run", "model.moe={experts = 2, top_k = 2}", "parallel.cp=2",
+                           "parallel.ep=2", "precision.compute=bfloat16", steps=2)
+    tokens, d_model, layers, micro_batches = 2 * 32 // 2, 32, 2, 8 // 2
+    for record in metrics:
+        assert record["comm_bytes"]["all_to_all"] == 4 * tokens * d_model * 2 * layers * micro_batches
+        assert np.isfinite(record["loss"]) and 0.9 < record["moe_balance"] < 1.5

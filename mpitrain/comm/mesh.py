@@ -233,11 +233,11 @@ class Mesh:
         return [getattr(self, kind) for kind in GROUP_KINDS]
 
     def describe(self) -> str:
-        return (
-            f"mesh {self.degrees} on {self.degrees.world_size} ranks; rank {self.rank}: pp {self.pp_rank}, "
-            f"dp {self.dp_rank}, cp {self.cp_rank}, tp {self.tp_rank}; experts: ep {self.ep_rank}, "
-            f"etp {self.etp_rank}, edp {self.edp_rank}"
-        )
+        d = self.degrees
+        experts = f"; experts: ep {self.ep_rank}, etp {self.etp_rank}, edp {self.edp_rank}" \
+            if d.ep > 1 or d.expert_tp != d.tp else f", ep {self.ep_rank}"
+        return (f"mesh {d} on {d.world_size} ranks; rank {self.rank}: pp {self.pp_rank}, dp {self.dp_rank}, "
+                f"cp {self.cp_rank}, tp {self.tp_rank}{experts}")
 
     def describe_layout(self) -> str:
         """The degrees and the nodes, e.g. `dp=1 tp=2 pp=1 cp=1 ep=1 on 1 node: node1 ranks 0-1`."""
