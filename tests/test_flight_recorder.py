@@ -118,3 +118,13 @@ def test_off_means_no_recorder_and_no_cost(tmp_path):
     with flight_signals(record):
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     assert not (tmp_path / "flight").exists()
+
+
+def test_an_earlier_starts_record_is_set_aside_so_the_doctor_never_reads_it_as_this_ones(tmp_path):
+    earlier = recorded(tmp_path)
+    earlier.enter("barrier", "world", (0, 3), "world@0", (0,), 0)
+    earlier.flight.write("hang", earlier)
+    again = recorded(tmp_path)  # the run started again (a restart, a resume): rank 3 has written nothing yet
+    assert not again.flight.path.exists()
+    kept = json.loads((tmp_path / "flight" / "earlier" / "rank_00003.json").read_text())
+    assert kept["reason"] == "hang" and kept["entered"] == {"world@0": 1}

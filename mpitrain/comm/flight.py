@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FLIGHT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+EARLIER = "earlier"  # RUN_DIR/flight/earlier/: the records of the run's previous start, which doctor hang ignores
 _NAME, _GROUP, _CHANNEL, _SEQ, _NBYTES, _STEP, _START, _END = range(8)
 
 
@@ -50,6 +51,19 @@ class FlightRecorder:
         self.world_rank = world_rank
         self.phase = phase
         self._writing = threading.Lock()
+        self._set_aside_earlier()
+
+    def _set_aside_earlier(self) -> None:
+        """Move this rank's record of an earlier start of the run (a hang before a restart, a stop request) to
+        flight/earlier/: left in place, `mpitrain doctor hang` would read it as this start's, and a rank that hangs
+        now without writing would look as if it had. Kept, not deleted: the evidence of the earlier failure."""
+        if not self.path.is_file():
+            return
+        try:
+            (self.directory / EARLIER).mkdir(exist_ok=True)
+            os.replace(self.path, self.directory / EARLIER / self.path.name)
+        except OSError:
+            self.path.unlink(missing_ok=True)  # where it cannot be kept, it must still not be read as this start's
 
     @property
     def path(self) -> Path:
