@@ -6,6 +6,7 @@ pure function promises: a resumed run and a dp = 2 run see the same batches as o
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
 import h5py
@@ -20,7 +21,7 @@ from mpitrain.data.tokenizer import ByteTokenizer
 from mpitrain.errors import ConfigError
 from mpitrain.optim.schedule import BatchRamp
 from mpitrain.train import make_samplers
-from tests.mpi_helpers import describe, run_mpi
+from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
 from tests.test_train_parity import PARITY_STEPS, assert_same_run, run_training
 
 SEQ_LEN, BATCH, FILE_SPAN = 8, 16, 10_000  # file i holds ids i * FILE_SPAN + 0, 1, 2, ...
@@ -170,10 +171,15 @@ def test_mix_and_synthetic_exclude_each_other_and_code_built_configs_are_checked
         validate(cfg)
 
 
-def test_files_are_checked_at_train_time(tmp_path, numbered):
+def test_files_are_checked_at_train_time(tmp_path, numbered, monkeypatch):
     cfg = load_config("configs/tiny.toml", [f'data.mix=["{numbered[0]}:1", "{tmp_path}/missing.h5:1"]'])
-    with pytest.raises(ConfigError, match=r"config key data\.mix: dataset file not found: \S*missing\.h5"):
+    with pytest.raises(ConfigError, match=r"config key data\.mix: data file \S*missing\.h5 not found"):
         make_samplers(cfg)
+    with monkeypatch.context() as here:  # a relative path is named with the directory it was resolved from
+        here.chdir(tmp_path)
+        cfg = load_config(f"{REPO_ROOT}/configs/tiny.toml", [f'data.mix=["{numbered[0]}:1", "missing.h5:1"]'])
+        with pytest.raises(ConfigError, match=re.escape(f"data file missing.h5 (resolved from {tmp_path}) not found")):
+            make_samplers(cfg)
     pytest.importorskip("tokenizers", reason="a BPE file needs the optional 'tokenizers' package")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("some text to tokenize, some more text\n" * 200)

@@ -13,10 +13,12 @@ loss on the blend the run trains on.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from mpitrain.data.dataset import VAL_SEED_OFFSET, BatchSampler, TokenDataset
-from mpitrain.errors import ConfigError, DataError
+from mpitrain.errors import ConfigError, DataError, shown_path
 
 MIX_STREAM = 0x6D6978  # "mix": keeps the file draws' random stream apart from the samplers' window permutations
 
@@ -78,6 +80,9 @@ def open_mix(sources) -> list[TokenDataset]:
     checking that they share one tokenizer: a token id must mean the same text in every file."""
     datasets = []
     for path, _ in sources:
+        if not os.path.isfile(path):  # named as data.path's is: a relative path with where it was resolved from
+            raise ConfigError(f"config key data.mix: data file {shown_path(path)} not found (create it with: "
+                              f"mpitrain data prepare --source python-stdlib --out {path})")
         try:
             datasets.append(TokenDataset(path))
         except DataError as err:
