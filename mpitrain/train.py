@@ -29,7 +29,7 @@ from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
 from mpitrain.data.documents import check_document_boundaries, documents_from_starts
 from mpitrain.data.mix import mix_samplers
 from mpitrain.data.synthetic import SyntheticSampler
-from mpitrain.errors import ConfigError, DataError, shown_path
+from mpitrain.errors import ConfigError, DataError, MpitrainError, shown_path
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.recompute import apply_recompute
@@ -433,7 +433,10 @@ def _watched_train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed
         try:
             return _train(cfg, world_comm, run_dir, echo, resume, allowed_changes, progress)
         except BaseException as exc:
-            if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+            # Not for a clean exit, nor for an error said in one line (a user error, a refused save): the ring tells
+            # nothing of those, and a refused restart would put its own record over an earlier hang's.
+            if progress.flight is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)) \
+                    and not isinstance(exc, MpitrainError):
                 progress.flight.write("failure", progress)  # before abort_on_error ends the job
             raise
 

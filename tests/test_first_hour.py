@@ -51,6 +51,7 @@ def test_a_refused_start_in_an_existing_run_directory_keeps_it(tmp_path):
     (run_dir / "notes.txt").write_text("mine")
     assert_refused_once(train(2, run_dir, "--set", "parallel.dp=3"), "world size 2")
     assert (run_dir / "notes.txt").read_text() == "mine"
+    assert not (run_dir / "flight").exists()  # an error said in one line leaves no flight record (comm/flight.py)
 
 
 def test_a_mistyped_key_names_the_key_it_was_meant_to_be(tmp_path):
