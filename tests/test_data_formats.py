@@ -153,7 +153,7 @@ def test_bpe_documents_end_with_its_end_of_document_token(tmp_path):
     dataset = TokenDataset(out)
     eod = dataset.tokenizer.eod_id
     with h5py.File(out, "r") as f:
-        assert f.attrs["eod_id"] == eod is not None
+        assert eod is not None and f.attrs["eod_id"] == eod
         for split in ("train", "val"):
             tokens, starts = f[split][:], f[f"{split}_doc_starts"][:]
             ends = np.append(starts[1:], len(tokens)) - 1
