@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--aux-loss", type=float, default=0.01)
-    parser.add_argument("--bias-rate", type=float, default=0.001)
+    parser.add_argument("--bias-rate", type=float, default=0.01)  # 300 steps: 1e-3 (DeepSeek-V3's) moves too little
     parser.add_argument("--seq-aux-loss", type=float, default=0.0)
     parser.add_argument("--out", default="runs/bench_moe_balance")
     parser.add_argument("--last", type=int, default=5, help="logged steps the loads are averaged over")
