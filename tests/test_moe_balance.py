@@ -184,3 +184,12 @@ def test_the_report_names_each_blocks_busiest_expert(reference_dir):
     expected = (f"MoE busiest expert / uniform at step {metrics[-1]['step']}: block 0 "
                 f"{load['0']['max_over_uniform']:.2f}, block 1 {load['1']['max_over_uniform']:.2f}")
     assert title.endswith(expected), title
+
+
+def test_the_console_line_names_the_worst_blocks_busiest_expert():
+    from mpitrain.run.log import format_log_line
+    record = {"step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.1,
+              "expert_load": {"0": {"max_over_uniform": 1.12, "dropped": 0}, "1": {"max_over_uniform": 1.31,
+                                                                                  "dropped": 4}}}
+    assert format_log_line(record, 10).endswith("| experts 1.31x")
+    assert "experts" not in format_log_line({**record, "expert_load": {}}, 10)

@@ -71,6 +71,8 @@ def format_log_line(record: dict, total_steps: int) -> str:
         line += f" | bubble {100 * record['bubble']:.1f}%"
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.4f}"
+    if record.get("expert_load"):  # model.moe: the busiest expert of the worst-balanced block, over uniform
+        line += f" | experts {max(load['max_over_uniform'] for load in record['expert_load'].values()):.2f}x"
     if "eta_s" in record:
         minutes, seconds = divmod(round(record["eta_s"]), 60)
         line += f" | ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
