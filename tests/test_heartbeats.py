@@ -4,6 +4,7 @@ ranks' last records, read_heartbeats over node and per-rank files; then a 3-rank
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -63,6 +64,19 @@ def test_the_first_rank_of_a_node_writes_one_file_for_its_ranks_read_by_the_othe
     assert ranks[2].read(1) == beat(1, 8)
     assert {rank: record["beat"] for rank, record in read_heartbeats(tmp_path).items()} == {0: 9, 1: 8, 2: 6, 3: 4}
     assert ranks[0].read(3) == beat(3, 4) and ranks[0].read(2) == beat(2, 6)
+
+
+def test_a_node_file_rewritten_within_the_same_mtime_is_read_again(tmp_path):
+    """Where mtime is coarse (1 s on some NFS), two writes a beat apart can share it: the file's inode tells them
+    apart (each write is a new file, renamed over the old one)."""
+    ranks = two_nodes(tmp_path)
+    path = tmp_path / "node_00000.json"
+    ranks[0].write(beat(0, 1))
+    os.utime(path, ns=(10**18, 10**18))
+    assert ranks[2].read(0) == beat(0, 1)
+    ranks[0].write(beat(0, 2))
+    os.utime(path, ns=(10**18, 10**18))  # the same mtime as the write before
+    assert ranks[2].read(0) == beat(0, 2)
 
 
 def test_a_finishing_writer_waits_for_its_ranks_last_records_but_not_for_ever(tmp_path):

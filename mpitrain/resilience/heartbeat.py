@@ -139,7 +139,7 @@ class NodeHeartbeats:
         self.node_ranks = [rank for rank, node in enumerate(self.node_of_rank) if node == self.node]
         self.writer = self.node_ranks[0] == world_rank
         self.final_wait_s = final_wait_s
-        self._files: dict[int, tuple[int, dict]] = {}  # node -> (file's mtime_ns, parsed): read again when changed
+        self._files: dict[int, tuple[tuple, dict]] = {}  # node -> (file's identity, parsed): read again when changed
 
     def path(self, node: int) -> Path:
         return self.directory / f"node_{node:05d}.json"
@@ -167,9 +167,11 @@ class NodeHeartbeats:
             return self.slots.get(self.node_ranks.index(world_rank))
         path = self.path(node)
         try:
-            changed = path.stat().st_mtime_ns
+            status = path.stat()
         except OSError:
             return None
+        # each write is a new file (a rename): its inode tells it apart where mtime is coarse (1 s on some NFS)
+        changed = (status.st_ino, status.st_mtime_ns, status.st_size)
         if node not in self._files or self._files[node][0] != changed:
             self._files[node] = (changed, read_json(path) or {})
         ranks = self._files[node][1].get("ranks")
