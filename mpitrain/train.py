@@ -55,7 +55,7 @@ from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.sdc import flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import compute_seconds, inject_slowdown
 from mpitrain.run.checkpointing import Checkpointing
-from mpitrain.run.lock import RUN_DIR_IN_USE_EXIT_CODE, STALE_AFTER_S, RunDirClaim
+from mpitrain.run.lock import LOCK_NAME, RUN_DIR_IN_USE_EXIT_CODE, STALE_AFTER_S, RunDirClaim
 from mpitrain.run.log import RunLog
 from mpitrain.run.resilience import Resilience
 from mpitrain.state.factory import make_state
@@ -444,7 +444,8 @@ def _watched_train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed
 def forget_refused_start(run_dir: Path):
     """Rank 0, before any rank writes: what removes RUN_DIR again when this start is refused (a user error on every
     rank), so a mistake leaves no empty run behind; None when the directory is already there (an earlier run's).
-    It removes only a directory that holds no metrics and no committed checkpoint: nothing trained in it."""
+    It removes only a directory that holds no metrics, no committed checkpoint and no run lock (this start's lock is
+    released by then: one there is another job's, which started in it meanwhile): nothing trained or training."""
     run_dir = Path(run_dir)
     if run_dir.exists():
         return None
@@ -453,7 +454,8 @@ def forget_refused_start(run_dir: Path):
         created = created.parent
 
     def remove() -> None:
-        if run_dir.is_dir() and not (run_dir / "metrics.jsonl").exists() and not any(created.rglob("COMMITTED")):
+        if run_dir.is_dir() and not (run_dir / "metrics.jsonl").exists() and not (run_dir / LOCK_NAME).exists() \
+                and not any(created.rglob("COMMITTED")):
             shutil.rmtree(created, ignore_errors=True)
     return remove
 

@@ -9,6 +9,7 @@ import pytest
 
 from mpitrain.comm.failure import one_line
 from mpitrain.errors import shown_path
+from mpitrain.train import forget_refused_start
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi, run_python_mpi
 
 TINY = ["--set", "data.synthetic=true", "--set", "precision.compute=float64", "--set", "train.steps=2",
@@ -52,6 +53,18 @@ def test_a_refused_start_in_an_existing_run_directory_keeps_it(tmp_path):
     assert_refused_once(train(2, run_dir, "--set", "parallel.dp=3"), "world size 2")
     assert (run_dir / "notes.txt").read_text() == "mine"
     assert not (run_dir / "flight").exists()  # an error said in one line leaves no flight record (comm/flight.py)
+
+
+def test_a_refused_start_never_removes_a_directory_another_job_started_in_meanwhile(tmp_path):
+    run_dir = tmp_path / "runs" / "shared"
+    forget = forget_refused_start(run_dir)  # asked before this start wrote anything: the directory is not there
+    run_dir.mkdir(parents=True)
+    (run_dir / ".lock").write_text("{}")  # another job took it (this start's own lock is released before forget)
+    forget()
+    assert (run_dir / ".lock").exists()
+    (run_dir / ".lock").unlink()
+    forget()
+    assert not (tmp_path / "runs").exists()  # nothing of anyone's there: removed as far as this start created it
 
 
 def test_a_mistyped_key_names_the_key_it_was_meant_to_be(tmp_path):
