@@ -44,11 +44,19 @@ def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
                 if pp > min(MAX_PP, m.n_layer // 2) and pp > 1:
                     continue
                 dp = gpus // (tp * cp * pp)
-                for etp in ([tp, 1] if experts and tp > 1 else [tp]):  # experts on their own mesh (comm/mesh.py)
-                    for ep in (divisors(dp * cp * tp // etp) if experts else [1]):
-                        if experts and experts % ep:
-                            continue
-                        yield from _settings(cfg, Layout(dp, tp, pp, cp, ep, etp=etp), cluster)
+                for etp, ep in _expert_meshes(experts, dp * cp, tp):
+                    yield from _settings(cfg, Layout(dp, tp, pp, cp, ep, etp=etp), cluster)
+
+
+def _expert_meshes(experts: int, holders: int, tp: int):
+    """(etp, ep) of the experts' own mesh (comm/mesh.py): ep drawn from the dp x cp ranks with experts split over tp,
+    and whole experts (etp = 1) only where ep reaches into the tp ranks' token shares, beyond what dp x cp holds."""
+    if not experts:
+        yield tp, 1
+        return
+    for ep in divisors(holders * tp):
+        if experts % ep == 0:
+            yield (tp, ep) if holders % ep == 0 else (1, ep)
 
 
 def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
