@@ -48,6 +48,16 @@ def test_the_subset_covers_every_feature_layout_and_named_pair():
         assert composability.applies(composability.find_feature(f), composability.find_layout(lay))
 
 
+def test_each_feature_changes_the_one_process_run(cells):
+    """A row whose keys changed nothing would be at parity trivially: every feature but those that are the dense
+    row's math by design must change the one-process losses."""
+    dense = next(c.reference_losses for c in cells.values() if c.feature == "dense gpt2")
+    assert dense
+    for cell in cells.values():
+        if cell.feature not in composability.SAME_MATH_AS_DENSE and cell.reference_losses:
+            assert cell.reference_losses != dense, f"{cell.feature}: the one-process run is the dense run"
+
+
 def _outcome(losses, params, returncode=0, stderr=""):
     return composability.Outcome("cmd", returncode, stderr, list(losses), dict(params))
 
@@ -68,6 +78,8 @@ def test_the_judge_tells_parity_from_mismatch_refusal_and_crash():
     assert "tensor names differ" in composability.judge(feature, layout, reference, missing, 0).detail
     refused = composability.judge(feature, layout, reference, _outcome([], {}, 1, "ERROR: x is not supported yet\n"), 0)
     assert refused.status == "refused" and refused.refused_without_reason
+    later = _outcome([], {}, 1, "ERROR: the adapters are not split over tp ranks yet; use tp = 1\n")
+    assert composability.judge(feature, layout, reference, later, 0).refused_without_reason
     reasoned = _outcome([], {}, 1, "ERROR: cp splits the sequence the loss needs whole\n")
     assert not composability.judge(feature, layout, reference, reasoned, 0).refused_without_reason
     crash = _outcome([], {}, 1, "Traceback (most recent call last):\nERROR: boom\n")
