@@ -75,6 +75,7 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
     stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
+    cp_kind: str = "ring"  # how cp ranks share attention: ring (K/V blocks travel) | ulysses (all-to-all of heads)
     ep: int = 1
     etp: int = 0  # expert tensor parallelism (model.moe): 1 = whole experts, tp = split like the MLP; 0: tp
     zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
@@ -229,6 +230,7 @@ ALLOWED = {
     "parallel.zero": (0, 1, 2, 3),
     "memory.offload": ("none", "host", "disk"),
     "memory.recompute": ("none", "selective", "full"),
+    "parallel.cp_kind": ("ring", "ulysses"),
     "parallel.schedule": SCHEDULE_KINDS,
     "optim.schedule": LR_SCHEDULES,
     "optim.decay_shape": DECAY_SHAPES,

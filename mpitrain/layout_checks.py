@@ -34,8 +34,28 @@ def validate_context_parallel(cfg) -> None:
     require(not p.sequence_parallel or (m.seq_len // p.cp) % p.tp == 0,
             f"model.seq_len / parallel.cp = {m.seq_len // p.cp} tokens per cp rank are not divisible by parallel.tp "
             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
+    if p.cp_kind == "ulysses":
+        validate_ulysses(cfg)
     # train.device = 'cuda' is allowed: the ring's buffers are the backend's arrays end to end (ring_attention.py
     # and ContextParallel use array_module) and travel on the cp group's NCCL lanes, or host-staged through MPI.
+
+
+def validate_ulysses(cfg) -> None:
+    """parallel.cp_kind = 'ulysses' gives each cp rank H/c of a tp rank's heads (layers/ulysses_attention.py)."""
+    p, m = cfg.parallel, cfg.model
+    heads = m.n_head // p.tp
+    require(heads % p.cp == 0,
+            f"parallel.cp_kind = 'ulysses': the {heads} attention heads per tp rank (model.n_head = {m.n_head} / "
+            f"parallel.tp = {p.tp}) are not divisible by parallel.cp = {p.cp}, so the heads cannot be split evenly "
+            f"over the cp ranks; choose parallel.cp dividing {heads} or parallel.cp_kind = 'ring'")
+    kv = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
+    require(kv % p.cp == 0 or p.cp % kv == 0,
+            f"parallel.cp_kind = 'ulysses': the {kv} key/value heads per tp rank (model.n_kv_head = {m.kv_heads}) "
+            f"are split over the cp ranks when a multiple of parallel.cp = {p.cp} and replicated when parallel.cp "
+            f"is a multiple of them; choose one")
+    require(cfg.memory.recompute != "selective",
+            "parallel.cp_kind = 'ulysses' recomputes with memory.recompute = 'full' or 'none', not 'selective' "
+            "(its kept attention core is the whole sequence of its heads); choose another memory.recompute")
 
 
 def validate_pipeline(cfg) -> None:

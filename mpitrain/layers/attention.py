@@ -11,6 +11,8 @@ The core (ops.attention_forward) takes a block of queries against a block of key
 positions and returns each query row's log-sum-exp with the output. Under context parallelism (`ring` set by
 mpitrain/parallel/context.apply_context_parallel) the core is ring attention instead (layers/ring_attention.py): it
 runs on this rank's two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp.
+With parallel.cp_kind = "ulysses" (`ulysses` set instead) it is layers/ulysses_attention.py: an all-to-all trades
+heads for tokens, the core above runs on whole sequences of H/c heads, a second all-to-all trades them back.
 
 Packed documents (data.document_mask, mpitrain/data/documents.py): the model's per-micro-batch context carries a
 (B, T, T) mask that also hides other documents (`ctx["bias"]`), rotary tables of each token's position in its
@@ -23,7 +25,7 @@ import math
 
 from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
-from mpitrain.layers import ops, ring_attention
+from mpitrain.layers import ops, ring_attention, ulysses_attention
 from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
 from mpitrain.state.params import ParamSpec
@@ -98,6 +100,7 @@ class Attention:
         self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
         self.ring = None  # the rank's ContextParallel under parallel.cp > 1
+        self.ulysses = None  # ... instead, under parallel.cp_kind = "ulysses"
 
     def local(self, tensors: dict) -> dict:
         """The views the linears use: with replicated K/V weights, the columns of this rank's K/V head."""
@@ -120,6 +123,8 @@ class Attention:
         if self.ring is not None:
             out, core = ring_attention.forward(self.ring, q, k, v, ctx.get("documents"))
             out = out.astype(q.dtype, copy=False)
+        elif self.ulysses is not None:
+            out, core = ulysses_attention.forward(self.ulysses, q, k, v, ctx.get("documents"))
         else:
             (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
         y, merged = self.out.forward(params, merge_heads(out))
@@ -150,6 +155,8 @@ class Attention:
             dtype = d_out.dtype
             dq, dk, dv = (grad.astype(dtype, copy=False)
                           for grad in ring_attention.backward(self.ring, saved["core"], split_heads(d_out, self.heads)))
+        elif self.ulysses is not None:
+            dq, dk, dv = ulysses_attention.backward(self.ulysses, saved["core"], head_view(d_out, self.heads))
         else:
             dq, dk, dv = ops.attention_backward(saved["core"], head_view(d_out, self.heads))
         if self.rope:
@@ -161,9 +168,12 @@ class Attention:
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's).
         Ring attention (seq_len: this cp rank's tokens) keeps q, k, v, its output and log-sum-exp instead of the
-        probabilities (recomputed block by block in backward)."""
+        probabilities (recomputed block by block in backward). Ulysses keeps the one-process core's arrays of its
+        heads over the whole sequence."""
         b, t, d, h, kv = batch, seq_len, self.head_dim, self.heads, self.kv_heads
         core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
         if self.ring is not None:
             core[3:] = [((b, h, t, d), dtype), ((b, h, t), ring_attention.lse_dtype(dtype))]
+        if self.ulysses is not None:
+            core = ulysses_attention.saved_arrays(b, h, kv, t, d, self.ulysses.size, dtype)
         return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)

@@ -186,8 +186,8 @@ class GPT:
 
     def _document_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """What packed documents (data.document_mask) add to one micro-batch's kept state on this rank: the
-        embedding's per-row positions (gpt2), the per-row rotary tables (llama), under cp the whole rows' ids and
-        positions (ring attention's saved state), and where blocks recompute, the (B, T, T) mask in the context they
+        embedding's per-row positions (gpt2), the per-row rotary tables (llama), under ring cp the whole rows' ids
+        and positions (ring attention's saved state), and where blocks recompute, the (B, T, T) mask in the context they
         keep (a recompute.Shared, which backend.nbytes_of does not open)."""
         units = [self.units[i] for chunk in self.chunks for i in chunk]
         blocks = [unit for unit in units if hasattr(unit, "recompute")]
@@ -196,7 +196,8 @@ class GPT:
             arrays.append(((batch, seq_len), int64))
         if self.cfg.arch == "llama" and blocks:
             arrays += [((batch, seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2
-        if self.context_parallel is not None and any(block.recompute == "none" for block in blocks):
+        ring = self.context_parallel is not None and self.context_parallel.kind == "ring"  # Ulysses keeps no ids
+        if ring and any(block.recompute == "none" for block in blocks):
             arrays += [((batch, self.cfg.seq_len), int64)] * 2
         if self.context_parallel is None and any(block.recompute != "none" for block in blocks):
             arrays.append(((batch, seq_len, seq_len), dtype))

@@ -92,11 +92,12 @@ class ContextParallel:
     """The cp group of one rank, what the model needs of it: positions, the sequence split and the ring.
 
     group: a comm Group over the cp ranks (ring order = group rank order); None with `size` for a layout without
-    communication (mpitrain memory counts shapes only).
+    communication (mpitrain memory counts shapes only). kind: parallel.cp_kind, "ring" (layers/ring_attention.py)
+    or "ulysses" (layers/ulysses_attention.py: heads exchanged for tokens by all-to-all).
     """
 
-    def __init__(self, group, size: int | None = None):
-        self.group = group
+    def __init__(self, group, size: int | None = None, kind: str = "ring"):
+        self.group, self.kind = group, kind
         self.size, self.rank = (group.size, group.rank) if group is not None else (size, 0)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
@@ -127,17 +128,26 @@ class ContextParallel:
         received = array_module(like).empty_like(like)
         return received, [self.group.irecv(received, self.prev, GRAD_TAG)]
 
+    def exchange(self, send):
+        """Ulysses' all-to-all: block r of `send` (c blocks on the first axis) goes to cp rank r; the result's block
+        s came from rank s."""
+        received = array_module(send).empty_like(send)
+        self.group.all_to_all(send, received)
+        return received
+
 
 def apply_context_parallel(model, cp: ContextParallel) -> None:
-    """Make `model` (a GPT) a cp rank's model: ring attention in every block, positions of its zig-zag chunks, and
-    every gradient that data parallelism reduces over dp reduced over dp x cp (each cp rank saw other tokens of the
-    same sequences). Call before the state is built from model.layouts."""
+    """Make `model` (a GPT) a cp rank's model: ring (or Ulysses) attention in every block, positions of its zig-zag
+    chunks, and every gradient that data parallelism reduces over dp reduced over dp x cp (each cp rank saw other
+    tokens of the same sequences). Call before the state is built from model.layouts."""
     if cp.size == 1:
         return
     model.context_parallel = cp
     for unit in model.units:
         for layer in unit.sublayers:
-            if hasattr(layer, "ring"):  # the attention core, the learned-position table
+            if cp.kind == "ulysses" and hasattr(layer, "ulysses"):  # the attention core
+                layer.ulysses = cp
+            elif hasattr(layer, "ring"):  # the attention core, the learned-position table
                 layer.ring = cp
         unit.layout = UnitLayout(unit.layout.name, [replace(spec, reduce_over="dp_cp") if spec.reduce_over == "dp"
                                                     else spec for spec in unit.layout.specs])

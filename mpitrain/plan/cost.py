@@ -8,7 +8,7 @@ Time of one step on the slowest rank (the first pipeline stage):
 
     t_micro = matmul FLOPs / (peak * efficiency(shape)) + elementwise bytes / HBM bandwidth
               + unit_overhead_s * units on the rank (fixed cost per unit: launches, Python)
-              + tp collectives + cp ring (beyond the attention it hides behind) + MoE all-to-all
+              + tp collectives + cp ring (beyond the attention it hides behind) or Ulysses all-to-alls + MoE all-to-all
               + ZeRO-3 gathers beyond the compute they hide behind + pipeline sends
     t_step  = m * t_micro * (1 + bubble / (1 - bubble) / contention) + exposed gradient reduction + ZeRO-1/2 parameter
               all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
@@ -55,6 +55,7 @@ from mpitrain.config import (
     validate_tensor_parallel,
 )
 from mpitrain.config_moe import MoeSettings, validate_moe
+from mpitrain.layers.ulysses_attention import bytes_per_block
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.plan.clusters import Cluster, Link
@@ -244,7 +245,7 @@ def compute_seconds(cfg: Config, cluster: Cluster, work: RankWork, model_flops: 
     per micro-batch."""
     m_cfg, p, moe = cfg.model, cfg.parallel, work.moe
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, work.layer_counts, cfg.memory.recompute)
-    if p.cp > 1:  # ring attention's backward recomputes each pair's scores, S = Q K^T, from the saved lse
+    if p.cp > 1 and p.cp_kind == "ring":  # ring attention's backward recomputes each pair's scores, S = Q K^T
         hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(work.layer_counts)
     if work.attention == "fused":
         hardware_flops -= fused_attention_discount(m_cfg, sum(work.layer_counts), cfg.memory.recompute != "none")
@@ -275,7 +276,7 @@ def elementwise_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
     # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
     # (and under cp the ring's backward its probabilities, P = exp(S - lse))
     again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
-             scores * (p.cp > 1)) / p.tp * e / 2
+             scores * (p.cp > 1 and p.cp_kind == "ring")) / p.tp * e / 2
     # per token; every tp rank routes all
     routed_rows = MOE_ROW_PASSES * work.moe.top_k * m_cfg.d_model * e * work.moe_layers
     return (ELEMENTWISE_PASSES * per_token * work.layers + ELEMENTWISE_PASSES / 2 * again * work.layers +
@@ -292,7 +293,10 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
 
     cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
     cp_micro = 0.0
-    if p.cp > 1:
+    if p.cp > 1 and p.cp_kind == "ulysses":  # not hidden: the attention waits for its heads
+        steps = (2 if cfg.memory.recompute == "full" else 1) * 2 * layers * (p.cp - 1)
+        cp_micro = cp_link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
+    elif p.cp > 1:
         kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
         kv_full = 2 * t.micro_batch * m_cfg.seq_len * kv_width * e
         ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
@@ -313,6 +317,19 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
     return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
+
+
+def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) -> float:
+    """Bytes one rank sends on the cp group's all-to-alls per micro-batch under parallel.cp_kind = 'ulysses': per
+    attention block, Q/K/V and O in forward, dO and dQ/dK/dV in backward, each (c-1)/c of this rank's tensors
+    (layers/ulysses_attention.bytes_per_block); full recomputation repeats the forward's."""
+    m, p = cfg.model, cfg.parallel
+    heads = m.n_head // p.tp
+    kv_heads = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
+    head_bytes = cfg.train.micro_batch * (m.seq_len // p.cp) * m.head_dim * element_bytes  # one head, T/c tokens
+    block = bytes_per_block(heads * head_bytes, kv_heads * head_bytes, kv_heads, p.cp)
+    forwards = 2 if cfg.memory.recompute == "full" else 1
+    return layers * (forwards * block["forward"] + block["backward"])
 
 
 def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float,
@@ -396,7 +413,8 @@ def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
              "overhead": "fixed per-unit overhead (launches, Python)",
              "tp": f"tp {p.tp} collectives" + (f" cross the node ({cluster.inter.bandwidth / 1e9:.0f} GB/s link)"
                                                 if crosses["tp"] else ""),
-             "cp_ring": f"cp {p.cp} K/V ring", "ep_all_to_all": f"ep {p.ep} all-to-all",
+             "cp_ring": f"cp {p.cp} " + ("all-to-all of heads" if p.cp_kind == "ulysses" else "K/V ring"),
+             "ep_all_to_all": f"ep {p.ep} all-to-all",
              "pp_send": "pipeline sends", "zero_exposed": f"ZeRO-{p.zero} parameter gathers",
              "dp_reduce": "gradient reduction" + (" across nodes" if crosses["dp"] else ""),
              "bubble": f"pipeline bubble ({p.schedule}, pp {p.pp})", "optimizer": "optimizer step",

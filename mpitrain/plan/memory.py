@@ -210,7 +210,8 @@ _SHARES: dict = {}  # shape key -> (dense, expert) trainable parameters: a walk 
 def shape_key(cfg: Config, pp_rank: int = 0) -> str:
     p, m = cfg.parallel, cfg.memory
     return repr((cfg.model, cfg.lora, cfg.precision.compute, p.tp, p.sequence_parallel, p.pp, p.virtual_stages,
-                 p.stage_layers, p.cp, p.ep, p.etp, m.recompute, m.recompute_layers, cfg.data.document_mask, pp_rank))
+                 p.stage_layers, p.cp, p.cp_kind, p.ep, p.etp, m.recompute, m.recompute_layers, cfg.data.document_mask,
+                 pp_rank))
 
 
 def rank_model(cfg: Config, pp_rank: int = 0):
@@ -233,7 +234,7 @@ def _build_rank_model(cfg: Config, pp_rank: int):
     model = GPT(cfg.model, _shape_backend(cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
                 ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
-    apply_context_parallel(model, ContextParallel(None, size=p.cp))  # activations of T/cp tokens, ring attention
+    apply_context_parallel(model, ContextParallel(None, size=p.cp, kind=p.cp_kind))  # activations of T/cp tokens
     model.document_mask = cfg.data.document_mask  # packed documents' per-row positions, tables and masks
     return model
 

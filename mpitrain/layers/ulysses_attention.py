@@ -1,0 +1,133 @@
+"""Ulysses attention (parallel.cp_kind = "ulysses"): context parallelism by an all-to-all of heads for tokens.
+
+Each cp rank holds its two zig-zag chunks of the sequence (mpitrain/parallel/context.py) for all of its heads. An
+all-to-all over the cp group hands rank r every rank's tokens of head group r (H/c query heads), so rank r holds the
+whole sequence of its heads and runs the one-process attention core on it (ops.attention_forward, causal, or the
+packed documents' mask of the whole rows); a second all-to-all hands every rank its own tokens of all heads back.
+The gathered tokens arrive rank by rank, each rank's two chunks in its order: `gathered_order` is the permutation
+of positions they arrive in, undone before the core and redone after it. Backward is the transpose: dO goes like
+the queries, dQ/dK/dV come back like the output.
+
+Grouped-query attention: query head h uses K/V head h // (H / Hkv). With Hkv a multiple of c the K/V heads are split
+like the queries (rank r takes K/V heads [r Hkv/c, (r+1) Hkv/c), the ones its query heads use); with c a multiple of
+Hkv every rank's query heads share one K/V head and each rank sends every destination that head (`kv_heads_for`):
+K/V are then replicated, and backward sums the dK/dV coming back for one head over the ranks that used it.
+
+Q, K and V travel in one buffer, so a block and micro-batch costs two all-to-alls in forward (QKV, O) and two in
+backward (dO, dQKV). Each sends (c-1)/c of its local buffer, counted under "all_to_all" on the cp group:
+
+    forward = backward = (c-1)/c (Q + 2 K' + O)     Q = O = B H (T/c) D e, K' = B Hkv' (T/c) D e
+
+with Hkv' = Hkv when split, c when replicated (one head to each rank); `bytes_per_block` computes it. `cp` is the
+rank's ContextParallel (size, rank, chunks_of, exchange): this module does the math, it moves the buffers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.backend import array_module
+from mpitrain.layers import attention_core, ops
+
+
+def gathered_order(cp, seq_len: int) -> np.ndarray:
+    """Positions of the tokens as the all-to-all delivers them: rank 0's two chunks, rank 1's, ..."""
+    m = seq_len // (2 * cp.size)
+    return np.concatenate([np.arange(c * m, (c + 1) * m) for r in range(cp.size) for c in cp.chunks_of(r)])
+
+
+def kv_heads_for(heads: int, kv_heads: int, cp_size: int) -> list[slice]:
+    """The K/V heads each cp rank's query heads (H/c of them) use: Hkv/c of them when Hkv is a multiple of c, else
+    the one head they share (c a multiple of Hkv)."""
+    if kv_heads % cp_size == 0:
+        per = kv_heads // cp_size
+        return [slice(r * per, (r + 1) * per) for r in range(cp_size)]
+    return [slice(r * kv_heads // cp_size, r * kv_heads // cp_size + 1) for r in range(cp_size)]
+
+
+def kv_heads_per_rank(kv_heads: int, cp_size: int) -> int:
+    """How many K/V heads each cp rank's core uses (kv_heads_for)."""
+    return kv_heads // cp_size if kv_heads % cp_size == 0 else 1
+
+
+def saved_arrays(batch: int, heads: int, kv_heads: int, local_len: int, head_dim: int, cp_size: int, dtype) -> list:
+    """(shape, dtype) of what forward keeps: the one-process core's q, k, v and probabilities over the whole sequence
+    (c local_len tokens) of this rank's H/c query heads and the K/V heads they use."""
+    b, h, kv, t, d = batch, heads // cp_size, kv_heads_per_rank(kv_heads, cp_size), local_len * cp_size, head_dim
+    return [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
+
+
+def bytes_per_block(local_q_bytes: int, local_kv_bytes: int, kv_heads: int, cp_size: int) -> dict[str, float]:
+    """Bytes one rank sends per attention block and micro-batch (module docstring). local_q_bytes: this rank's Q
+    (B, H, T/c, D); local_kv_bytes: its K (B, Hkv, T/c, D)."""
+    sent_kv = local_kv_bytes if kv_heads % cp_size == 0 else local_kv_bytes * cp_size // kv_heads
+    share = (cp_size - 1) / cp_size * (2 * local_q_bytes + 2 * sent_kv)
+    return {"forward": share, "backward": share}
+
+
+def _scatter_heads(cp, parts):
+    """[(x (B, h, t, D) local tokens, [head slice per rank])] -> (c, B, sum of slice widths, t, D): block r is what
+    rank r gets of each x, side by side on the head axis, exchanged; block s of the result is rank s's tokens."""
+    xp = array_module(parts[0][0])
+    send = xp.ascontiguousarray(xp.stack([xp.concatenate([x[:, heads[r]] for x, heads in parts], axis=1)
+                                          for r in range(cp.size)]))
+    return cp.exchange(send)
+
+
+def _to_sequence(received, order):
+    """(c, B, h, 2m, D) rank by rank -> (B, h, T, D) in sequence order."""
+    c, b, h, t, d = received.shape
+    gathered = received.transpose(1, 2, 0, 3, 4).reshape(b, h, c * t, d)
+    return gathered[:, :, np.argsort(order)]
+
+
+def _to_ranks(x, order, cp_size):
+    """(B, h, T, D) in sequence order -> (c, B, h, 2m, D): block r holds rank r's tokens, contiguous."""
+    b, h, t, d = x.shape
+    gathered = x[:, :, order].reshape(b, h, cp_size, t // cp_size, d)
+    return array_module(x).ascontiguousarray(gathered.transpose(2, 0, 1, 3, 4))
+
+
+def _mask(seq_len, dtype, xp, documents):
+    if documents is None:
+        return ops.causal_bias(seq_len, seq_len, xp, dtype)
+    ids, positions = documents  # the whole rows' (B, T), the same on every cp rank
+    return attention_core.document_bias(ids, positions, ids, positions, xp, dtype)
+
+
+def forward(cp, q, k, v, documents=None):
+    """(out, saved): causal attention of this rank's tokens. q: (B, H, 2m, D) holding its two zig-zag chunks; k, v:
+    (B, Hkv, 2m, D) likewise; documents: None, or the whole rows' (ids, positions). out: (B, H, 2m, D)."""
+    xp, heads, kv_heads = array_module(q), q.shape[1], k.shape[1]
+    q_heads = [slice(r * heads // cp.size, (r + 1) * heads // cp.size) for r in range(cp.size)]
+    kv = kv_heads_for(heads, kv_heads, cp.size)
+    seq_len = q.shape[2] * cp.size
+    order = gathered_order(cp, seq_len)
+    whole = _to_sequence(_scatter_heads(cp, [(q, q_heads), (k, kv), (v, kv)]), order)
+    hq, hkv = heads // cp.size, kv[0].stop - kv[0].start
+    q_all, k_all, v_all = (xp.ascontiguousarray(whole[:, a:b]) for a, b in
+                           ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    (out, _), core = ops.attention_forward(q_all, k_all, v_all, _mask(seq_len, q.dtype, xp, documents))
+    back = cp.exchange(_to_ranks(out, order, cp.size))  # block s: head group s of this rank's tokens
+    c, b, h, t, d = back.shape
+    out = back.transpose(1, 0, 2, 3, 4).reshape(b, c * h, t, d)
+    return out, (core, kv_heads)
+
+
+def backward(cp, saved, dout):
+    """(dq, dk, dv) of this rank's tokens, the shapes of forward's q, k, v."""
+    core, kv_heads = saved
+    xp, heads = array_module(dout), dout.shape[1]
+    q_heads = [slice(r * heads // cp.size, (r + 1) * heads // cp.size) for r in range(cp.size)]
+    kv = kv_heads_for(heads, kv_heads, cp.size)
+    order = gathered_order(cp, dout.shape[2] * cp.size)
+    dout_all = _to_sequence(_scatter_heads(cp, [(dout, q_heads)]), order)
+    dq, dk, dv = ops.attention_backward(core, dout_all)
+    back = cp.exchange(_to_ranks(xp.concatenate([dq, dk, dv], axis=1), order, cp.size))
+    hq, hkv = heads // cp.size, dk.shape[1]
+    dq = back[:, :, :hq].transpose(1, 0, 2, 3, 4).reshape(dout.shape)
+    shape = (dout.shape[0], kv_heads) + dout.shape[2:]
+    dk, dv = xp.zeros(shape, dtype=back.dtype), xp.zeros(shape, dtype=back.dtype)
+    for source, heads_used in enumerate(kv):  # replicated K/V: the ranks that shared a head sum their gradients
+        dk[:, heads_used] += back[source, :, hq:hq + hkv]
+        dv[:, heads_used] += back[source, :, hq + hkv:]
+    return dq, dk, dv
