@@ -71,8 +71,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # tp > 1: norm/residual regions split along the sequence (1/tp activations)
     pp: int = 1  # pipeline stages: each pp rank holds a slice of the layers (embedding first, head last)
     microbatches: int = 0  # pipeline micro-batches per step; 0: global_batch / (dp * micro_batch), the same number
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb1p
-    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb1p | zbv
+    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule; zbv needs 2)
     stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
     cp_kind: str = "ring"  # how cp ranks share attention: ring (K/V blocks travel) | ulysses (all-to-all of heads)

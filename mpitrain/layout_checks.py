@@ -63,8 +63,11 @@ def validate_pipeline(cfg) -> None:
     resolve_layout, once dp is)."""
     p, layers = cfg.parallel, cfg.model.n_layer
     stages = p.pp * p.virtual_stages
-    require(p.virtual_stages == 1 or p.schedule == "interleaved",
-            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' (got "
+    require(p.schedule != "zbv" or p.virtual_stages == 2,
+            f"parallel.schedule = 'zbv' runs two model chunks per rank in a V; set parallel.virtual_stages = 2 (got "
+            f"{p.virtual_stages})")
+    require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv"),
+            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' or 'zbv' (got "
             f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
     require(layers >= stages,
             f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "

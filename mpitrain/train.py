@@ -42,7 +42,7 @@ from mpitrain.optim.schedule import lr_at, make_batch_ramp
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
-from mpitrain.parallel.schedule import make_schedule
+from mpitrain.parallel.schedule import make_schedule, placement_of
 from mpitrain.parallel.timeline import bubble_fraction, merge_events
 from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
@@ -132,7 +132,8 @@ class Trainer:
     def _build_model(self) -> GPT:
         """This rank's stages of the model, with recomputation and ring attention (parallel.cp) applied."""
         cfg, p = self.cfg, self.cfg.parallel
-        stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers)
+        stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers,
+                             placement_of(p.schedule))
         tp = TensorParallel(self.mesh.tp, p.sequence_parallel, breakdown=self.breakdown)
         experts = ExpertParallel.of_mesh(self.mesh, MoeSettings.of(cfg.model).experts or 1)  # the expert mesh
         model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep=experts)
@@ -150,7 +151,7 @@ class Trainer:
         computing = ThreadReplicas(self.model, self.replicas) if self.replicas > 1 else self.model
         return PipelineExecutor(computing, self.state, self.mesh.pp, program, self.accumulation,
                                 (cfg.train.micro_batch, seq_len, cfg.model.d_model), self.backend,
-                                breakdown=self.breakdown)
+                                breakdown=self.breakdown, placement=placement_of(p.schedule))
 
     @property
     def is_logger(self) -> bool:

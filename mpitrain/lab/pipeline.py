@@ -1,15 +1,15 @@
 """Pipeline bubble vs micro-batches for GPipe, 1F1B, interleaved and zero-bubble, and GPipe's vs 1F1B's activations.
 
 The checked bubble comes from the ORDER of the events each rank's executor recorded, replayed with unit costs
-(F 1, B 2; zb1p's B and W 1 each): it does not depend on how busy the machine is. The wall-clock bubble of the same
-step is shown beside it (and plotted), never checked.
+(F 1, B 2; zb1p's and zbv's B and W 1 each): it does not depend on how busy the machine is. The wall-clock bubble
+of the same step is shown beside it (and plotted), never checked.
 """
 from __future__ import annotations
 
 from mpitrain.config import load_config
 from mpitrain.config_rules import SCHEDULE_KINDS
 from mpitrain.lab.runner import Row
-from mpitrain.parallel.schedule import theoretical_bubble
+from mpitrain.parallel.schedule import placement_of, theoretical_bubble
 from mpitrain.parallel.schedule_analysis import bubble_fraction
 from mpitrain.parallel.timeline import bubble_fraction as wall_bubble
 from mpitrain.parallel.timeline import merge_events, replay
@@ -18,7 +18,7 @@ NAME = "pipeline"
 TITLE = "Pipeline bubble vs micro-batches, and activations held by GPipe vs 1F1B"
 PANELS = 2
 NOTICE = ("What to notice: the bubble of the order each executor really ran equals (p-1)/(m+p-1) for GPipe and "
-          "1F1B alike; interleaving divides the fill and drain by v, zero-bubble (ZB-H1) by about 3. The wall-clock "
+          "1F1B alike; interleaving divides the fill and drain by v, ZB-H1 by about 3, ZB-V by about 6. The wall-clock "
           "bubble (crosses) sits above the line on a shared, loaded CPU: ranks wait for cores, not only for each "
           "other. GPipe holds all m micro-batches' activations on stage 0, 1F1B only p.")
 
@@ -35,7 +35,7 @@ def job(world, quick: bool):
     from mpitrain.train import Trainer
     p, runs = world.size, []
     for kind in SCHEDULE_KINDS:
-        v = 2 if kind == "interleaved" else 1
+        v = 2 if kind in ("interleaved", "zbv") else 1
         for m in micro_batches(quick):
             cfg = load_config("configs/tiny.toml", [
                 "data.synthetic=true", "logging.peak_flops=1e9", "precision.compute=float64",
@@ -49,7 +49,7 @@ def job(world, quick: bool):
             memory = world.gather([pipeline.activation_peak_bytes, pipeline.saved_bytes_per_micro_batch[0]], root=0)
             if world.rank == 0:
                 order = bubble_fraction(replay(events, p, t_forward=1.0, t_backward=2.0, t_backward_input=1.0,
-                                               t_backward_weight=1.0))
+                                               t_backward_weight=1.0, placement=placement_of(kind)))
                 runs.append({"kind": kind, "m": m, "v": v, "order_bubble": order,
                              "wall_bubble": wall_bubble(merge_events(events)),
                              "peak": memory[0][0], "per_micro_batch": memory[0][1]})
@@ -59,7 +59,7 @@ def job(world, quick: bool):
 def rows(result: dict) -> list[Row]:
     p, out = result["p"], []
     formulas = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)",
-                "zb1p": "(p-1)/(3m+p-1)"}
+                "zb1p": "(p-1)/(3m+p-1)", "zbv": "(p-1)/(6m+p-1)"}
     for run in result["runs"]:
         kind, m, v = run["kind"], run["m"], run["v"]
         expected = theoretical_bubble(kind, p, m, v)
@@ -79,7 +79,7 @@ def rows(result: dict) -> list[Row]:
 
 def plot(result: dict, axes) -> None:
     p = result["p"]
-    colours = dict(zip(SCHEDULE_KINDS, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
+    colours = dict(zip(SCHEDULE_KINDS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
     for kind in SCHEDULE_KINDS:
         runs = [r for r in result["runs"] if r["kind"] == kind]
         ms = [r["m"] for r in runs]

@@ -28,7 +28,8 @@ each rank did rather than assumed; `activation_peak_bytes` is the most saved sta
 With pp = 1 the 1f1b schedule is the plain accumulation loop (F0 B0 F1 B1 ...) and nothing is sent: the trainer runs
 every degree through this executor.
 
-Which layers: virtual stage s (chunk c of rank r is s = c*pp + r) holds parallel.stage_layers[s] blocks (default: an
+Which layers: virtual stage s (chunk c of rank r is s = c*pp + r; zbv's V: r and 2pp-1-r) holds
+parallel.stage_layers[s] blocks (default: an
 even split, the remainder on the first stages, since the last also holds the head); stage 0 also holds the embedding
 and the last stage the final norm, head and loss.
 """
@@ -39,7 +40,7 @@ from collections import Counter, defaultdict, deque
 import numpy as np
 
 from mpitrain.backend import nbytes_of, wire_view
-from mpitrain.parallel.schedule import Instruction, forward_only_program
+from mpitrain.parallel.schedule import Instruction, forward_only_program, message_peer, rank_and_chunk, stage_of
 from mpitrain.parallel.timeline import Timeline
 from mpitrain.state.reduce import add_into
 
@@ -57,14 +58,16 @@ def stage_layer_counts(n_layer: int, stages: int, override=()) -> list[int]:
     return [base + (s < extra) for s in range(stages)]
 
 
-def rank_stages(n_layer: int, pp: int, virtual_stages: int, pp_rank: int, override=()) -> list[tuple[int, int]]:
+def rank_stages(n_layer: int, pp: int, virtual_stages: int, pp_rank: int, override=(),
+                placement: str = "loop") -> list[tuple[int, int]]:
     """[first, end) global unit ranges of the chunks of pipeline rank `pp_rank`, chunk c being virtual stage
-    c*pp + pp_rank. Global units: 0 the embedding, 1..n_layer the blocks, n_layer + 1 the head."""
+    c*pp + pp_rank (placement "v", zbv's: pp_rank and 2pp-1-pp_rank). Global units: 0 the embedding, 1..n_layer the
+    blocks, n_layer + 1 the head."""
     stages = pp * virtual_stages
     bounds = np.cumsum([0] + stage_layer_counts(n_layer, stages, override)).tolist()
     chunks = []
     for chunk in range(virtual_stages):
-        stage = chunk * pp + pp_rank
+        stage = stage_of(pp_rank, chunk, pp, placement)
         first = 0 if stage == 0 else 1 + bounds[stage]
         end = n_layer + 2 if stage == stages - 1 else 1 + bounds[stage + 1]
         chunks.append((first, end))
@@ -132,12 +135,14 @@ class PipelineExecutor:
 
     model: the rank's GPT (its chunks); state: its parameter/gradient state; group: the pp group; program: this
     rank's instructions (schedule.make_schedule(...)[rank]); activation_shape: (micro_batch, T, d_model) of what
-    stages send each other (T / tp under sequence parallelism)."""
+    stages send each other (T / tp under sequence parallelism); placement: schedule.placement_of(kind), which of
+    this rank's chunks holds which stage (zbv's V hands the activation from chunk 0 to chunk 1 in memory)."""
 
     def __init__(self, model, state, group, program: list[Instruction], micro_batches: int, activation_shape,
-                 backend, breakdown=None):
+                 backend, breakdown=None, placement: str = "loop"):
         self.model, self.state, self.group, self.program = model, state, group, program
         self.rank, self.p, self.v = group.rank, group.size, len(model.chunks)
+        self.placement = placement
         self.last_stage = self.p * self.v - 1
         self.shape, self.backend = tuple(activation_shape), backend
         # where messages live: device buffers for a group that moves device memory (NCCL), host buffers for MPI
@@ -178,7 +183,7 @@ class PipelineExecutor:
     def forward_only(self, batch, micro_batches: int) -> float:
         """Validation: forward every micro-batch, keep nothing for backward; returns the loss sum (last stage).
         Its timeline is thrown away: `timeline` keeps the last training step's."""
-        program = forward_only_program(self.rank, self.p, self.v, micro_batches)
+        program = forward_only_program(self.rank, self.p, self.v, micro_batches, self.placement)
         return self._run(program, batch, None, Timeline(rank=self.rank))
 
     # -- the loop
@@ -209,7 +214,14 @@ class PipelineExecutor:
         return self.loss_sum
 
     def _stage(self, ins: Instruction) -> int:
-        return ins.chunk * self.p + self.rank
+        return stage_of(self.rank, ins.chunk, self.p, self.placement)
+
+    def _local_chunk(self, stage: int) -> int | None:
+        """This rank's chunk holding `stage` when a neighbour's data passes to it in memory (V's turn), else None."""
+        if not 0 <= stage <= self.last_stage or message_peer(self.rank, stage, self.p, self.v, self.placement) \
+                is not None:
+            return None
+        return rank_and_chunk(stage, self.p, self.placement)[1]
 
     def _hold(self, key, tree) -> int:
         """Account the activations (micro, chunk) now holds: its saved state, then its deferred W work; None when
@@ -288,7 +300,10 @@ class PipelineExecutor:
             extra = {"documents": documents[0]} if documents else {}
             output, saved = self.model.forward(self.gradients, x, targets, ins.chunk, loss_scale=self.loss_scale,
                                                **extra)
-        if stage < self.last_stage:
+        turn = self._local_chunk(stage + 1)
+        if turn is not None:
+            self._inputs[ins.micro, turn] = output
+        elif stage < self.last_stage:
             self._outputs[key] = output
         else:
             self.loss_sum += float(output)
@@ -304,7 +319,10 @@ class PipelineExecutor:
         with self._timeline.record(ins.op, *key):
             input_grad = self.model.backward(self.gradients, self._saved.pop(key), self._output_grads.pop(key),
                                              ins.chunk, deferred)
-        if self._stage(ins) > 0:
+        turn = self._local_chunk(self._stage(ins) - 1)
+        if turn is not None:
+            self._output_grads[ins.micro, turn] = input_grad
+        elif self._stage(ins) > 0:
             self._input_grads[key] = input_grad
         self._hold(key, deferred)  # None after a full backward: nothing left
         if split:

@@ -40,6 +40,12 @@ Schedules ("kind"):
   interleaved  Megatron's interleaved 1F1B with v chunks per rank     bubble (p-1)/(v*m+p-1), needs m % p == 0
   zb1p         Zero Bubble ZB-H1 (Qi et al. 2024): backward split into B and W, W deferred into the cool-down
                bubble, same peak activations as 1f1b                 bubble (p-1)/(3m+p-1) if F = B = W and m >= p
+  zbv          Zero Bubble ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r), B and W split,
+               at most 2p chunk activations (1f1b's p micro-batches)  bubble (p-1)/(6m+p-1) per chunk F = B = W, m >= p
+
+Placement: "loop" (every kind but zbv) puts stage s on rank s % p as chunk s // p; "v" (zbv) runs the stages down the
+ranks and back up, so the last rank holds stages p-1 and p and hands the activation (and its gradient) from one chunk
+to the other in memory: no message, no send or receive instruction.
 """
 from __future__ import annotations
 
@@ -96,36 +102,71 @@ Schedule = list[list[Instruction]]
 PerRankEvents = list[list[Event]]  # a timeline: per rank, its events in time order
 
 
-# ------------------------------------------------------------------------------------------------ instruction groups
-# One compute instruction with the receive before it and the send after it. Stage s = chunk*p + rank; the stage
-# before it lives on rank (rank-1) mod p and the one after it on (rank+1) mod p (interleaving wraps around).
+# ------------------------------------------------------------------------------------------------ placement
 
-def _forward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0) -> list[Instruction]:
-    stage = chunk * p + rank
+def placement_of(kind: str) -> str:
+    """How schedule `kind` places virtual stages on ranks: "v" for zbv, "loop" (round-robin) for the others."""
+    return "v" if kind == "zbv" else "loop"
+
+
+def stage_of(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage that chunk `chunk` of pipeline rank `rank` holds."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def rank_and_chunk(stage: int, p: int, placement: str = "loop") -> tuple[int, int]:
+    """The (pipeline rank, chunk) holding virtual stage `stage`: the inverse of stage_of."""
+    if placement == "v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
+
+
+def message_peer(rank: int, neighbour: int, p: int, v: int, placement: str = "loop") -> int | None:
+    """The rank a message to or from stage `neighbour` goes through, or None when there is none: no such stage, or
+    (V placement) the neighbour is this rank's other chunk, handed over in memory. The loop placement with p = 1
+    keeps its messages to itself."""
+    if not 0 <= neighbour < v * p:
+        return None
+    peer = rank_and_chunk(neighbour, p, placement)[0]
+    return None if placement == "v" and peer == rank else peer
+
+
+# ------------------------------------------------------------------------------------------------ instruction groups
+# One compute instruction with the receive before it and the send after it, from the neighbouring stages' ranks
+# (loop placement: rank-1 and rank+1 mod p, interleaving wraps around).
+
+def _forward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0, placement: str = "loop") -> list[Instruction]:
+    stage = stage_of(rank, chunk, p, placement)
+    before, after = (message_peer(rank, stage + step, p, v, placement) for step in (-1, 1))
     steps = []
-    if stage > 0:
-        steps.append(Instruction("recv_forward", micro, chunk, peer=(rank - 1) % p))
+    if before is not None:
+        steps.append(Instruction("recv_forward", micro, chunk, peer=before))
     steps.append(Instruction("forward", micro, chunk))
-    if stage < v * p - 1:
-        steps.append(Instruction("send_forward", micro, chunk, peer=(rank + 1) % p))
+    if after is not None:
+        steps.append(Instruction("send_forward", micro, chunk, peer=after))
     return steps
 
 
-def forward_only_program(rank: int, p: int, v: int, m: int) -> list[Instruction]:
+def forward_only_program(rank: int, p: int, v: int, m: int, placement: str = "loop") -> list[Instruction]:
     """Validation: every micro-batch through each chunk in turn, no backward. Sends never block, so this cannot
     deadlock, and each channel carries its micro-batches in order."""
-    return [step for chunk in range(v) for micro in range(m) for step in _forward(rank, micro, p, v, chunk)]
+    return [step for chunk in range(v) for micro in range(m)
+            for step in _forward(rank, micro, p, v, chunk, placement)]
 
 
-def _backward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0, op: str = "backward") -> list[Instruction]:
+def _backward(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0, op: str = "backward",
+              placement: str = "loop") -> list[Instruction]:
     """Full backward, or with op="backward_input" the B of zb1p: both receive dy and send dx."""
-    stage = chunk * p + rank
+    stage = stage_of(rank, chunk, p, placement)
+    before, after = (message_peer(rank, stage + step, p, v, placement) for step in (-1, 1))
     steps = []
-    if stage < v * p - 1:
-        steps.append(Instruction("recv_backward", micro, chunk, peer=(rank + 1) % p))
+    if after is not None:
+        steps.append(Instruction("recv_backward", micro, chunk, peer=after))
     steps.append(Instruction(op, micro, chunk))
-    if stage > 0:
-        steps.append(Instruction("send_backward", micro, chunk, peer=(rank - 1) % p))
+    if before is not None:
+        steps.append(Instruction("send_backward", micro, chunk, peer=before))
     return steps
 
 
@@ -237,6 +278,71 @@ def zb1p(p: int, m: int) -> Schedule:
     return schedule
 
 
+def zbv(p: int, m: int) -> Schedule:
+    """Zero Bubble ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): two chunks per rank in a V
+    (chunk 0 of rank r is stage r, chunk 1 is stage 2p-1-r), backward split into B and W as in zb1p.
+
+    The order comes from list scheduling with unit costs (F = B = W = 1 per chunk): at every time step each rank
+    runs a B whose dy is there (chunk 0 first), else a F whose input is there (chunk 1 first: it brings a micro-batch
+    closer to its loss) unless 2p chunk activations are in flight (1f1b's memory: p whole micro-batches), else its
+    oldest pending W. Per chunk, F's, B's and W's go in micro-batch order, so every channel stays FIFO. When m is a
+    multiple of p every rank idles p-1 steps in all: bubble (p-1)/(6m+p-1)."""
+    _check_args("zbv", p, m, 2)
+    schedule = []
+    for rank, order in enumerate(_zbv_order(p, m)):
+        steps = []
+        for op, micro, chunk in order:
+            if op == "forward":
+                steps += _forward(rank, micro, p, 2, chunk, placement="v")
+            elif op == "backward_input":
+                steps += _backward(rank, micro, p, 2, chunk, op, placement="v")
+            else:
+                steps.append(Instruction(op, micro, chunk))
+        schedule.append(steps + _finish())
+    return schedule
+
+
+def _zbv_order(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Per rank, its (op, micro, chunk) computations in order, from the unit-cost list scheduling zbv describes."""
+    last = 2 * p - 1
+    done: dict[tuple[str, int, int], int] = {}  # (F or B, micro, stage) -> the step it finished at
+    next_micro = {(rank, op, chunk): 0 for rank in range(p) for op in "FB" for chunk in (0, 1)}
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    in_flight, orders = [0] * p, [[] for _ in range(p)]
+
+    def ready(rank: int, op: str, chunk: int, now: int) -> bool:
+        micro, stage = next_micro[rank, op, chunk], stage_of(rank, chunk, p, "v")
+        if micro >= m:
+            return False
+        if op == "F":
+            return stage == 0 or done.get(("F", micro, stage - 1), now + 1) <= now
+        return done.get(("F", micro, stage), now + 1) <= now and \
+            (stage == last or done.get(("B", micro, stage + 1), now + 1) <= now)
+
+    now = 0
+    while sum(map(len, orders)) < 6 * m * p:
+        if now > 6 * m * p + 4 * p:  # more steps than all the work plus the V's round trip: a bug, never a hang
+            raise ScheduleError(f"zbv list scheduling is stuck at step {now} (p = {p}, m = {m})")
+        for rank in range(p):
+            choice = next((("B", c) for c in (0, 1) if ready(rank, "B", c, now)), None)
+            if choice is None and in_flight[rank] < 2 * p:
+                choice = next((("F", c) for c in (1, 0) if ready(rank, "F", c, now)), None)
+            if choice is not None:
+                op, chunk = choice
+                micro = next_micro[rank, op, chunk]
+                next_micro[rank, op, chunk] += 1
+                done[op, micro, stage_of(rank, chunk, p, "v")] = now + 1
+                in_flight[rank] += 1 if op == "F" else -1
+                if op == "B":
+                    pending_w[rank].append((micro, chunk))
+                orders[rank].append(("forward" if op == "F" else "backward_input", micro, chunk))
+            elif pending_w[rank]:
+                micro, chunk = pending_w[rank].pop(0)
+                orders[rank].append(("backward_weight", micro, chunk))
+        now += 1
+    return orders
+
+
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule `kind` (one of SCHEDULE_KINDS) for p pipeline ranks, m micro-batches and v chunks per rank."""
     _check_args(kind, p, m, v)
@@ -246,6 +352,8 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return one_f_one_b(p, m)
     if kind == "interleaved":
         return interleaved(p, m, v)
+    if kind == "zbv":
+        return zbv(p, m)
     return zb1p(p, m)
 
 
@@ -254,7 +362,10 @@ def _check_args(kind: str, p: int, m: int, v: int) -> None:
         raise ScheduleArgumentError(f"parallel.schedule must be one of {', '.join(SCHEDULE_KINDS)}; got {kind!r}")
     for key, value in (("parallel.pp", p), ("parallel.microbatches", m), ("parallel.virtual_stages", v)):
         positive_degree(key, value, ScheduleArgumentError)
-    if v > 1 and kind != "interleaved":
+    if kind == "zbv" and v != 2:
+        raise ScheduleArgumentError(f"parallel.schedule = 'zbv' runs two model chunks per rank in a V; set "
+                                    f"parallel.virtual_stages = 2 (got {v})")
+    if v > 1 and kind not in ("interleaved", "zbv"):
         raise ScheduleArgumentError(f"parallel.virtual_stages = {v} needs parallel.schedule = 'interleaved' "
                                     f"(got {kind!r}); set parallel.virtual_stages = 1 or change the schedule")
     if kind == "interleaved" and v > 1 and m % p:
@@ -276,10 +387,19 @@ def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
                                           the last stage runs F,B,F,B,... (its W's wait p-1 steps), so B(m-1) leaves
                                           it at p-1+2m, reaches rank 0 after p-1 more B's, and rank 0's W(m-1) ends
                                           at 2(m+p)-1. In general: makespan max(3m+p-1, 2(m+p)-1), busy 3m.
+        zbv           (p-1)/(6m+p-1)      per-chunk F = B = W = 1 (a stage's F+B+W is 6 per micro-batch): the last
+                                          rank's first input arrives after p-1 steps, so the makespan is at least
+                                          6m+p-1 (and 4p+2m-1, the last micro-batch's trip down and up the V after
+                                          the m-1 before it): the bound max of both, with busy 6m. Half of zb1p's.
+                                          zbv's list scheduling reaches it exactly when m is a multiple of p; other
+                                          m lose a few steps (schedule_analysis.simulate measures them).
     """
     _check_args(kind, p, m, v)
     if kind == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if kind == "zbv":
+        makespan = max(6 * m + p - 1, 4 * p + 2 * m - 1)
+        return (makespan - 6 * m) / makespan
     if kind == "zb1p":
         makespan = max(3 * m + p - 1, 2 * (m + p) - 1)
         return (makespan - 3 * m) / makespan

@@ -17,15 +17,13 @@ from mpitrain.parallel.schedule import (
     PerRankEvents,
     Schedule,
     ScheduleError,
+    message_peer,
+    stage_of,
 )
 
 # ------------------------------------------------------------------------------------------------ validation
 
-def _stage(rank: int, chunk: int, p: int) -> int:
-    return chunk * p + rank
-
-
-def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
+def validate(schedule: Schedule, p: int, m: int, v: int = 1, placement: str = "loop") -> None:
     """Raise ScheduleError unless `schedule` is a correct pipeline program for p ranks, m micro-batches, v chunks:
 
     1. each rank ends with reduce_grads then optimizer_step, and every instruction names a valid micro-batch, chunk
@@ -37,34 +35,39 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
        it;
     4. per (sender, receiver, direction) the sends and receives carry the same micro-batches in the same order;
     5. run with blocking receives and buffered sends, every rank gets to its end (no deadlock).
+
+    placement: schedule.placement_of(kind), which rank and chunk hold each stage ("v" for zbv).
     """
     if len(schedule) != p:
         raise ScheduleError(f"schedule has {len(schedule)} ranks, expected p = {p}")
     for rank, program in enumerate(schedule):
-        _check_rank(rank, program, p, m, v)
-    _check_channels(schedule, p)
-    _, stuck = _execute(schedule, _zero_durations, t_comm=0.0)
+        _check_rank(rank, program, p, m, v, placement)
+    _check_channels(schedule, p, placement)
+    _, stuck = _execute(schedule, _zero_durations, t_comm=0.0, placement=placement)
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(f"rank {rank} waits at step {pc} {schedule[rank][pc]}"
                                                       for rank, pc in stuck))
 
 
-def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int) -> None:
+def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int, placement: str) -> None:
     where = f"rank {rank}"
-    last = v * p - 1
+
+    def peers(chunk: int) -> dict[str, int | None]:  # per message op, the rank it goes through (None: no message)
+        stage = stage_of(rank, chunk, p, placement)
+        before, after = (message_peer(rank, stage + step, p, v, placement) for step in (-1, 1))
+        return {"recv_forward": before, "send_backward": before, "send_forward": after, "recv_backward": after}
+
     if [ins.op for ins in program[-2:]] != list(STEP_OPS) or \
             sum(ins.op in STEP_OPS for ins in program) != 2:
         raise ScheduleError(f"{where}: must end with reduce_grads, optimizer_step (once each)")
-    expected_peer = {"recv_forward": (rank - 1) % p, "send_backward": (rank - 1) % p,
-                     "send_forward": (rank + 1) % p, "recv_backward": (rank + 1) % p}
     positions: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     for index, ins in enumerate(program[:-2]):
         if not isinstance(ins.micro, int) or not 0 <= ins.micro < m:
             raise ScheduleError(f"{where} step {index}: {ins} has micro-batch {ins.micro!r} outside 0..{m - 1}")
         if not isinstance(ins.chunk, int) or not 0 <= ins.chunk < v:
             raise ScheduleError(f"{where} step {index}: {ins} has chunk {ins.chunk!r} outside 0..{v - 1}")
-        if ins.op in COMM_OPS and ins.peer != expected_peer[ins.op]:
-            raise ScheduleError(f"{where} step {index}: {ins} should name peer rank {expected_peer[ins.op]}")
+        if ins.op in COMM_OPS and ins.peer != peers(ins.chunk)[ins.op]:
+            raise ScheduleError(f"{where} step {index}: {ins} should name peer rank {peers(ins.chunk)[ins.op]}")
         if ins.op in COMPUTE_OPS and ins.peer is not None:
             raise ScheduleError(f"{where} step {index}: {ins} is a computation and names a peer")
         positions[ins.op, ins.micro, ins.chunk].append(index)
@@ -72,8 +75,8 @@ def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int) -
     def count(op: str, micro: int, chunk: int, expected: int, why: str) -> None:
         found = len(positions.get((op, micro, chunk), ()))
         if found != expected:
-            raise ScheduleError(f"{where}: virtual stage {_stage(rank, chunk, p)} has {found} {op}(micro={micro}, "
-                                f"chunk={chunk}), expected {expected} ({why})")
+            raise ScheduleError(f"{where}: virtual stage {stage_of(rank, chunk, p, placement)} has {found} "
+                                f"{op}(micro={micro}, chunk={chunk}), expected {expected} ({why})")
 
     def first(op: str, micro: int, chunk: int) -> int:
         return positions[op, micro, chunk][0]
@@ -85,7 +88,7 @@ def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int) -
 
     # counts first: every micro-batch forwarded and backwarded once on each of this rank's virtual stages
     for chunk in range(v):
-        stage = _stage(rank, chunk, p)
+        messages = {op: int(peer is not None) for op, peer in peers(chunk).items()}
         for micro in range(m):
             count("forward", micro, chunk, 1, "each micro-batch is forwarded once per stage")
             split = (("backward_input", micro, chunk) in positions or ("backward_weight", micro, chunk) in positions)
@@ -95,29 +98,44 @@ def _check_rank(rank: int, program: list[Instruction], p: int, m: int, v: int) -
                 count("backward_weight", micro, chunk, 1, "W once")
             else:
                 count("backward", micro, chunk, 1, "each micro-batch is backwarded once per stage")
-            count("recv_forward", micro, chunk, int(stage > 0), "every stage but the first receives its input")
-            count("send_forward", micro, chunk, int(stage < last), "every stage but the last sends its output")
-            count("recv_backward", micro, chunk, int(stage < last), "every stage but the last receives dy")
-            count("send_backward", micro, chunk, int(stage > 0), "every stage but the first sends dx")
+            count("recv_forward", micro, chunk, messages["recv_forward"], "its input comes from another rank")
+            count("send_forward", micro, chunk, messages["send_forward"], "a stage sends its output to another rank")
+            count("recv_backward", micro, chunk, messages["recv_backward"], "a stage receives dy from another rank")
+            count("send_backward", micro, chunk, messages["send_backward"], "a stage sends dx to another rank")
     # then the order of each micro-batch's instructions on this rank
     for chunk in range(v):
-        stage = _stage(rank, chunk, p)
+        messages = peers(chunk)
         for micro in range(m):
             gradient = "backward_input" if ("backward_input", micro, chunk) in positions else "backward"
             before("forward", gradient, micro, chunk)
             if gradient == "backward_input":
                 before("backward_input", "backward_weight", micro, chunk)
-            if stage > 0:
+            if messages["recv_forward"] is not None:
                 before("recv_forward", "forward", micro, chunk)
                 before(gradient, "send_backward", micro, chunk)
-            if stage < last:
+            if messages["send_forward"] is not None:
                 before("forward", "send_forward", micro, chunk)
                 before("recv_backward", gradient, micro, chunk)
+    if placement == "v":
+        _check_turn(rank, positions, p, m)
 
 
-def _channel(rank: int, ins: Instruction, p: int) -> tuple[tuple[int, int, str], tuple[int, int]]:
+def _check_turn(rank: int, positions: dict, p: int, m: int) -> None:
+    """The V's turn on the last rank passes through memory: chunk 0's forward (stage p-1) must come before chunk 1's
+    (stage p), and chunk 1's input gradient before chunk 0's backward."""
+    if rank != p - 1:
+        return
+    for micro in range(m):
+        gradient = "backward_input" if ("backward_input", micro, 0) in positions else "backward"
+        if positions["forward", micro, 0][0] > positions["forward", micro, 1][0] or \
+                positions[gradient, micro, 1][0] > positions[gradient, micro, 0][0]:
+            raise ScheduleError(f"rank {rank}: micro-batch {micro} turns the V out of order (forward chunk 0 before "
+                                f"chunk 1, input gradient chunk 1 before chunk 0)")
+
+
+def _channel(rank: int, ins: Instruction, p: int, placement: str) -> tuple[tuple[int, int, str], tuple[int, int]]:
     """(sender, receiver, direction) of a send or receive, and what the message is: (micro, receiving stage)."""
-    stage = _stage(rank, ins.chunk, p)
+    stage = stage_of(rank, ins.chunk, p, placement)
     if ins.op == "send_forward":
         return (rank, ins.peer, "forward"), (ins.micro, stage + 1)
     if ins.op == "recv_forward":
@@ -127,13 +145,13 @@ def _channel(rank: int, ins: Instruction, p: int) -> tuple[tuple[int, int, str],
     return (ins.peer, rank, "backward"), (ins.micro, stage)  # recv_backward
 
 
-def _check_channels(schedule: Schedule, p: int) -> None:
+def _check_channels(schedule: Schedule, p: int, placement: str) -> None:
     sent: dict[tuple, list] = defaultdict(list)
     received: dict[tuple, list] = defaultdict(list)
     for rank, program in enumerate(schedule):
         for ins in program:
             if ins.op in COMM_OPS:
-                channel, message = _channel(rank, ins, p)
+                channel, message = _channel(rank, ins, p, placement)
                 (sent if ins.op.startswith("send") else received)[channel].append(message)
     for channel in sorted(set(sent) | set(received)):
         sends, recvs = sent.get(channel, []), received.get(channel, [])
@@ -154,7 +172,8 @@ def _zero_durations(ins: Instruction) -> float:
     return 0.0
 
 
-def _execute(schedule: Schedule, duration, t_comm: float) -> tuple[PerRankEvents, list[tuple[int, int]]]:
+def _execute(schedule: Schedule, duration, t_comm: float,
+             placement: str = "loop") -> tuple[PerRankEvents, list[tuple[int, int]]]:
     """Run all ranks with buffered sends and blocking receives. Returns the timeline and, for ranks that could not
     finish, (rank, index of the receive they wait at). Compute takes duration(instruction); a message arrives t_comm
     after its send. The times do not depend on the order ranks are visited in, only on the dependencies."""
@@ -171,11 +190,11 @@ def _execute(schedule: Schedule, duration, t_comm: float) -> tuple[PerRankEvents
                 ins = program[pc[rank]]
                 start = clock[rank]
                 if ins.op in ("send_forward", "send_backward"):
-                    channel, message = _channel(rank, ins, p)
+                    channel, message = _channel(rank, ins, p, placement)
                     mailbox[channel].append((message, start + t_comm))
                     end = start
                 elif ins.op in ("recv_forward", "recv_backward"):
-                    channel, expected = _channel(rank, ins, p)
+                    channel, expected = _channel(rank, ins, p, placement)
                     if not mailbox[channel]:
                         break  # blocked: the matching send has not been issued yet
                     message, arrival = mailbox[channel].popleft()
@@ -194,13 +213,13 @@ def _execute(schedule: Schedule, duration, t_comm: float) -> tuple[PerRankEvents
 
 
 def simulate(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0, t_backward_input: float = 1.0,
-             t_backward_weight: float = 1.0, t_comm: float = 0.0) -> PerRankEvents:
+             t_backward_weight: float = 1.0, t_comm: float = 0.0, placement: str = "loop") -> PerRankEvents:
     """Per rank, the list of Event(start, end, instruction) when each instruction runs as soon as its rank is free
     and its input has arrived. Sends, reduce_grads and optimizer_step take no time; a receive lasts from when its
     rank reaches it to when the message arrives (t_comm after the send), i.e. it is the time spent waiting on a peer."""
     durations = {"forward": t_forward, "backward": t_backward, "backward_input": t_backward_input,
                  "backward_weight": t_backward_weight}
-    timeline, stuck = _execute(schedule, lambda ins: durations.get(ins.op, 0.0), t_comm)
+    timeline, stuck = _execute(schedule, lambda ins: durations.get(ins.op, 0.0), t_comm, placement)
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(f"rank {rank} waits at step {pc} {schedule[rank][pc]}"
                                                       for rank, pc in stuck))
