@@ -127,7 +127,7 @@ class Trainer:
         self.recent_step_s: list[float] = []  # for the ETA
         self.cluster_peak_flops = self.mesh.world.all_reduce_scalar(self.peak_flops)
         self.guard = BadStepGuard(cfg.fault, self.mesh.world, self.faults)  # bad steps: skip, roll back
-        self.attribution = FaultAttribution(cfg.fault.attribute, self.mesh.world, self.guard, run_dir, print)
+        self.attribution = FaultAttribution(cfg.fault.attribute, self.mesh, self.guard, run_dir, print)
 
     def _build_model(self) -> GPT:
         """This rank's stages of the model, with recomputation and ring attention (parallel.cp) applied."""
@@ -157,14 +157,16 @@ class Trainer:
     def is_logger(self) -> bool:
         return self.mesh.world.rank == 0
 
-    def _rows(self, micro: int, global_batch: int) -> range:
-        first = self.mesh.dp_rank * (global_batch // self.cfg.parallel.dp) + micro * self.cfg.train.micro_batch
+    def _rows(self, micro: int, global_batch: int, dp_rank: int | None = None) -> range:
+        """dp_rank: whose rows (default this rank's; a replay's peer check computes another's)."""
+        dp_rank = self.mesh.dp_rank if dp_rank is None else dp_rank
+        first = dp_rank * (global_batch // self.cfg.parallel.dp) + micro * self.cfg.train.micro_batch
         return range(first, first + self.cfg.train.micro_batch)
 
-    def _micro_batch(self, data, batch: int, micro: int, global_batch: int):
+    def _micro_batch(self, data, batch: int, micro: int, global_batch: int, dp_rank: int | None = None):
         """(inputs, targets) of this rank: its dp rows of a global batch of `global_batch` sequences, and of each row
         its cp rank's zig-zag chunks; with data.document_mask also the whole rows' documents (GPT.document_context)."""
-        rows = self._rows(micro, global_batch)
+        rows = self._rows(micro, global_batch, dp_rank)
         cp, parts = self.mesh.cp, data.global_batch_rows(batch, rows)
         local = tuple(split_sequence(part, cp.size, cp.rank) for part in parts)
         if not self.cfg.data.document_mask:
@@ -200,7 +202,7 @@ class Trainer:
         if self.ramp is not None:
             self._use_batch_size(global_batch)
         tokens = global_batch * cfg.model.seq_len
-        loss_sum, aux, compute = self._forward_backward(step, batch, global_batch, loss_scale)
+        loss_sum, aux, compute, _ = self._forward_backward(step, batch, global_batch, loss_scale)
         self.breakdown.push("optimizer")  # the norm, the verdict and the update (their waits apart)
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / tokens
@@ -235,12 +237,15 @@ class Trainer:
         return result
 
     def _forward_backward(self, step: int, batch: int, global_batch: int, loss_scale: float) -> tuple:
-        """(this rank's loss sum, MoE auxiliary losses, compute seconds) of step `step` on data batch `batch`, from
-        the current parameters, its gradients reduced into the state; injected gradient faults strike here."""
+        """(this rank's loss sum, MoE auxiliary losses, compute seconds, its loss sum without them) of step `step`
+        on data batch `batch`, from the current parameters, its gradients reduced into the state; injected faults of
+        the loss and the gradient strike here."""
         self.state.zero_grads()
         tokens = global_batch * self.cfg.model.seq_len
         dloss = loss_scale / tokens  # the loss is the mean over every token of this step's global batch
         loss_sum = self.pipeline.run_step(lambda micro: self._fetch(batch, micro, global_batch), dloss)
+        if self.guard.strikes("lossnan", step + 1):
+            loss_sum = math.nan
         aux = self.model.pop_aux_losses()  # model.moe
         self.moe_metrics, aux_sum = moe_step_metrics(aux, self.model.moe_layers, self.mesh, tokens)
         compute = compute_seconds(self.pipeline.timeline.events)
@@ -249,18 +254,29 @@ class Trainer:
         if self.guard.strikes("gradflip", step + 1):
             flip_gradient_exponent(self.optimizer.segments)
         # MoE auxiliary losses are part of the loss (their gradients already are)
-        return loss_sum + aux_sum, aux, compute
+        return loss_sum + aux_sum, aux, compute, loss_sum
 
     def _replay(self, step: int, batch: int, global_batch: int, verdict: int, first: tuple) -> tuple:
         """Bad step `step` computed again from the same parameters (its update was skipped) and attributed
         (resilience/attribution.py, collective): (verdict, loss, grad norm, MoE auxiliary losses) of the replay."""
         loss_scale, tokens = self.loss_scale.scale, global_batch * self.cfg.model.seq_len
         self.breakdown.pop()  # the replay's parts are charged as the step's were
-        loss_sum, aux, _ = self._forward_backward(step, batch, global_batch, loss_scale)
+        loss_sum, aux, _, own_loss_sum = self._forward_backward(step, batch, global_batch, loss_scale)
         self.breakdown.push("optimizer")
         grad_norm = self.global_grad_norm() / loss_scale
         loss = self._total(loss_sum) / tokens
-        return self.attribution.judge(step + 1, verdict, first, (loss, grad_norm)), loss, grad_norm, aux
+        verdict = self.attribution.judge(step + 1, verdict, first, (loss, grad_norm), own_loss_sum,
+                                         lambda peer: self._peer_loss_sum(batch, global_batch, peer))
+        return verdict, loss, grad_norm, aux
+
+    def _peer_loss_sum(self, batch: int, global_batch: int, peer: int) -> float:
+        """The loss sum of data-parallel rank `peer`'s micro-batches of data batch `batch`, forward only from this
+        rank's parameters (the same as the peer's): a replay's check of the peer's own result."""
+        micro_batches = global_batch // (self.cfg.parallel.dp * self.cfg.train.micro_batch)
+        loss_sum = self.pipeline.forward_only(
+            lambda micro: self._micro_batch(self.train_data, batch, micro, global_batch, peer), micro_batches)
+        self.model.pop_aux_losses()  # model.moe: not part of the compared sum
+        return loss_sum
 
     def _fetch(self, batch: int, micro: int, global_batch: int):
         with self.breakdown.part("data"):

@@ -11,7 +11,15 @@ import pytest
 
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from mpitrain.resilience.attribution import GENUINE, PERSISTENT, TRANSIENT, classify, flip_gradient_exponent
+from mpitrain.resilience.attribution import (
+    GENUINE,
+    PERSISTENT,
+    TRANSIENT,
+    classify,
+    flip_gradient_exponent,
+    peer_suspects,
+    same_loss,
+)
 from mpitrain.resilience.faults import FaultPlan, parse_faults
 from mpitrain.resilience.faulty_hosts import faulty_hosts, read_faults
 from mpitrain.state.strategy import squared_sum
@@ -55,6 +63,16 @@ def test_classify_names_transient_genuine_and_persistent_faults():
     assert classify([replay(True, 2.5, inf), replay(True, 2.5, nan), replay(True, 2.5, inf)])[:2] == (PERSISTENT, [1])
 
 
+def test_a_peer_check_names_the_replica_whose_own_loss_its_peer_does_not_reproduce():
+    nan = float("nan")
+    assert same_loss(nan, float("inf")) and same_loss(710.25, 710.25 * (1 + 1e-12))
+    assert not same_loss(710.25, nan) and not same_loss(710.25, 710.5)
+    # dp 3 x pp 2 (place = (pp rank, tp rank)): dp rank 0 of stage 1 found dp rank 1's sum differ
+    checks = [{"rank": r, "dp": r % 3, "place": (r // 3, 0), "peer": (r % 3 + 1) % 3, "differs": r == 3}
+              for r in range(6)]
+    assert [suspect for suspect, _ in peer_suspects(checks)] == [4]
+
+
 def test_sticky_faults_strike_every_computation_of_their_step_and_are_recorded_once(tmp_path):
     plan = FaultPlan(parse_faults("gradflip:rank=0:step=3:sticky=1;nan:rank=0:step=3"), rank=0,
                      record=tmp_path / "injected.jsonl")
@@ -67,7 +85,7 @@ def test_sticky_faults_strike_every_computation_of_their_step_and_are_recorded_o
 
 
 def test_sticky_is_refused_for_faults_a_replay_does_not_compute_again():
-    with pytest.raises(ConfigError, match="sticky in 'kill:step=2:sticky=1' is for nan and gradflip only"):
+    with pytest.raises(ConfigError, match="sticky in .kill:step=2:sticky=1. is for nan, gradflip, lossnan only"):
         parse_faults("kill:step=2:sticky=1")
     with pytest.raises(ConfigError, match="is not rank=N, step=N, factor=X, until=N or sticky=1"):
         parse_faults("nan:step=2:stuck=1")
@@ -120,6 +138,15 @@ def test_a_sticky_flip_is_persistent_its_host_recorded_and_the_step_skipped(tmp_
     records = read_faults(tmp_path / "sticky")
     assert verdicts(tmp_path / "sticky") == [(4, 1, "nonfinite_grad", PERSISTENT)]
     assert "grad norm inf" in records[0]["evidence"] and faulty_hosts(records) == [records[0]["host"]]
+
+
+def test_a_sticky_nan_in_one_ranks_forward_is_found_persistent_by_the_peer_check(tmp_path):
+    """Rank 1's own loss sum is NaN at each computation of step 4: the summed loss is NaN on both ranks alike, but
+    rank 0, computing rank 1's micro-batches from the same state, gets a finite sum."""
+    run = train(tmp_path / "forward", fault="lossnan:rank=1:step=4:sticky=1")
+    assert "step 4: replayed: persistent fault (rank 1 on" in run.stdout, describe(run)
+    assert "rank 0 computed rank 1's micro-batches to a loss sum of" in run.stdout and "rank 1 had nan" in run.stdout
+    assert verdicts(tmp_path / "forward") == [(4, 1, "nonfinite_loss", PERSISTENT)]
 
 
 def test_a_nan_from_the_model_itself_is_genuine(tmp_path):

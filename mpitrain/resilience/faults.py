@@ -10,12 +10,16 @@ Each fault names a kind and where it strikes:
     gradflip
            the top exponent bit of the rank's largest gradient element flips in step `step`, after the gradient's
            reduction (a miscomputing core): the gradient norm overflows and the step is bad on that rank only
+    lossnan
+           the rank's own loss sum becomes NaN in step `step`, before the loss is summed over the ranks (a
+           miscomputing forward): the step's loss is NaN on every rank
     enospc, edquot, erofs, eio
            the rank's write of the checkpoint of step `step` fails halfway with that error (disk full, quota
            exceeded, read-only filesystem, I/O error), as the storage would make it fail
-`rank` defaults to every rank. Steps count from 1, as the console and the checkpoints do. `sticky=1` (nan and
-gradflip) makes the fault strike again each time the step is computed again in the same attempt, as a bad node would
-when a bad step is replayed (resilience/attribution.py); without it a replay is spared, as a transient fault would.
+`rank` defaults to every rank. Steps count from 1, as the console and the checkpoints do. `sticky=1` (nan,
+gradflip and lossnan) makes the fault strike again each time the step is computed again in the same attempt, as a
+bad node would when a bad step is replayed (resilience/attribution.py); without it a replay is spared, as a
+transient fault would.
 
 A fault strikes once per run: kill, hang, nan and flip append themselves to RUN_DIR/injected_faults.jsonl just
 before they strike, and a restarted job (`mpitrain launch --max-restarts`, slurm/train.sbatch's loop, a requeue)
@@ -32,9 +36,10 @@ from mpitrain.errors import ConfigError
 from mpitrain.profile.jsonl import append_record, read_records
 
 STORAGE_KINDS = ("enospc", "edquot", "erofs", "eio")  # checkpoint writes that fail (resilience/inject.py)
-KINDS = ("kill", "hang", "nan", "slow", "flip", "gradflip", *STORAGE_KINDS)
-ONE_SHOT = ("kill", "hang", "nan", "flip", "gradflip", *STORAGE_KINDS)  # strike once and are recorded; slow lasts
-STICKY_KINDS = ("nan", "gradflip")  # faults inside a step's computation, which a replay computes again
+KINDS = ("kill", "hang", "nan", "slow", "flip", "gradflip", "lossnan", *STORAGE_KINDS)
+# strike once and are recorded; slow lasts
+ONE_SHOT = ("kill", "hang", "nan", "flip", "gradflip", "lossnan", *STORAGE_KINDS)
+STICKY_KINDS = ("nan", "gradflip", "lossnan")  # faults inside a step's computation, which a replay computes again
 ENV_VAR = "MPITRAIN_FAULT"
 RECORD_FILE = "injected_faults.jsonl"
 
@@ -82,7 +87,7 @@ def parse_faults(text: str) -> list[Fault]:
         if kind == "slow" and values.get("factor", 1.0) < 1.0:
             raise ConfigError(f"{ENV_VAR}: factor in {piece!r} must be at least 1")
         if values.get("sticky") and kind not in STICKY_KINDS:
-            raise ConfigError(f"{ENV_VAR}: sticky in {piece!r} is for {' and '.join(STICKY_KINDS)} only")
+            raise ConfigError(f"{ENV_VAR}: sticky in {piece!r} is for {', '.join(STICKY_KINDS)} only")
         if "until" in values and kind != "slow":
             raise ConfigError(f"{ENV_VAR}: until in {piece!r} is for slow only")
         faults.append(Fault(kind, values.get("rank"), values.get("step"), values.get("factor", 1.0),
