@@ -62,7 +62,14 @@ for which in range(3):  # q, k, v: finite differences of rank 0's inputs against
         numeric = (loss(True, which, where, eps) - loss(True, which, where, -eps)) / (2 * eps)
         analytic = MPI.COMM_WORLD.bcast(float(grads[which][where]) if cp.rank == 0 else None)
         fd_errors.append(abs(numeric - analytic) / max(abs(analytic), 1e-3))
-everyone = MPI.COMM_WORLD.gather({"errors": errors, "forward": forward_bytes, "backward": backward_bytes,
+from mpitrain.backend import BFLOAT16  # bf16: the core computes in float32, the results come back in bf16
+out16, kept16 = ulysses_attention.forward(cp, *[x.astype(BFLOAT16) for x in local], whole_rows)
+grads16 = ulysses_attention.backward(cp, kept16, dout[:, :, mine].astype(BFLOAT16))
+errors16 = [float(np.abs(a.astype(np.float64) - b[:, :, mine]).max() / np.abs(b).max())
+            for a, b in zip((out16, *grads16), (ref, *ref_grads))]
+dtypes16 = [str(x.dtype) for x in (out16, *grads16)]
+everyone = MPI.COMM_WORLD.gather({"errors16": errors16, "dtypes16": dtypes16,
+                                  "errors": errors, "forward": forward_bytes, "backward": backward_bytes,
                                   "theory": theory, "fd": fd_errors, **kept_core})
 if cp.rank == 0:
     print("RESULTS " + json.dumps(everyone))
@@ -80,6 +87,7 @@ def test_ulysses_layer_equals_one_process_with_finite_difference_gradients(cp, k
         assert max(rank["fd"]) < 1e-6, rank
         assert rank["forward"] == rank["theory"]["forward"] and rank["backward"] == rank["theory"]["backward"]
         assert rank["kept"] == rank["declared"]  # saved_arrays declares the core forward keeps
+        assert max(rank["errors16"]) < 3e-2 and rank["dtypes16"] == ["bfloat16"] * 4, rank
 
 
 def test_config_refuses_heads_that_do_not_split():

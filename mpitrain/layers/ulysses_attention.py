@@ -77,14 +77,15 @@ def _to_sequence(received, order):
     """(c, B, h, 2m, D) rank by rank -> (B, h, T, D) in sequence order."""
     c, b, h, t, d = received.shape
     gathered = received.transpose(1, 2, 0, 3, 4).reshape(b, h, c * t, d)
-    return gathered[:, :, np.argsort(order)]
+    return gathered[:, :, array_module(received).asarray(np.argsort(order))]  # a device index for device arrays
 
 
 def _to_ranks(x, order, cp_size):
     """(B, h, T, D) in sequence order -> (c, B, h, 2m, D): block r holds rank r's tokens, contiguous."""
     b, h, t, d = x.shape
-    gathered = x[:, :, order].reshape(b, h, cp_size, t // cp_size, d)
-    return array_module(x).ascontiguousarray(gathered.transpose(2, 0, 1, 3, 4))
+    xp = array_module(x)
+    gathered = x[:, :, xp.asarray(order)].reshape(b, h, cp_size, t // cp_size, d)
+    return xp.ascontiguousarray(gathered.transpose(2, 0, 1, 3, 4))
 
 
 def _mask(seq_len, dtype, xp, documents):

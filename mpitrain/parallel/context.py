@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from mpitrain.backend import array_module
+from mpitrain.backend import array_module, wire_view
 from mpitrain.layers.ring_attention import visible_pairs
 from mpitrain.state.params import UnitLayout
 
@@ -132,7 +132,7 @@ class ContextParallel:
         """Ulysses' all-to-all: block r of `send` (c blocks on the first axis) goes to cp rank r; the result's block
         s came from rank s."""
         received = array_module(send).empty_like(send)
-        self.group.all_to_all(send, received)
+        self.group.all_to_all(wire_view(send), wire_view(received))  # a copy: bf16 may travel as its bits
         return received
 
 
