@@ -82,8 +82,8 @@ class ExpertAdapter:
         def piece(name, inner, init, std=0.0):
             return ParamSpec(name, (weight.shape[0], *inner), init, std, (experts, *inner), (first, 0, 0),
                              reduce_over=weight.reduce_over)
-        self.specs = [piece(self.a, (n_in, rank), "normal", 1.0 / math.sqrt(n_in)), piece(self.b, (rank, n_out),
-                                                                                           "zeros")]
+        self.specs = [piece(self.a, (n_in, rank), "normal", 1.0 / math.sqrt(n_in)),  # x a keeps x's scale
+                      piece(self.b, (rank, n_out), "zeros")]
         self.partial_grads: list[str] = []
 
     def add_forward(self, params, e: int, x, y) -> None:
