@@ -188,3 +188,46 @@ def test_selective_under_ring_attention_recomputes_no_attention_flops():
     assert recomputed_flops_per_token(cfg, [3], "selective", ring=True) == 0.0
     assert recomputed_flops_per_token(cfg, [3], "selective") == 3 * 4.0 * cfg.d_model * cfg.seq_len
     assert recomputed_flops_per_token(cfg, [3], "full", ring=True) == recomputed_flops_per_token(cfg, [3], "full")
+
+
+RING_MEMORY_JOB = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend, nbytes_of
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import ModelConfig
+from mpitrain.layers.recompute import apply_recompute
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
+from mpitrain.state.replicated import ReplicatedState
+
+mesh = Mesh(MPI.COMM_WORLD, dp=1, cp=2)
+cfg = ModelConfig(n_layer=3, d_model=32, n_head=4, vocab_size=64, seq_len=16, **VARIANT)
+tokens = np.random.default_rng(5).integers(0, 64, (2, 16))
+out = {}
+for mode in ("none", "selective"):
+    backend = make_backend("cpu", "float64")
+    model = GPT(cfg, backend)
+    apply_context_parallel(model, ContextParallel(mesh.cp))
+    apply_recompute(model, mode)
+    state = ReplicatedState(model.layouts, backend, 0)
+    local = split_sequence(tokens, 2, mesh.cp.rank)
+    loss, saved = model.forward(state, local, split_sequence(np.roll(tokens, -1, axis=1), 2, mesh.cp.rank))
+    per_micro_batch, shared = model.saved_bytes(2, backend.dtype)
+    out[mode] = {"measured": nbytes_of(saved), "declared": per_micro_batch + shared}
+if MPI.COMM_WORLD.rank == 0:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("arch", sorted(VARIANTS))
+def test_ring_attention_selective_keeps_less_than_none_and_says_so(arch):
+    """cp 2: the arrays one micro-batch's saved state keeps, counted, equal what `mpitrain memory` declares, and
+    selective (the ring's core kept, the norms' states, the projections' inputs and the nonlinearity's output
+    dropped) keeps less than none."""
+    out = run_python_mpi_results(2, RING_MEMORY_JOB.replace("VARIANT", repr(VARIANTS[arch])), timeout=120)
+    print(f"cp 2, {arch}: selective keeps {out['selective']['measured'] / out['none']['measured']:.2f} of none")
+    for mode in out:
+        assert out[mode]["measured"] == out[mode]["declared"], (mode, out)
+    assert out["selective"]["measured"] < 0.8 * out["none"]["measured"], out
