@@ -327,7 +327,7 @@ def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, in
     if instructions:
         click.echo(format_schedule(plan))
     click.echo(render_text(timeline, width=width))
-    formula = "(p-1)/(6m+p-1), a bound reached when m is a multiple of p: " if kind == "zbv" else ""
+    formula = "(p-1)/(6m+p-1), a bound: " if kind == "zbv" else ""
     click.echo(f"bubble: theoretical {formula}{theoretical_bubble(kind, pp, microbatches, v):.4f}, "
                f"simulated {bubble_fraction(timeline):.4f}")
     unit = f"(micro-batch, chunk) pairs, 1/{v} stage each" if v > 1 else "micro-batches"

@@ -41,7 +41,7 @@ Schedules ("kind"):
   zb1p         Zero Bubble ZB-H1 (Qi et al. 2024): backward split into B and W, W deferred into the cool-down
                bubble, same peak activations as 1f1b                 bubble (p-1)/(3m+p-1) if F = B = W and m >= p
   zbv          Zero Bubble ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r), B and W split,
-               at most 2p chunk activations (1f1b's p micro-batches)  bubble (p-1)/(6m+p-1) per chunk F = B = W, m >= p
+               at most 2p chunks held from F to W (1f1b's p micro-batches)  bubble >= (p-1)/(6m+p-1), F = B = W
 
 Placement: "loop" (every kind but zbv) puts stage s on rank s % p as chunk s // p; "v" (zbv) runs the stages down the
 ranks and back up, so the last rank holds stages p-1 and p and hands the activation (and its gradient) from one chunk
@@ -284,9 +284,11 @@ def zbv(p: int, m: int) -> Schedule:
 
     The order comes from list scheduling with unit costs (F = B = W = 1 per chunk): at every time step each rank
     runs a B whose dy is there (chunk 0 first), else a F whose input is there (chunk 1 first: it brings a micro-batch
-    closer to its loss) unless 2p chunk activations are in flight (1f1b's memory: p whole micro-batches), else its
-    oldest pending W. Per chunk, F's, B's and W's go in micro-batch order, so every channel stays FIFO. When m is a
-    multiple of p every rank idles p-1 steps in all: bubble (p-1)/(6m+p-1)."""
+    closer to its loss) unless 2p chunks are held, from their F to their W (saved activations, then deferred W work:
+    1f1b's memory, p whole micro-batches), else its oldest pending W. The cap counts until W, not B: else B's and F's
+    would push every W to the end of the step and the deferred work would grow with m. Per chunk, F's, B's and W's
+    go in micro-batch order, so every channel stays FIFO. For p <= 4 (and p = 8) and m a multiple of p every rank
+    idles only p-1 steps: bubble (p-1)/(6m+p-1), the bound; other (p, m) lose a few steps, below zb1p for m >= p."""
     _check_args("zbv", p, m, 2)
     schedule = []
     for rank, order in enumerate(_zbv_order(p, m)):
@@ -332,12 +334,13 @@ def _zbv_order(p: int, m: int) -> list[list[tuple[str, int, int]]]:
                 micro = next_micro[rank, op, chunk]
                 next_micro[rank, op, chunk] += 1
                 done[op, micro, stage_of(rank, chunk, p, "v")] = now + 1
-                in_flight[rank] += 1 if op == "F" else -1
+                in_flight[rank] += op == "F"
                 if op == "B":
                     pending_w[rank].append((micro, chunk))
                 orders[rank].append(("forward" if op == "F" else "backward_input", micro, chunk))
             elif pending_w[rank]:
                 micro, chunk = pending_w[rank].pop(0)
+                in_flight[rank] -= 1
                 orders[rank].append(("backward_weight", micro, chunk))
         now += 1
     return orders
@@ -391,8 +394,8 @@ def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
                                           rank's first input arrives after p-1 steps, so the makespan is at least
                                           6m+p-1 (and 4p+2m-1, the last micro-batch's trip down and up the V after
                                           the m-1 before it): the bound max of both, with busy 6m. Half of zb1p's.
-                                          zbv's list scheduling reaches it exactly when m is a multiple of p; other
-                                          m lose a few steps (schedule_analysis.simulate measures them).
+                                          zbv's list scheduling reaches it when m is a multiple of p for p <= 4 and
+                                          p = 8; other (p, m) lose a few steps (schedule_analysis.simulate says).
     """
     _check_args(kind, p, m, v)
     if kind == "interleaved":

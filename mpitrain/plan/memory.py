@@ -45,7 +45,7 @@ from mpitrain.model.gpt import GPT, moe_note
 from mpitrain.optim.footprint import optimizer_row
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel
 from mpitrain.parallel.pipeline import rank_stages
-from mpitrain.parallel.schedule import make_schedule
+from mpitrain.parallel.schedule import make_schedule, placement_of
 from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 
@@ -101,7 +101,7 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int =
     if p.pp == 1:
         return per_micro_batch + shared
     micro_batches = cfg.train.global_batch // (p.dp * b)
-    deferred = deferred_bytes_per_micro_batch(cfg, b, pp_rank) if p.schedule == "zb1p" else 0
+    deferred = deferred_bytes_per_micro_batch(cfg, b, pp_rank) if p.schedule in ("zb1p", "zbv") else 0
     holdings = _stage_holdings(p.schedule, p.pp, micro_batches, p.virtual_stages)[pp_rank]
     peak = max(per_micro_batch * saved + deferred * waiting for saved, waiting in holdings)
     return int(peak / p.virtual_stages + shared)
@@ -210,6 +210,7 @@ _SHARES: dict = {}  # shape key -> (dense, expert) trainable parameters: a walk 
 def shape_key(cfg: Config, pp_rank: int = 0) -> str:
     p, m = cfg.parallel, cfg.memory
     return repr((cfg.model, cfg.lora, cfg.precision.compute, p.tp, p.sequence_parallel, p.pp, p.virtual_stages,
+                 placement_of(p.schedule),
                  p.stage_layers, p.cp, p.cp_kind, p.ep, p.etp, m.recompute, m.recompute_layers, cfg.data.document_mask,
                  pp_rank))
 
@@ -230,7 +231,7 @@ def _build_rank_model(cfg: Config, pp_rank: int):
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
-    stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, pp_rank, p.stage_layers)
+    stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, pp_rank, p.stage_layers, placement_of(p.schedule))
     model = GPT(cfg.model, _shape_backend(cfg.precision.compute), tp=tp, stages=stages, lora=cfg.lora,
                 ep=rank_experts(cfg))  # model.moe: ep rank 0's share of the experts
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
