@@ -81,9 +81,6 @@ def validate_moe(cfg) -> None:
     if moe.experts % p.ep:
         raise ConfigError(f"model.moe.experts = {moe.experts} is not divisible by parallel.ep = {p.ep} (each "
                           f"expert-parallel rank holds experts / ep of them)")
-    if moe.seq_aux_loss and p.cp > 1:
-        raise ConfigError("model.moe.seq_aux_loss with parallel.cp > 1: a cp rank routes part of each sequence, the "
-                          "sequence-level loss needs all of it; set model.moe.seq_aux_loss = 0 or parallel.cp = 1")
     if moe.balance == "bias" and p.zero == 3:
         raise ConfigError("model.moe.balance = 'bias' with parallel.zero = 3: the routing biases are frozen tensors "
                           "updated in place after each step, which ZeRO-3 holds only as shards; use parallel.zero "

@@ -117,7 +117,7 @@ def assert_same_run(reference, other):
     (ref_metrics, ref_weights, ref_biases), (metrics, weights, biases) = split(reference), split(other)
     assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics]
     for ref, got in zip(ref_metrics, metrics):
-        for key in ("loss", "grad_norm", "moe_aux_loss"):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_seq_balance"):
             assert got[key] == pytest.approx(ref[key], rel=RTOL, abs=0), (key, got["step"])
     assert weights.keys() == ref_weights.keys()
     for name, value in ref_weights.items():  # (LoRA's frozen zero biases must stay exactly zero)
@@ -167,14 +167,12 @@ def test_bias_balancing_with_lora_matches_one_process(tmp_path):
     assert_same_run(one, train_run(2, tmp_path / "ep2", *settings, "parallel.ep=2"))
 
 
-def test_bias_balancing_under_context_parallelism_matches_one_process(tmp_path):
-    """cp 2 (each cp rank routes half of every sequence, ep drawn from cp): the loads summed over dp x cp are the
-    one process's, so are the biases (no sequence-level loss: it needs whole sequences)."""
-    settings = [BIAS[0].replace(", seq_aux_loss = 0.01", ""), *BIAS[1:]]
-    one = train_run(1, tmp_path / "one", *settings)
-    assert_same_run(one, train_run(2, tmp_path / "cp2", *settings, "parallel.cp=2", "parallel.ep=2"))
-    with pytest.raises(ConfigError, match="model.moe.seq_aux_loss with parallel.cp > 1"):
-        load_config(None, [BIAS[0], "parallel.cp=2"])
+@pytest.mark.parametrize("layout", [["parallel.cp=2"], ["parallel.cp=2", "parallel.ep=2"]])
+def test_bias_balancing_under_context_parallelism_matches_one_process(tmp_path, reference, layout):
+    """cp 2 (each cp rank routes half of every sequence; with ep 2 drawn from cp): the loads summed over dp x cp are
+    the one process's, so are the biases, and the sequence-level loss sums each sequence's statistics over the cp
+    ranks, so its value and gradient are the one process's too."""
+    assert_same_run(reference, train_run(2, tmp_path / "cp2", *BIAS, *layout))
 
 
 def test_a_stopped_run_resumes_bitwise_with_its_biases(tmp_path, reference):

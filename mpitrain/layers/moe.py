@@ -16,7 +16,8 @@ loss per token:
                                      1 when routing is uniform; gradient through P only (f counts are constant)
     z       = mean over tokens of logsumexp(logits)^2     keeps the router's logits small
     seq_balance = mean over the micro-batch's sequences of E * sum_e f_e,s * P_e,s   (DeepSeek-V3's sequence-wise
-                  balance loss, weight seq_aux_loss: f and P of each sequence's own tokens; gradient through P only)
+                  balance loss, weight seq_aux_loss: f and P of each sequence's own tokens; gradient through P only;
+                  under cp the per-sequence sums are summed over the cp ranks, the gradient stays local)
 
 Balancing (`balance`): "aux_loss" weighs the balance loss above by aux_loss. "bias" is DeepSeek-V3's auxiliary-loss-free
 balancing instead: a per-expert routing bias (`router_bias`, a frozen tensor, saved in checkpoints like any) is added
@@ -74,12 +75,21 @@ def rank_experts(cfg) -> ExpertParallel:
                           share=(0, p.tp // (p.etp or p.tp)))
 
 
-def sequence_shares(token, expert, seq_len: int, sequences: int, moe: MoeSettings):
-    """(sequences, E): each sequence's share of its seq_len * k picks routed to each expert (before capacity), for
-    DeepSeek-V3's sequence-level balance loss. Tokens are rows of the (sequences * seq_len) micro-batch."""
+def sequence_statistics(ep: ExpertParallel, routed, probs, sequences: int, moe: MoeSettings):
+    """f and P of DeepSeek-V3's sequence-level balance loss, each (sequences, E): each sequence's share of its
+    seq_len * k picks routed to each expert (before capacity) and its mean probability of each expert. Tokens are
+    rows of the (sequences * local seq_len) micro-batch; under cp each rank holds a chunk of every sequence, so the
+    sums over the sequence's tokens are summed over the cp ranks."""
+    token, expert = routed
+    local_len = probs.shape[0] // sequences
     counts = np.zeros((sequences, moe.experts))
-    np.add.at(counts, (token // seq_len, expert), 1.0)
-    return counts / (seq_len * moe.top_k)
+    np.add.at(counts, (token // local_len, expert), 1.0)
+    prob_sums = to_host(probs).reshape(sequences, local_len, moe.experts).sum(axis=1)
+    if ep.tokens is not None:
+        sums = ep.token_sums(np.concatenate([counts.ravel(), prob_sums.ravel(), [local_len]]))
+        counts, prob_sums = sums[:counts.size].reshape(counts.shape), sums[counts.size:-1].reshape(counts.shape)
+        local_len = sums[-1]  # the whole sequence's length
+    return counts / (local_len * moe.top_k), prob_sums / local_len
 
 
 def update_routing_bias(bias, loads, rate: float) -> None:
@@ -189,8 +199,7 @@ class MoE:
             rank_j = sent["rank"] == j
             y[sent["token"][rank_j]] += sent["gate"][rank_j, None] * out[rank_j]
         y = self.tp.exit(y.reshape(h.shape))
-        seq_shares = sequence_shares(*routed, h.shape[1], h.shape[0], self.moe)
-        seq_probs = to_host(probs).reshape(h.shape[0], -1, self.moe.experts).mean(axis=1)  # P per sequence
+        seq_shares, seq_probs = sequence_statistics(self.ep, routed, probs, h.shape[0], self.moe)
         losses = {"balance": self.moe.experts * float(shares @ micro_batch_mean_probs(self.ep, probs)),
                   "seq_balance": self.moe.experts * float((seq_shares * seq_probs).sum(axis=1).mean()),
                   "z": float((lse * lse).mean())}
