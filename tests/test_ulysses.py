@@ -45,7 +45,7 @@ backward_bytes = cp.group.bytes_sent["all_to_all"] - forward_bytes
 errors = [float(np.abs(a - b[:, :, mine]).max() / np.abs(b).max()) for a, b in zip((out, *grads), (ref, *ref_grads))]
 theory = ulysses_attention.bytes_per_block(local[0].nbytes, local[1].nbytes, Hkv, cp.size)
 declared = ulysses_attention.saved_arrays(B, H, Hkv, T // cp.size, D, cp.size, np.float64)
-kept_core = {"kept": [list(x.shape) for x in kept[0][:4]], "declared": [list(shape) for shape, _ in declared]}
+kept_core = {"kept": [list(x.shape) for x in kept[0][:5]], "declared": [list(shape) for shape, _ in declared]}
 
 def loss(shifted, which, where, eps):  # sum(out * dout) over all ranks, one element of rank 0's inputs moved
     inputs = [x.copy() for x in local]
@@ -126,6 +126,46 @@ def test_plan_bytes_formula():
     b, t, h, d = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.n_head, cfg.model.head_dim
     q = b * t // 4 * h * d * 8  # float64 Q of T/4 tokens; K/V replicated: one head to each of the 4 ranks
     assert ulysses_bytes_per_micro_batch(cfg, 8, 2) == 2 * 2 * 3 / 4 * (2 * q + 2 * q)
+
+
+MEMORY_JOB = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend, nbytes_of
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import ModelConfig
+from mpitrain.layers.recompute import apply_recompute
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
+from mpitrain.state.replicated import ReplicatedState
+
+mesh = Mesh(MPI.COMM_WORLD, dp=1, cp=2)
+cfg = ModelConfig(n_layer=3, d_model=32, n_head=4, vocab_size=64, seq_len=16, **VARIANT)
+tokens = np.random.default_rng(5).integers(0, 64, (2, 16))
+out = {}
+for mode in ("none", "full"):
+    backend = make_backend("cpu", "float64")
+    model = GPT(cfg, backend)
+    apply_context_parallel(model, ContextParallel(mesh.cp, kind="ulysses"))
+    apply_recompute(model, mode)
+    state = ReplicatedState(model.layouts, backend, 0)
+    local = split_sequence(tokens, 2, mesh.cp.rank)
+    loss, saved = model.forward(state, local, split_sequence(np.roll(tokens, -1, axis=1), 2, mesh.cp.rank))
+    per_micro_batch, shared = model.saved_bytes(2, backend.dtype)
+    out[mode] = {"measured": nbytes_of(saved), "declared": per_micro_batch + shared}
+if MPI.COMM_WORLD.rank == 0:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("variant", [{}, {"arch": "llama", "n_kv_head": 2}])
+def test_saved_state_counted_equals_declared(variant):
+    """cp 2 ulysses: the arrays one micro-batch's saved state keeps, counted, equal what `mpitrain memory`
+    declares, with and without full recomputation."""
+    out = run_python_mpi_results(2, MEMORY_JOB.replace("VARIANT", repr(variant)), timeout=120)
+    for mode in out:
+        assert out[mode]["measured"] == out[mode]["declared"], (mode, out)
 
 
 LAYOUTS = {  # name: (arch, ranks, overrides)

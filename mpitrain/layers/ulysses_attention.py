@@ -50,10 +50,12 @@ def kv_heads_per_rank(kv_heads: int, cp_size: int) -> int:
 
 
 def saved_arrays(batch: int, heads: int, kv_heads: int, local_len: int, head_dim: int, cp_size: int, dtype) -> list:
-    """(shape, dtype) of what forward keeps: the one-process core's q, k, v and probabilities over the whole sequence
-    (c local_len tokens) of this rank's H/c query heads and the K/V heads they use."""
+    """(shape, dtype) of what forward keeps: the one-process core's q, k, v, probabilities and output over the whole
+    sequence (c local_len tokens) of this rank's H/c query heads and the K/V heads they use. The output is a buffer
+    of its own here (the projection reads the exchanged one), kept for backward's rowsum(dO * O)."""
     b, h, kv, t, d = batch, heads // cp_size, kv_heads_per_rank(kv_heads, cp_size), local_len * cp_size, head_dim
-    return [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
+    return [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype),
+            ((b, h, t, d), dtype)]
 
 
 def bytes_per_block(local_q_bytes: int, local_kv_bytes: int, kv_heads: int, cp_size: int) -> dict[str, float]:
