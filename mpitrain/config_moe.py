@@ -81,10 +81,6 @@ def validate_moe(cfg) -> None:
     if moe.experts % p.ep:
         raise ConfigError(f"model.moe.experts = {moe.experts} is not divisible by parallel.ep = {p.ep} (each "
                           f"expert-parallel rank holds experts / ep of them)")
-    if moe.balance == "bias" and p.zero == 3:
-        raise ConfigError("model.moe.balance = 'bias' with parallel.zero = 3: the routing biases are frozen tensors "
-                          "updated in place after each step, which ZeRO-3 holds only as shards; use parallel.zero "
-                          "<= 2 or model.moe.balance = 'aux_loss'")
     if cfg.lora.rank and p.tp > 1:
         raise ConfigError(f"model.moe with lora.rank > 0 and parallel.tp = {p.tp}: the experts' adapters are not "
                           f"split over tensor-parallel ranks yet; use parallel.tp = 1 (ep and dp split the experts)")

@@ -299,6 +299,7 @@ class GPT:
             index = getattr(getattr(unit, "mlp", None), "index", None)
             if index in loads:
                 update_routing_bias(state.acquire(i, "forward")["router_bias"], loads[index], moe.bias_rate)
+                state.frozen_changed(i)  # ZeRO-3: the acquired bias is a gathered copy of the shards
                 state.release(i, "forward")
 
     @property

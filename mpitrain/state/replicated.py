@@ -95,6 +95,9 @@ class ReplicatedState(StateStrategy):
     def release(self, unit: int, phase: str) -> None:
         pass
 
+    def frozen_changed(self, unit: int) -> None:
+        pass  # the views are the frozen tensors themselves
+
     def grad_views(self, unit: int) -> dict:
         return self.grads.views[unit]
 

@@ -63,6 +63,11 @@ class StateStrategy(abc.ABC):
         """The unit's last reader in `phase` is done with its parameters."""
 
     @abc.abstractmethod
+    def frozen_changed(self, unit: int) -> None:
+        """The caller changed `unit`'s frozen tensors in place, in the views `acquire` gave, alike on every rank (the
+        routing biases): make the change stick."""
+
+    @abc.abstractmethod
     def grad_views(self, unit: int) -> dict:
         """Gradient views of `unit` (compute dtype) that backward adds into."""
 

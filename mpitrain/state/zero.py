@@ -119,9 +119,9 @@ class ShardedParams:
                 self.zero.frozen_shards.release(unit)
 
     def publish(self) -> None:
-        self.gathered.clear()  # nothing gathered may outlive an update: the next forward gathers anew
+        drop_gathers(self.gathered)  # nothing gathered may outlive an update: the next forward gathers anew
         if self.zero.frozen_shards is not None:
-            self.zero.frozen_shards.gathered.clear()  # nor a restore of the frozen shards
+            drop_gathers(self.zero.frozen_shards.gathered)  # nor a restore of the frozen shards
 
     def held(self):
         z = self.zero
@@ -136,6 +136,13 @@ def gather(layout: UnitLayout, shard, group, zero) -> list:
     """[a single-part FlatBuffer, the handle of the all-gather filling it from every rank's shard]."""
     buffer = FlatBuffer.allocate([layout], zero.backend.xp, zero.backend.dtype, align=zero.align)
     return [buffer, group.iall_gather(wire_view(shard), wire_view(buffer.data))]
+
+
+def drop_gathers(gathered: dict) -> None:
+    """Forgets gathers, first waiting for any still in flight (a prefetch): MPI must not write into a freed buffer."""
+    for entry in gathered.values():
+        gathered_views(entry)
+    gathered.clear()
 
 
 def gathered_views(entry: list) -> dict:
@@ -190,6 +197,13 @@ class ShardedFrozen:
     def release(self, unit: int) -> None:
         for part in self.parts_of[unit]:
             self.gathered.pop(part, None)
+
+    def keep_changes(self, unit: int) -> None:
+        """The gathered (acquired) tensors of `unit` were changed in place, alike on every rank: this rank's window
+        of them becomes its shard."""
+        for part in self.parts_of[unit]:
+            whole = self.gathered[part][0].data
+            self.shard(part)[...] = whole[slice(*self.window(part, local=True))]
 
     def windows(self) -> list:
         """(start, end, array, offset in it) of this rank's shards, in the geometry's coordinates."""
@@ -360,6 +374,10 @@ class ZeroState(StateStrategy):
 
     def release(self, unit: int, phase: str) -> None:
         self.params.release(unit, phase)
+
+    def frozen_changed(self, unit: int) -> None:
+        if self.frozen_shards is not None:  # stage 3: the acquired frozen tensors are a gathered copy
+            self.frozen_shards.keep_changes(unit)
 
     def grad_views(self, unit: int) -> dict:
         return self.grads.views(unit)
