@@ -81,9 +81,6 @@ def validate_moe(cfg) -> None:
     if moe.experts % p.ep:
         raise ConfigError(f"model.moe.experts = {moe.experts} is not divisible by parallel.ep = {p.ep} (each "
                           f"expert-parallel rank holds experts / ep of them)")
-    if cfg.lora.rank and p.tp > 1:
-        raise ConfigError(f"model.moe with lora.rank > 0 and parallel.tp = {p.tp}: the experts' adapters are not "
-                          f"split over tensor-parallel ranks yet; use parallel.tp = 1 (ep and dp split the experts)")
 
 
 def validate_expert_mesh(cfg, moe: MoeSettings) -> None:

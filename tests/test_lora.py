@@ -389,13 +389,6 @@ def test_expert_adapters_and_a_named_router_match_finite_differences(arch, route
     assert checked > 30
 
 
-def test_moe_lora_with_tensor_parallel_is_refused_by_name():
-    from mpitrain.config import load_config
-    from mpitrain.errors import ConfigError
-    with pytest.raises(ConfigError, match="model.moe with lora.rank > 0 and parallel.tp = 2"):
-        load_config(None, ["model.moe={experts = 4}", "lora.rank=2", "parallel.tp=2"])
-
-
 MOE_LORA = ["model.moe={experts = 4, top_k = 2}", "model.arch=gpt2", "lora.rank=4", "lora.alpha=8.0",
             'lora.targets=["wq", "wv", "expert_w_fc", "expert_w_proj", "router"]']
 
@@ -407,9 +400,12 @@ def moe_lora_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks, layout", [(2, ["parallel.ep=2"]), (2, ["parallel.dp=2", "parallel.zero=1"]),
-                                           (4, ["parallel.ep=2", "parallel.zero=1"])])
+                                           (4, ["parallel.ep=2", "parallel.zero=1"]),
+                                           (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                                           (2, ["parallel.tp=2", "parallel.etp=1"])])
 def test_moe_lora_layouts_match_one_process(tmp_path, moe_lora_reference, ranks, layout):
-    """Expert adapters split over ep (reduced over expert_dp with dp 4 x ep 2), the router trained, ZeRO-1 over
+    """Expert adapters split over ep (reduced over expert_dp with dp 4 x ep 2), over tp with the experts (etp = tp:
+    the up weights' b by columns, the down weight's a by rows) or whole (etp = 1), the router trained, ZeRO-1 over
     the adapters: losses, gradient norms and every tensor (the frozen base unchanged) at 1e-10 in float64."""
     from tests.test_moe import RTOL
     from tests.test_moe import train_run as moe_train_run

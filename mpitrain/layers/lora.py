@@ -1,9 +1,9 @@
 """LoRA (Hu et al., 2021): low-rank adapters on named linears, every base tensor frozen.
 
 Mixture of experts (model.moe): the experts' weights (expert_w_fc / expert_w_proj, or expert_w_gate / expert_w_up /
-expert_w_down) take one adapter per expert (ExpertAdapter, split over ep like the experts); the router stays frozen
-unless lora.targets names "router", then it trains whole (its routing bias, model.moe.balance = "bias", is never a
-parameter and keeps moving).
+expert_w_down) take one adapter per expert (ExpertAdapter, split over ep and tp like the experts); the router stays
+frozen unless lora.targets names "router", then it trains whole (its routing bias, model.moe.balance = "bias", is never
+a parameter and keeps moving).
 
 A weight W (in, out) of a linear gets a: (in, r), random (seeded like every tensor, so every layout starts alike),
 and b: (r, out), zero, and the linear computes x W + (alpha / r) (x a) b. Only a and b train. In the paper's
@@ -71,20 +71,25 @@ class Adapter:
 class ExpertAdapter:
     """The adapters of a batch of expert weights (E, in, out) of an MoE layer (mpitrain/layers/moe.py): a (E, in, r),
     b (E, r, out), expert e computing x W[e] + scale (x a[e]) b[e]. Split over the experts (axis 0) like the weight,
-    so an expert-parallel rank holds its experts' adapters, reduced over the weight's group (expert_dp under ep);
-    the experts are whole on each rank (model.moe with LoRA needs tp = 1)."""
+    so an expert-parallel rank holds its experts' adapters, reduced over the weight's group (expert_dp under ep).
+    Experts split over tp (etp = tp) split their adapters as the dense ones above: an up weight (column-parallel)
+    splits b by its columns, a whole with a tp-partial gradient; the down weight (row-parallel) splits a by its rows,
+    b whole with a tp-partial gradient. Whole experts (etp = 1) keep whole adapters."""
 
     def __init__(self, weight, rank: int, alpha: float):
         self.a, self.b = weight.name + SUFFIXES[0], weight.name + SUFFIXES[1]
         self.scale = alpha / rank
-        (experts, n_in, n_out), first = weight.full_shape, weight.offset[0]
+        (experts, n_in, n_out), axis = weight.full_shape, weight.tp_axis
 
-        def piece(name, inner, init, std=0.0):
-            return ParamSpec(name, (weight.shape[0], *inner), init, std, (experts, *inner), (first, 0, 0),
-                             reduce_over=weight.reduce_over)
-        self.specs = [piece(self.a, (n_in, rank), "normal", 1.0 / math.sqrt(n_in)),  # x a keeps x's scale
-                      piece(self.b, (rank, n_out), "zeros")]
-        self.partial_grads: list[str] = []
+        def piece(name, inner, split, init, std=0.0):
+            shape, offset = [weight.shape[0], *inner], [weight.start[0], 0, 0]
+            if split is not None:  # this tp rank's slice, where the weight's own is
+                shape[split], offset[split] = weight.shape[split], weight.start[split]
+            return ParamSpec(name, tuple(shape), init, std, (experts, *inner), tuple(offset),
+                             tp_replicated=split is None, tp_axis=split, reduce_over=weight.reduce_over)
+        self.specs = [piece(self.a, (n_in, rank), 1 if axis == 1 else None, "normal", 1.0 / math.sqrt(n_in)),
+                      piece(self.b, (rank, n_out), 2 if axis == 2 else None, "zeros")]
+        self.partial_grads = {1: [self.b], 2: [self.a]}.get(axis, [])
 
     def add_forward(self, params, e: int, x, y) -> None:
         """y += scale (x a[e]) b[e], in place: expert e's output on its rows x."""
