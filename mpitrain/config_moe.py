@@ -70,7 +70,7 @@ class MoeSettings:
 
 
 def validate_moe(cfg) -> None:
-    """Config checks that need no MPI (called from config.validate)."""
+    """Config checks that need no MPI (called from config_checks.validate)."""
     moe, p = MoeSettings.of(cfg.model), cfg.parallel
     if not moe.experts:
         if p.ep != 1 or p.etp not in (0, p.tp):

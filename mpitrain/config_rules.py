@@ -19,6 +19,11 @@ def require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def toml_key(field_name: str) -> str:
+    """The TOML key of a field: a trailing underscore only dodges a Python keyword (`async_` is `async`)."""
+    return field_name.rstrip("_")
+
+
 def positive_degree(key: str, value, error: type[Exception] = ConfigError) -> int:
     """A parallel degree (or a number of ranks) is a positive integer; `error` names `key` otherwise. The callers
     differ only in the error they raise (a config key, a layout, a schedule, a command-line flag)."""

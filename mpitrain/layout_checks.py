@@ -1,5 +1,5 @@
 """Config checks of the parallel layout that need no MPI (tensor, context and pipeline splits): what each way of
-splitting requires of the model's shape, refused with the key to change. Called by config.validate.
+splitting requires of the model's shape, refused with the key to change. Called by config_checks.validate.
 Each takes the run's Config; this module does not import config.py, which imports it."""
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
 FLOORS = [
     ("mpitrain", "mpitrain.errors", "mpitrain.backend", "mpitrain.tiles"),  # foundation: arrays, errors, threads
     # what a run asks for, checked before anything starts
-    ("mpitrain.config", "mpitrain.config_moe", "mpitrain.config_rules", "mpitrain.layout_checks"),
+    ("mpitrain.config", "mpitrain.config_checks", "mpitrain.config_moe", "mpitrain.config_rules",
+     "mpitrain.layout_checks"),
     ("mpitrain.comm", "mpitrain.data", "mpitrain.profile"),  # moving bytes, reading tokens, measuring
     ("mpitrain.state",),  # parameters, gradients and where their shards live
     ("mpitrain.optim", "mpitrain.layers", "mpitrain.kernels"),  # updates; forward/backward pairs and their kernels

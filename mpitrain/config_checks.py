@@ -1,0 +1,170 @@
+"""What a resolved config must satisfy before anything starts (no MPI, no arrays): the allowed values, the range
+checks by key, the schedules' and data mix's own checks, and the layout checks of layout_checks.py. Each takes the
+run's Config; this module does not import config.py, which imports it (and re-exports `validate`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+from mpitrain.config_moe import validate_moe
+from mpitrain.config_rules import (
+    DECAY_SHAPES,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    SCHEDULE_KINDS,
+    positive_degree,
+    require,
+    toml_key,
+)
+from mpitrain.errors import ConfigError
+from mpitrain.layout_checks import (
+    validate_context_parallel,
+    validate_pipeline,
+    validate_tensor_parallel,
+    validate_thread_replicas,
+)
+
+ALLOWED = {
+    "model.arch": ("gpt2", "llama"),
+    "train.device": ("cpu", "cuda"),
+    "train.collectives": ("mpi", "nccl"),
+    "precision.compute": ("float32", "float64", "bfloat16", "float16"),
+    "precision.master": ("float32",),
+    "precision.grad_reduce": ("float32", "bfloat16"),
+    "parallel.zero": (0, 1, 2, 3),
+    "memory.offload": ("none", "host", "disk"),
+    "memory.recompute": ("none", "selective", "full"),
+    "parallel.cp_kind": ("ring", "ulysses"),
+    "parallel.schedule": SCHEDULE_KINDS,
+    "optim.schedule": LR_SCHEDULES,
+    "optim.decay_shape": DECAY_SHAPES,
+}
+DEGREES = ("parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.cp", "parallel.ep")  # dp = 0: auto
+
+
+def mix_entries(key: str, value: Any) -> list[str]:
+    """data.mix as 'path:weight' strings, from a list of such strings or of {path, weight} tables; weights > 0."""
+    form = "a list of 'path:weight' strings or {path = ..., weight = ...} tables"
+    if not isinstance(value, list):
+        raise ConfigError(f"config key {key} must be {form}, got {value!r}")
+    entries = []
+    for index, entry in enumerate(value):
+        where = f"config key {key}[{index}] = {entry!r}"
+        if isinstance(entry, dict) and set(entry) == {"path", "weight"}:
+            path, weight = entry["path"], entry["weight"]
+        elif isinstance(entry, str) and ":" in entry:
+            path, _, weight = entry.rpartition(":")
+            try:
+                weight = float(weight)
+            except ValueError:
+                raise ConfigError(f"{where}: the weight after the last ':' is not a number") from None
+        else:
+            raise ConfigError(f"{where}: expected 'path:weight' or {{path = ..., weight = ...}}")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}: the path must be a non-empty string")
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+        if not (ok and weight > 0):
+            raise ConfigError(f"{where}: the weight must be a finite number > 0")
+        entries.append(f"{path}:{float(weight)!r}")
+    return entries
+
+
+def validate(cfg) -> None:
+    """Checks that need no MPI: run on every rank before any collective, so a bad config never hangs a job.
+
+    Range checks are written `require(value > 0)`, i.e. "refuse unless provably in range", so that NaN (for which
+    every comparison is False) is refused by them too; infinities are refused first, for every float key."""
+    _require_finite_floats(cfg)
+    for key, allowed in ALLOWED.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        require(value in allowed,
+                f"config key {key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}")
+    for key in DEGREES:
+        positive_degree(f"config key {key}", getattr(cfg.parallel, key.split(".")[1]))
+    positive = ["model.n_layer", "model.d_model", "model.n_head", "model.vocab_size", "model.seq_len",
+                "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
+                "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "model.rope_theta", "model.norm_eps",
+                "precision.loss_scale_window", "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps",
+                "memory.offload_chunk_mb"]
+    for key in positive:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        require(value > 0, f"config key {key} must be > 0, got {value}")
+    nonneg = ["model.n_kv_head", "model.d_ff", "parallel.dp", "parallel.microbatches", "train.eval_every",
+              "train.sample_tokens", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
+              "optim.clip", "checkpoint.every", "checkpoint.keep", "logging.peak_flops", "train.stop_at",
+              "fault.timeout_s", "fault.straggler_factor", "fault.spike_zscore", "fault.sdc_every",
+              "fault.mtbf_hours", "fault.flight_ops", "model.init_std", "train.seed", "lora.rank", "lora.alpha",
+              "memory.recompute_layers", "train.thread_replicas", "checkpoint.peer_every"]
+    for key in nonneg:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        require(value >= 0, f"config key {key} must be >= 0, got {value}")
+    m = cfg.model
+    require(m.d_model % m.n_head == 0, f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    require(m.head_dim % 2 == 0 or m.arch != "llama", "model.d_model / model.n_head must be even for RoPE (llama)")
+    require(m.n_head % m.kv_heads == 0,
+            f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {m.kv_heads}")
+    require(m.arch == "llama" or m.kv_heads == m.n_head,
+            "model.n_kv_head (grouped-query attention) is for model.arch = 'llama'; gpt2 uses n_kv_head = n_head")
+    validate_tensor_parallel(cfg)
+    validate_pipeline(cfg)
+    validate_context_parallel(cfg)
+    validate_moe(cfg)
+    validate_thread_replicas(cfg)
+    require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")
+    require(cfg.optim.name in OPTIMIZERS, f"config key optim.name = {cfg.optim.name!r}: expected "
+                                          f"{', '.join(OPTIMIZERS[:-1])} or {OPTIMIZERS[-1]}")
+    require(0 <= cfg.optim.momentum < 1, f"config key optim.momentum = {cfg.optim.momentum} must be in [0, 1)")
+    require(0 <= cfg.optim.adafactor_beta1 < 1,
+            f"config key optim.adafactor_beta1 = {cfg.optim.adafactor_beta1} must be in [0, 1)")
+    require(cfg.optim.adafactor_momentum in ("int4", "full"),
+            f"config key optim.adafactor_momentum = {cfg.optim.adafactor_momentum!r}: expected int4 or full")
+    require(all(s >= 1 for s in cfg.fault.skip_steps), "config key fault.skip_steps: steps count from 1")
+    require(not cfg.fault.attribute or cfg.parallel.zero == 0,
+            f"config key fault.attribute needs parallel.zero = 0, got {cfg.parallel.zero}: sharded gradients reduce "
+            "the norm over the replicas, so a rank's own fault could not be told from the data's")
+    require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
+    _validate_schedules(cfg)
+    require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
+    require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
+            f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
+            "by this factor), or 0 to turn straggler reports off")
+    require(cfg.data.synthetic or cfg.data.mix or cfg.data.path.strip() != "",
+            "config key data.path is empty; give a dataset file (mpitrain data prepare) or set data.synthetic = true")
+    if cfg.data.mix:
+        mix_entries("data.mix", cfg.data.mix)  # a config built in code has not passed _coerce
+        require(not cfg.data.synthetic, "config keys data.mix and data.synthetic = true exclude each other")
+
+
+def _validate_schedules(cfg) -> None:
+    """optim.decay_fraction, the wsd decay's room after the warm-up, and train.batch_rampup's three numbers."""
+    o, t = cfg.optim, cfg.train
+    require(0 < o.decay_fraction <= 1, f"config key optim.decay_fraction = {o.decay_fraction} must be in (0, 1]")
+    decay = max(1, round(o.decay_fraction * t.steps))  # optim/schedule.wsd_decay_steps
+    require(o.schedule != "wsd" or o.warmup_steps + decay <= t.steps,
+            f"config key optim.decay_fraction = {o.decay_fraction}: the wsd decay's {decay} steps and "
+            f"optim.warmup_steps = {o.warmup_steps} do not fit in train.steps = {t.steps}")
+    if not t.batch_rampup:
+        return
+    require(len(t.batch_rampup) == 3, f"config key train.batch_rampup = {t.batch_rampup} must be [start, increment, "
+                                      "ramp_samples] (Megatron's --rampup-batch-size), or [] for none")
+    start, increment, ramp_samples = t.batch_rampup
+    require(start > 0 and increment > 0 and ramp_samples > 0,
+            f"config key train.batch_rampup = {t.batch_rampup}: start, increment and ramp_samples must be > 0")
+    require(start <= t.global_batch and (t.global_batch - start) % increment == 0,
+            f"config key train.batch_rampup = {t.batch_rampup}: train.global_batch = {t.global_batch} must be "
+            f"start = {start} plus a whole number of increments of {increment}")
+
+
+def _require_finite_floats(cfg) -> None:
+    """NaN and infinities pass `>=` checks only by accident (`inf >= 0`) and fail much later: refuse them by key."""
+    for section_name in (f.name for f in fields(cfg)):
+        section = getattr(cfg, section_name)
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float):
+                require(math.isfinite(value), f"config key {section_name}.{toml_key(f.name)} = {value} must be a "
+                                              "finite number")
