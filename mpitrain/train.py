@@ -7,7 +7,6 @@ collective, so a mistake ends every rank with the same clear line instead of a h
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -20,16 +19,13 @@ from mpitrain.checkpoint.store import CheckpointWriteFailed
 from mpitrain.comm.failure import agree_on_user_errors
 from mpitrain.comm.flight import FlightRecorder, flight_signals
 from mpitrain.comm.group import merge_counters
-from mpitrain.comm.mesh import Mesh, validate_degrees
+from mpitrain.comm.mesh import Mesh
 from mpitrain.comm.nccl import make_group_factory
 from mpitrain.comm.nodes import discover_nodes
-from mpitrain.config import Config, grad_accumulation_steps, resolve_layout
+from mpitrain.config import Config, grad_accumulation_steps
 from mpitrain.config_moe import MoeSettings
-from mpitrain.data.dataset import TokenDataset, train_and_val_samplers
-from mpitrain.data.documents import check_document_boundaries, documents_from_starts
-from mpitrain.data.mix import mix_samplers
-from mpitrain.data.synthetic import SyntheticSampler
-from mpitrain.errors import ConfigError, DataError, MpitrainError, shown_path
+from mpitrain.data.documents import documents_from_starts
+from mpitrain.errors import MpitrainError
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.recompute import apply_recompute
@@ -38,7 +34,7 @@ from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.optim.loss_scale import make_loss_scale
-from mpitrain.optim.schedule import lr_at, make_batch_ramp
+from mpitrain.optim.schedule import lr_at
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
 from mpitrain.parallel.pipeline import PipelineExecutor, rank_stages, stage_layer_counts
 from mpitrain.parallel.replicas import ThreadReplicas, replica_count
@@ -47,7 +43,6 @@ from mpitrain.parallel.timeline import bubble_fraction, merge_events
 from mpitrain.profile.breakdown import Breakdown, RunSummary, device_synchronize, gather_step, write_run_summary
 from mpitrain.profile.flops import peak_flops, recomputed_flops_per_token
 from mpitrain.profile.moe_metrics import moe_step_metrics, step_expert_loads
-from mpitrain.profile.wandb_sink import require_wandb
 from mpitrain.resilience.attribution import FaultAttribution, flip_gradient_exponent
 from mpitrain.resilience.faults import FaultPlan
 from mpitrain.resilience.guard import GOOD, NONFINITE_GRAD, OVERFLOW, BadStepGuard
@@ -55,9 +50,10 @@ from mpitrain.resilience.heartbeat import start_fault_watch
 from mpitrain.resilience.sdc import flip_one_bit, replicated_arrays
 from mpitrain.resilience.stragglers import compute_seconds, inject_slowdown
 from mpitrain.run.checkpointing import Checkpointing
-from mpitrain.run.lock import LOCK_NAME, RUN_DIR_IN_USE_EXIT_CODE, STALE_AFTER_S, RunDirClaim
+from mpitrain.run.lock import RUN_DIR_IN_USE_EXIT_CODE, STALE_AFTER_S, RunDirClaim
 from mpitrain.run.log import RunLog
 from mpitrain.run.resilience import Resilience
+from mpitrain.run.start import check_start, forget_refused_start, make_samplers, warn_zero3_with_pipeline  # noqa: F401
 from mpitrain.state.factory import make_state
 from mpitrain.state.offload import make_placement
 
@@ -364,59 +360,6 @@ class Trainer:
         return lines
 
 
-def check_start(cfg: Config, world_size: int) -> tuple:
-    """Every check of a start that needs no communication, in the order a user thinks (the rank count first, then
-    the batch splits, then the data): (train.batch_rampup's BatchRamp or None, make_samplers(cfg, ramp))."""
-    resolve_layout(cfg, world_size)
-    p = cfg.parallel
-    validate_degrees(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
-    ramp = make_batch_ramp(cfg.train.batch_rampup, cfg.train.global_batch)  # None: one batch size
-    require_wandb(cfg.logging.wandb)  # the logging rank's sink: refused on every rank alike
-    return ramp, make_samplers(cfg, ramp)
-
-
-def make_samplers(cfg: Config, ramp=None) -> tuple:
-    """(train sampler, validation sampler, tokenizer or None): synthetic tokens, or data.path's token file. ramp:
-    train.batch_rampup's BatchRamp, which places each step's rows in the token file (synthetic rows are a pure
-    function of (step, row) already)."""
-    if cfg.data.synthetic:
-        m, t = cfg.model, cfg.train
-        return (SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed),
-                SyntheticSampler(m.vocab_size, m.seq_len, t.global_batch, t.seed + 1), None)
-    if cfg.data.mix:
-        return make_mix_samplers(cfg, ramp)
-    if not Path(cfg.data.path).is_file():
-        raise DataError(f"data file {shown_path(cfg.data.path)} not found (config key data.path; create it with: "
-                        f"mpitrain data prepare --source python-stdlib --out {cfg.data.path})")
-    dataset = TokenDataset(cfg.data.path)
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of "
-                          f"{cfg.data.path} ({dataset.vocab_size} tokens)")
-    train_data, val_data = train_and_val_samplers(dataset, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
-                                                  ramp)
-    if cfg.data.document_mask:
-        check_document_boundaries(train_data, val_data)
-    return train_data, val_data, dataset.tokenizer
-
-
-def make_mix_samplers(cfg: Config, ramp=None) -> tuple:
-    """make_samplers for data.mix: the files blended by weight (data/mix.py), validation on the same blend."""
-    train_data, val_data, first = mix_samplers(cfg.data.mix_sources(), cfg.model.seq_len, cfg.train.global_batch,
-                                               cfg.train.seed, ramp)
-    if first.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of the files of "
-                          f"data.mix ({first.vocab_size} tokens)")
-    if cfg.data.document_mask:
-        check_document_boundaries(train_data, val_data)
-    return train_data, val_data, first.tokenizer
-
-
-def warn_zero3_with_pipeline(pp: int, accumulation: int) -> None:
-    print(f"warning: parallel.zero = 3 with parallel.pp = {pp} gathers every stage's parameters again for each of "
-          f"the {accumulation} micro-batches' forward and backward; ZeRO-1 or 2 is the usual choice with a pipeline",
-          file=sys.stderr, flush=True)
-
-
 def train(cfg: Config, world_comm, run_dir: Path, echo=print, resume: str | None = None,
           allowed_changes: list[str] = ()) -> int:
     """Run the steps from the start or from a checkpoint; returns the exit status (0, or PREEMPTED_EXIT_CODE after a
@@ -456,25 +399,6 @@ def _watched_train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed
                     and not isinstance(exc, MpitrainError):
                 progress.flight.write("failure", progress)  # before abort_on_error ends the job
             raise
-
-
-def forget_refused_start(run_dir: Path):
-    """Rank 0, before any rank writes: what removes RUN_DIR again when this start is refused (a user error on every
-    rank), so a mistake leaves no empty run behind; None when the directory is already there (an earlier run's).
-    It removes only a directory that holds no metrics, no committed checkpoint and no run lock (this start's lock is
-    released by then: one there is another job's, which started in it meanwhile): nothing trained or training."""
-    run_dir = Path(run_dir)
-    if run_dir.exists():
-        return None
-    created = run_dir  # the outermost folder this start will create (runs/ too, the first time)
-    while not created.parent.exists() and created.parent != created:
-        created = created.parent
-
-    def remove() -> None:
-        if run_dir.is_dir() and not (run_dir / "metrics.jsonl").exists() and not (run_dir / LOCK_NAME).exists() \
-                and not any(created.rglob("COMMITTED")):
-            shutil.rmtree(created, ignore_errors=True)
-    return remove
 
 
 def _train(cfg: Config, world_comm, run_dir: Path, echo, resume, allowed_changes, progress) -> int:
