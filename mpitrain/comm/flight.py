@@ -23,7 +23,6 @@ hang, when a rank fails (train.py's failure path) or on SIGUSR2 / SIGTERM (`flig
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -33,6 +32,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
+
+from mpitrain.profile.jsonl import write_json_atomically
 
 FLIGHT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 EARLIER = "earlier"  # RUN_DIR/flight/earlier/: the records of the run's previous start, which doctor hang ignores
@@ -109,9 +110,7 @@ class FlightRecorder:
             with self._writing:
                 record = self.snapshot(reason, progress)
                 self.directory.mkdir(parents=True, exist_ok=True)
-                temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                temporary.write_text(json.dumps(record) + "\n")
-                os.replace(temporary, self.path)
+                write_json_atomically(self.path, record)
             return self.path
         except (OSError, RuntimeError, ValueError) as exc:
             sys.stderr.write(f"[rank {self.world_rank}] warning: flight record not written to {self.path}: {exc}\n")

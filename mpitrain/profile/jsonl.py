@@ -1,9 +1,12 @@
 """JSON-lines files that several processes append to and a crash may cut short (faults.jsonl,
-injected_faults.jsonl, metrics.jsonl): one helper to append a record, one to read them back."""
+injected_faults.jsonl, metrics.jsonl): one helper to append a record, one to read them back. And JSON files that one
+process rewrites while others read them (heartbeats, flight records, the run directory's lock): one helper to replace
+such a file whole, one to read it tolerating a missing or torn one."""
 from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 
@@ -36,3 +39,19 @@ def read_records(path: Path) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def write_json_atomically(path: Path, record: dict) -> None:
+    """Write `record` as `path`, replaced by a rename so that a reader never sees half of it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.write_text(json.dumps(record) + "\n")
+    os.replace(temporary, path)
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in `path`; None when the file is missing, unreadable, cut short or not an object."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None

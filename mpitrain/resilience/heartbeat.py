@@ -34,8 +34,6 @@ already require).
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 from pathlib import Path
 
@@ -44,6 +42,7 @@ import numpy as np
 from mpitrain.comm.operations import ProgressRecord
 from mpitrain.comm.watchdog import start_watchdog
 from mpitrain.errors import ConfigError
+from mpitrain.profile.jsonl import read_json_object, write_json_atomically
 from mpitrain.resilience.faulty_hosts import record_fault, this_host
 
 SLOT_BYTES = 1 << 16  # a rank's record in its node's shared memory (a record takes about 1 kB)
@@ -60,21 +59,6 @@ def make_directory(directory: Path) -> Path:
     return directory
 
 
-def replace_whole(path: Path, record: dict) -> None:
-    """Write `record` as `path`, replaced by a rename so that a reader never sees half of it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    temporary.write_text(json.dumps(record) + "\n")
-    os.replace(temporary, path)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 class HeartbeatFiles:
     """Write this rank's heartbeat and read any rank's, one file per rank in one directory (RUN_DIR/heartbeat): where
     no shared window can be made, and in tests of the watchdog."""
@@ -87,11 +71,11 @@ class HeartbeatFiles:
         return self.directory / f"rank_{world_rank:05d}.json"
 
     def write(self, record: dict) -> None:
-        replace_whole(self.path(self.world_rank), record)
+        write_json_atomically(self.path(self.world_rank), record)
 
     def read(self, world_rank: int) -> dict | None:
         """The rank's last heartbeat, or None when it has none (yet) or it cannot be parsed."""
-        return read_json(self.path(world_rank))
+        return read_json_object(self.path(world_rank))
 
 
 class NodeSlots:
@@ -153,8 +137,9 @@ class NodeHeartbeats:
             while time.monotonic() < deadline and any((beat or {}).get("state") == "running"
                                                       for beat in self._node_records().values()):
                 time.sleep(0.02)
-        replace_whole(self.path(self.node), {"node": self.node, "writer": self.world_rank, "host": record.get("host"),
-                                             "time": record.get("time"), "ranks": self._node_records()})
+        write_json_atomically(self.path(self.node), {"node": self.node, "writer": self.world_rank,
+                                                     "host": record.get("host"), "time": record.get("time"),
+                                                     "ranks": self._node_records()})
 
     def _node_records(self) -> dict[str, dict]:
         records = {str(rank): self.slots.get(index) for index, rank in enumerate(self.node_ranks)}
@@ -173,7 +158,7 @@ class NodeHeartbeats:
         # each write is a new file (a rename): its inode tells it apart where mtime is coarse (1 s on some NFS)
         changed = (status.st_ino, status.st_mtime_ns, status.st_size)
         if node not in self._files or self._files[node][0] != changed:
-            self._files[node] = (changed, read_json(path) or {})
+            self._files[node] = (changed, read_json_object(path) or {})
         ranks = self._files[node][1].get("ranks")
         return ranks.get(str(world_rank)) if isinstance(ranks, dict) else None
 
@@ -182,8 +167,8 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
     """Every rank's heartbeat in a directory, by world rank (for a supervisor or `mpitrain` tools): from the node
     files and from per-rank files; a rank found in several keeps its newest record."""
     directory = Path(directory)
-    records = [read_json(path) for path in sorted(directory.glob("rank_*.json"))]
-    for node in (read_json(path) for path in sorted(directory.glob("node_*.json"))):
+    records = [read_json_object(path) for path in sorted(directory.glob("rank_*.json"))]
+    for node in (read_json_object(path) for path in sorted(directory.glob("node_*.json"))):
         ranks = (node or {}).get("ranks")
         records += list(ranks.values()) if isinstance(ranks, dict) else []
     beats: dict[int, dict] = {}

@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 
 from mpitrain.errors import ConfigError
+from mpitrain.profile.jsonl import read_json_object as read_lock  # the lock's record, or None
 from mpitrain.resilience.faulty_hosts import this_host
 
 LOCK_NAME = ".lock"
@@ -230,14 +231,6 @@ class RunDirLock:
             self._thread = None
         if (read_lock(self.path) or {}).get("token") == self.record["token"]:
             self.path.unlink(missing_ok=True)
-
-
-def read_lock(path: Path) -> dict | None:
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 class RunDirClaim:
