@@ -21,14 +21,17 @@ from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE
 from mpitrain.resilience.faulty_hosts import this_host
 from mpitrain.resilience.heartbeat import read_heartbeats
 from mpitrain.resilience.restart import Supervisor
+from mpitrain.run import lock as lock_module
 from mpitrain.run.lock import (
     LOCK_NAME,
     RUN_DIR_IN_USE_EXIT_CODE,
     RunDirLock,
     boot_id,
+    pid_alive,
     process_start,
     read_lock,
     takeover_reason,
+    this_attempt,
     this_job,
 )
 from tests.mpi_helpers import describe, run_mpi
@@ -66,6 +69,31 @@ def test_a_holder_on_another_host_is_alive_until_its_heartbeat_is_stale_unless_i
     assert takeover_reason(other | {"job": "4243", "heartbeat": 4999.0}, slurm, 5000.0, 600.0) is None
     # two unrelated local jobs are never "the same job"
     assert takeover_reason(other | {"heartbeat": 4999.0}, ME, 5000.0, 600.0) is None
+
+
+def test_an_earlier_attempt_of_this_job_is_taken_over_even_while_its_last_process_is_on_its_way_out():
+    me = dict(ME, job="launch-9@h", attempt=1)
+    def alive(pid, start):  # the old rank 0 still exiting after its abort
+        return True
+    assert takeover_reason(holder(job="launch-9@h", attempt=0), me, 1001.0, 600.0, alive=alive) == \
+        "attempt 0 of job launch-9@h, which ended before this attempt 1 started"
+    assert takeover_reason(holder(job="launch-9@h", attempt=1), me, 1001.0, 600.0, alive=alive) is None
+    assert takeover_reason(holder(job="launch-8@h", attempt=0), me, 1001.0, 600.0, alive=alive) is None
+    assert takeover_reason(holder(attempt=0), dict(ME, attempt=1), 1001.0, 600.0, alive=alive) is None  # local
+    assert this_attempt({}) == 0 and this_attempt({"MPITRAIN_ATTEMPT": "2"}) == 2
+    assert this_attempt({"SLURM_RESTART_COUNT": "3"}) == 3
+
+
+def test_a_process_that_exited_but_was_not_reaped_is_not_alive():
+    child = subprocess.Popen(["true"])
+    for _ in range(200):  # it exits at once; until waited for, it stays a zombie
+        if lock_module._process_state(child.pid) == "Z":
+            break
+        time.sleep(0.05)
+    assert lock_module._process_state(child.pid) == "Z"
+    assert not pid_alive(child.pid, process_start(child.pid))
+    child.wait()
+    assert pid_alive(os.getpid(), process_start(os.getpid()))
 
 
 def test_the_job_id_comes_from_slurm_then_the_launcher():

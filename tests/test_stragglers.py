@@ -100,7 +100,7 @@ def test_a_run_prints_the_advice_after_its_first_save_and_a_resumed_run_at_its_f
     index = json.loads((run_dir / "checkpoints" / "step_00000004" / "index.json").read_text())
     assert index["save_seconds"] > 0
     resumed = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir), *base,
-                          "--set", "train.steps=8", "--resume", "auto"], timeout=240)
+                          "--set", "train.steps=8", "--resume", "auto", "--allow-changes", "train.steps"], timeout=240)
     assert resumed.returncode == 0, describe(resumed)
     lines = resumed.stdout.splitlines()
     advice = [i for i, line in enumerate(lines) if line.startswith("checkpoint advice: ")]

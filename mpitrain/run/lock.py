@@ -5,11 +5,11 @@ checkpoints, and a `--resume` of a live run would restore a state the live run i
 the lock first (before config.toml, metrics.jsonl, heartbeats, checkpoints), every rank learns the verdict from it,
 and a second job is refused in one line naming the holder, with RUN_DIR_IN_USE_EXIT_CODE:
 
-    {"job": "local", "host": "node07", "pid": 1234, "pid_start": 98765, "boot_id": "6c1f...", "started": 1764570000.1,
-     "heartbeat": 1764570600.3, "token": "9f8e...", "run_dir": "runs/x"}
+    {"job": "local", "attempt": 0, "host": "node07", "pid": 1234, "pid_start": 98765, "boot_id": "6c1f...",
+     "started": 1764570000.1, "heartbeat": 1764570600.3, "token": "9f8e...", "run_dir": "runs/x"}
 
     job        SLURM_JOB_ID, else MPITRAIN_JOB_ID (`mpitrain launch --max-restarts` sets it for its attempts),
-               else "local"
+               else "local"; attempt: MPITRAIN_ATTEMPT, else SLURM_RESTART_COUNT, else 0
     host       this_host(): SLURMD_NODENAME, else the host name
     pid        rank 0's process; pid_start its start time in clock ticks (/proc), so that a reused pid is not taken
                for the holder; boot_id tells two machines that share a host name apart
@@ -21,11 +21,12 @@ Taking it is atomic on local filesystems and on NFS: the whole record is written
 hard-linked to `.lock` (os.link fails when `.lock` exists; a link is atomic on NFS, where O_EXCL was not always, and a
 reader never sees a half-written lock). On a filesystem without hard links it is created with O_CREAT | O_EXCL, and a
 lock found unreadable is looked at again before it counts as abandoned. A lock left by a dead job is taken over with
-one line saying so: on the same host when its process is gone; from another host when it belongs to an earlier
-attempt of this job (the same SLURM_JOB_ID after a requeue, the same `mpitrain launch` supervisor) or its heartbeat
-is older than stale_after_s (max(STALE_AFTER_S, 2 x fault.timeout_s)). The stale lock is first renamed aside (only
-one of two jobs racing for it can), then the link is tried again. The lock is removed when the run ends, normally,
-with an error or on a stop request; a killed job leaves it, for the rules above.
+one line saying so: when it belongs to an earlier attempt of this job (the same SLURM_JOB_ID after a requeue, the
+same `mpitrain launch` supervisor: an attempt starts only after the one before it ended, whose last processes may
+still be on their way out under a loaded machine); on the same host when its process is gone; from another host when
+its heartbeat is older than stale_after_s (max(STALE_AFTER_S, 2 x fault.timeout_s)). The stale lock is first
+renamed aside (only one of two jobs racing for it can), then the link is tried again. The lock is removed when the
+run ends, normally, with an error or on a stop request; a killed job leaves it, for the rules above.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def this_job(environ=os.environ) -> str:
     return next((environ[name] for name in JOB_ID_VARIABLES if environ.get(name)), "local")
 
 
+def this_attempt(environ=os.environ) -> int:
+    """Which attempt of its job this is: `mpitrain launch` and slurm/train.sbatch count them, a requeue counts too."""
+    for name in ("MPITRAIN_ATTEMPT", "SLURM_RESTART_COUNT"):
+        with contextlib.suppress(ValueError):
+            return int(environ.get(name, ""))
+    return 0
+
+
 def process_start(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (/proc), or None where there is no /proc."""
     try:
@@ -78,8 +87,17 @@ def pid_alive(pid: int, started: int | None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: alive
+    if _process_state(pid) == "Z":  # exited, not yet reaped (an orphan in a container whose init reaps nothing)
+        return False
     now_started = process_start(pid)
     return started is None or now_started is None or now_started == started
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def clock(unix_time: float) -> str:
@@ -95,6 +113,9 @@ def describe_holder(holder: dict) -> str:
 def takeover_reason(holder: dict, me: dict, now: float, stale_after_s: float, alive=pid_alive) -> str | None:
     """Why the lock `holder` (a record as above) may be taken over by `me` (this job's record), or None when its job
     must be taken for alive. `alive(pid, pid_start)` checks a process on this machine."""
+    earlier, mine = holder.get("attempt", 0), me.get("attempt", 0)
+    if me["job"] != "local" and holder.get("job") == me["job"] and isinstance(earlier, int) and earlier < mine:
+        return f"attempt {earlier} of job {me['job']}, which ended before this attempt {mine} started"
     same_machine = holder.get("host") == me["host"] and holder.get("boot_id") == me["boot_id"]
     if same_machine:
         pid = holder.get("pid")
@@ -122,9 +143,9 @@ class RunDirLock:
         self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_NAME
         self.stale_after_s, self.refresh_s = stale_after_s, refresh_s
         now, pid = time.time(), os.getpid()
-        self.record = {"job": this_job(environ), "host": this_host(), "pid": pid, "pid_start": process_start(pid),
-                       "boot_id": boot_id(), "started": now, "heartbeat": now, "token": uuid.uuid4().hex,
-                       "run_dir": str(self.run_dir)}
+        self.record = {"job": this_job(environ), "attempt": this_attempt(environ), "host": this_host(), "pid": pid,
+                       "pid_start": process_start(pid), "boot_id": boot_id(), "started": now, "heartbeat": now,
+                       "token": uuid.uuid4().hex, "run_dir": str(self.run_dir)}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
