@@ -81,8 +81,11 @@ def test_failed_rank_restarts_and_ends_as_an_uninterrupted_run(tmp_path, referen
     assert re.search(r"launch: attempt 0 failed with exit status \S+.*restart 1 of 1 from the checkpoint of step 4",
                      output), output
     assert "checkpoint: resumed from" in output and "step_00000004 at step 4" in output, output
+    # Rank 0 writes a step's row after the step's last collective, which rank 1 has passed when it fails at the start
+    # of step 7: the failed attempt logged step 5 and, unless rank 0 was killed first, step 6 (the resumed run then
+    # rewrites metrics.jsonl from step 4, so only the launcher saw which).
     lost = re.search(r"launch: restart 1 \(attempt 1\) after exit status \S+.*: time lost ([0-9.]+) s, from the save "
-                     r"of step 4 .* 2 logged steps redone\)", output)
+                     r"of step 4 .* ([12]) logged steps? redone\)", output)
     assert lost, output
     assert float(lost.group(1)) > 0
     assert output.count("fault injection") == 1, output  # the restart finds it in injected_faults.jsonl
