@@ -118,7 +118,8 @@ PAIRWISE = [
     ("recompute full", "pp 2 x tp 2"), ("recompute selective", "dp 2 x cp 2"), ("offload host", "ZeRO-2"),
     ("offload disk", "ZeRO-1"), ("adamw", "dp 2"), ("adafactor", "tp 2"), ("adam8bit", "ZeRO-3"),
     ("sgd", "pp 2 zb1p"), ("document mask", "dp 2 x tp 2"), ("document mask", "cp 2"),
-    ("batch ramp-up", "pp 2 gpipe"), ("MoE + LoRA", "ep 2"), ("MoE + recompute selective", "ep 2"),
+    ("batch ramp-up", "pp 2 gpipe"), ("MoE + LoRA", "ep 2"), ("MoE + LoRA", "ZeRO-3"), ("MoE + LoRA", "tp 2"),
+    ("MoE + recompute selective", "ep 2"),
     ("adafactor + offload host", "ZeRO-1"),
 ]
 
