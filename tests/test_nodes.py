@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mpitrain.comm.mesh import Degrees, all_groups_of, check_fast_groups_in_node, group_members, groups_crossing_nodes
-from mpitrain.comm.nodes import NodeLayout
+from mpitrain.comm.nodes import NodeLayout, fake_node_count, split_by_node
 from mpitrain.errors import LayoutError
 from mpitrain.resilience.restart import restart_banner
 from tests.mpi_helpers import describe, run_python_mpi
@@ -90,9 +90,29 @@ with abort_on_error(world):
     except LayoutError as exc:
         assert "allow_cross_node_tp" in str(exc)
     Mesh(world, tp=4, nodes=pretend, allow_cross_node_tp=True)
+    # two-level groups of dp (4 ranks on 2 nodes): inside {0,1},{2,3}; across {0,2},{1,3}
+    mesh = Mesh(world, dp=4, nodes=pretend, split_by_node=("dp",))
+    inside, across = mesh.inside_node["dp"], mesh.across_nodes["dp"]
+    assert (inside.size, inside.rank, across.size, across.rank) == (2, r % 2, 2, r // 2), (inside, across)
+    assert inside.all_reduce_scalar(float(r)) == (1.0 if r < 2 else 5.0)
+    assert across.all_reduce_scalar(float(r)) == (2.0 if r % 2 == 0 else 4.0)
+    assert len(mesh.all_groups()) == 10
     if r == 0:
         print("OK", flush=True)
 """
+
+
+def test_split_by_node_gives_both_levels_of_a_group():
+    layout = NodeLayout.blocks(8, 5, 2)  # ranks 0-3 on fakenode0, 4-7 on fakenode1
+    assert layout.names == ("fakenode0", "fakenode1") and layout.node == 1
+    assert split_by_node(list(range(8)), layout, 5) == ([4, 5, 6, 7], [1, 5])
+    assert split_by_node([1, 3, 5, 7], layout, 7) == ([5, 7], [3, 7])  # a strided group: position 1 on each node
+    assert split_by_node([0, 1], layout, 1) == ([0, 1], [1])  # all on one node: across is the rank alone
+    with pytest.raises(LayoutError, match=r"different number of ranks on each node \(fakenode0: 3, fakenode1: 1\)"):
+        split_by_node([0, 1, 2, 4], layout, 4)
+    assert fake_node_count(8, {}) == 0 and fake_node_count(8, {"MPITRAIN_FAKE_NODES": "2"}) == 2
+    with pytest.raises(LayoutError, match="MPITRAIN_FAKE_NODES='3' must be a node count that divides the 8 ranks"):
+        fake_node_count(8, {"MPITRAIN_FAKE_NODES": "3"})
 
 
 def test_mesh_learns_nodes_and_names_the_groups_that_cross_them():

@@ -21,12 +21,12 @@ The layout is pure functions of (world_rank, degrees), testable without MPI; `Me
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpitrain.comm.group import Group
-from mpitrain.comm.nodes import NodeLayout, discover_nodes
+from mpitrain.comm.nodes import NodeLayout, discover_nodes, split_by_node
 from mpitrain.comm.operations import ProgressRecord
 from mpitrain.config_rules import positive_degree
 from mpitrain.errors import LayoutError
@@ -163,6 +163,12 @@ def all_groups_of(kind: str, degrees: Degrees) -> list[list[int]]:
     return list(groups.values())
 
 
+def split_by_node_members(kind: str, world_rank: int, degrees: Degrees,
+                           nodes: NodeLayout) -> tuple[list[int], list[int]]:
+    """The world ranks of `kind`'s group of world_rank on its node, and across nodes (comm/nodes.py split_by_node)."""
+    return split_by_node(group_members(kind, world_rank, degrees), nodes, world_rank)
+
+
 def groups_crossing_nodes(degrees: Degrees, nodes: NodeLayout) -> list[str]:
     """The group kinds with at least one group (of two or more ranks) spanning several nodes."""
     return [kind for kind in GROUP_KINDS
@@ -193,11 +199,14 @@ class Mesh:
     All groups enter their operations in one progress record (`mesh.progress`, the watchdog's view of this rank).
     `mesh.nodes` is the node layout (learnt with a shared-memory split unless given); a tp or ep group that spans
     nodes is refused unless `allow_cross_node_tp`.
+    `split_by_node` names the kinds that also get their two levels (`mesh.inside_node[kind]`: the group's ranks on
+    this node; `mesh.across_nodes[kind]`: one rank per node, at this rank's position): hierarchical collectives.
     """
 
     def __init__(self, world_comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  progress: ProgressRecord | None = None, nodes: NodeLayout | None = None,
-                 allow_cross_node_tp: bool = False, group_factory=None, listener=None, etp: int = 0):
+                 allow_cross_node_tp: bool = False, group_factory=None, listener=None, etp: int = 0,
+                 split_by_node: Sequence[str] = ()):
         self.group_factory = group_factory or Group  # (comm, kind, progress) -> a Group; nccl.make_group_factory
         self.degrees = validate_degrees(world_comm.Get_size(), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
         self.nodes = nodes if nodes is not None else discover_nodes(world_comm)
@@ -221,16 +230,25 @@ class Mesh:
         self.ep = self._split(world_comm, "ep")
         self.expert_dp = self._split(world_comm, "expert_dp")
         self.dp_cp = self._split(world_comm, "dp_cp")
+        self.inside_node: dict[str, Group] = {}
+        self.across_nodes: dict[str, Group] = {}
+        for kind in split_by_node:  # in the given order, the same on every rank
+            inside, across = split_by_node_members(kind, self.rank, self.degrees, self.nodes)
+            self.inside_node[kind] = self._split_members(world_comm, f"{kind}_inside", inside)
+            self.across_nodes[kind] = self._split_members(world_comm, f"{kind}_across", across)
 
     def _split(self, world_comm, kind: str) -> Group:
-        members = group_members(kind, self.rank, self.degrees)
+        return self._split_members(world_comm, kind, group_members(kind, self.rank, self.degrees))
+
+    def _split_members(self, world_comm, kind: str, members: list[int]) -> Group:
         # Colour each group by its first member (groups of one kind partition the world), order by position.
         comm = world_comm.Split(color=members[0], key=members.index(self.rank))
         assert comm.Get_size() == len(members) and comm.Get_rank() == members.index(self.rank), kind
         return self.group_factory(comm, kind, self.progress)
 
     def all_groups(self) -> list[Group]:
-        return [getattr(self, kind) for kind in GROUP_KINDS]
+        return [getattr(self, kind) for kind in GROUP_KINDS] + [*self.inside_node.values(),
+                                                                 *self.across_nodes.values()]
 
     def describe(self) -> str:
         d = self.degrees

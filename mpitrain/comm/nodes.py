@@ -1,7 +1,9 @@
 """Which node each rank runs on, learnt from MPI's shared-memory split (COMM_TYPE_SHARED), not from host names:
 on a test cluster several SLURM nodes share one host name, and a real cluster can reuse names across domains.
 
-A node's index is the order of its lowest world rank, so node 0 holds rank 0. `node_local_rank` (the rank among
+A node's index is the order of its lowest world rank, so node 0 holds rank 0. MPITRAIN_FAKE_NODES=K (tests, demos)
+splits one machine's ranks into K nodes of consecutive ranks, so that node-aware code (hierarchical data
+parallelism, hybrid context parallelism) runs and is checked on one machine. `node_local_rank` (the rank among
 the ranks of one node) is what picks a rank's GPU. The layout itself is a pure value (`NodeLayout`), testable without
 MPI; `discover_nodes` is the only function that talks to MPI.
 """
@@ -11,6 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from mpitrain.errors import LayoutError
+
+FAKE_NODES_ENV = "MPITRAIN_FAKE_NODES"
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,13 @@ class NodeLayout:
     @classmethod
     def single(cls, world_size: int = 1, rank: int = 0, name: str = "localhost") -> NodeLayout:
         return cls(rank=rank, node_of_rank=(0,) * world_size, names=(name,))
+
+    @classmethod
+    def blocks(cls, world_size: int, rank: int, n_nodes: int) -> NodeLayout:
+        """n_nodes nodes of consecutive ranks (world_size must divide evenly), named fakenode0, fakenode1, ..."""
+        per_node = world_size // n_nodes
+        leaders = [r // per_node * per_node for r in range(world_size)]
+        return cls.from_leaders(rank, leaders, [f"fakenode{r // per_node}" for r in range(world_size)])
 
     @property
     def n_nodes(self) -> int:
@@ -70,6 +83,25 @@ class NodeLayout:
         return f"{self.n_nodes} node{'s' if self.n_nodes != 1 else ''}: " + ", ".join(parts)
 
 
+def split_by_node(members: Sequence[int], layout: NodeLayout, rank: int) -> tuple[list[int], list[int]]:
+    """A group's two levels as seen from `rank`: `inside` are the members on rank's node, `across` the members at the
+    same position among their node's members on every node (one per node). A hierarchical collective runs over
+    `inside` then `across`; both partition the group, so every member is in exactly one of each kind.
+
+    Every node must hold the same number of the group's members, else the two levels do not tile the group."""
+    by_node: dict[int, list[int]] = {}
+    for member in members:
+        by_node.setdefault(layout.node_of_rank[member], []).append(member)
+    counts = {node: len(ranks) for node, ranks in by_node.items()}
+    if len(set(counts.values())) > 1:
+        spread = ", ".join(f"{layout.names[node]}: {count}" for node, count in counts.items())
+        raise LayoutError(f"group {list(members)} has a different number of ranks on each node ({spread}): a "
+                          f"two-level (inside a node, then across nodes) collective needs the same number on each")
+    inside = by_node[layout.node_of_rank[rank]]
+    position = inside.index(rank)
+    return inside, [ranks[position] for ranks in by_node.values()]
+
+
 def _ranges(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     spans: list[list[int]] = []
@@ -90,10 +122,23 @@ def this_node_name() -> str:
     return MPI.Get_processor_name()
 
 
+def fake_node_count(world_size: int, env=os.environ) -> int:
+    """MPITRAIN_FAKE_NODES as a node count (0: unset or 1, use the real layout); it must divide the world."""
+    raw = env.get(FAKE_NODES_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) < 1 or world_size % int(raw):
+        raise LayoutError(f"{FAKE_NODES_ENV}={raw!r} must be a node count that divides the {world_size} ranks")
+    return int(raw) if int(raw) > 1 else 0
+
+
 def discover_nodes(comm) -> NodeLayout:
     """Collective over `comm`: every rank learns the whole node layout (two small allgathers)."""
     from mpi4py import MPI
     rank = comm.Get_rank()
+    fake = fake_node_count(comm.Get_size())
+    if fake:
+        return NodeLayout.blocks(comm.Get_size(), rank, fake)
     if comm.Get_size() == 1:
         return NodeLayout.single(1, 0, this_node_name())
     local = comm.Split_type(split_type=MPI.COMM_TYPE_SHARED, key=rank)
