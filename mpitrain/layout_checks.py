@@ -102,3 +102,10 @@ def validate_thread_replicas(cfg) -> None:
             f"train.thread_replicas = {asked} with {', '.join(blockers)}: thread replicas run one whole pipeline "
             f"stage on one CPU, without tensor, context or expert parallelism and without ZeRO-3; set "
             f"train.thread_replicas = 0 (auto: replicas where the layout allows) or 1")
+
+
+def groups_split_by_node(cfg) -> tuple[str, ...]:
+    """The process-group kinds whose two levels (inside a node, across nodes) a run needs, for comm.Mesh; each
+    hierarchical feature adds its kind here. The same tuple on every rank: the splits are collective."""
+    kinds: list[str] = []
+    return tuple(kinds)

@@ -30,6 +30,7 @@ from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
+from mpitrain.layout_checks import groups_split_by_node
 from mpitrain.model.gpt import GPT
 from mpitrain.optim.adamw import clip_scale
 from mpitrain.optim.factory import make_optimizer
@@ -100,6 +101,7 @@ class Trainer:
         # --- from here on, collectives
         self.mesh = Mesh(world_comm, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, progress=progress,
                          allow_cross_node_tp=p.allow_cross_node_tp, nodes=nodes, listener=self.breakdown,
+                         split_by_node=groups_split_by_node(cfg),
                          group_factory=make_group_factory(cfg.train.collectives, cfg.train.device, say=say))
         self.model = self._build_model()
         # memory.offload: where master weights and moments live (the same placement on every rank: no collective)
