@@ -1,0 +1,169 @@
+"""FP8 training recipes, emulated exactly: the values an FP8 GEMM would multiply, in plain numpy (ml_dtypes' fp8).
+
+    recipe    scale of a tensor                                          what it is (docs/fp8.md)
+    tensor    one per tensor, from this call's amax (current scaling)    TE's Float8CurrentScaling
+    delayed   one per tensor, from the max of an amax history of the     TE's DelayedScaling (margin 0, "max")
+              last H steps (DelayedScaling below)
+    block     activations and output gradients: one per 1x128 tile       DeepSeek-V3
+              along the reduction dim; weights: one per 128x128 block
+    mxfp8     one per 1x32 block along the reduction dim, a power of     OCP MX v1.0 (MXFP8, e8m0 scales)
+              two (e8m0) with the spec's rounding: 2^(floor(log2 amax) - emax of the element format)
+
+Inputs and weights go to e4m3 (max 448) for the forward, output gradients to e5m2 (max 57344) for the backward.
+Every cast clips to the format's max first: ml_dtypes' float8_e4m3fn (like the hardware's non-saturating cast) turns
+an out-of-range value into NaN, not the max. A tensor, tile or block whose amax is 0 (or not finite) gets scale 1.
+
+Scale conventions: per-tensor and block scales are float32 dequantization multipliers `scale_inv` (TE keeps both the
+quantizing `scale = max / amax` and its inverse; codes = cast(clip(x * scale)), values = codes * scale_inv);
+MX scales are powers of two stored as float8_e8m0fnu. `Quantized.dequantize` gives exactly codes * scale_inv.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from mpitrain.backend import array_module
+
+FORMATS = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+EMAX = {"e4m3": 8, "e5m2": 15}  # exponent of the format's largest power of two: 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+RECIPES = ("none", "tensor", "delayed", "block", "mxfp8")
+TILE = 128  # block recipe: 1x128 tiles of activations and gradients, 128x128 blocks of weights
+MX_BLOCK = 32  # mxfp8: 1x32 blocks
+
+
+@dataclass
+class Quantized:
+    """fp8 `codes` (the shape of the source) and their dequantization multipliers: `scale_inv` is a float32 scalar
+    (per tensor), or a grid with one entry per block of `block` elements (a 1 in `block` spans a whole axis of a
+    tile: (1, 128) = rows of 128 along the last axis), float32 or e8m0."""
+    codes: np.ndarray
+    scale_inv: np.ndarray
+    block: tuple | None = None
+
+    def dequantize(self, dtype=np.float32):
+        """codes * scale_inv in `dtype` (float32 or float64: both hold every fp8 value times its scale exactly)."""
+        values = self.codes.astype(dtype)
+        if self.block is None:
+            return values * self.scale_inv.astype(dtype)
+        return values * expand_blocks(self.scale_inv.astype(dtype), self.block, values.shape)
+
+
+def cast_saturating(x, fmt: str):
+    """x -> fp8 codes of format `fmt` ("e4m3" / "e5m2"), clipped to +-max first (round to nearest even)."""
+    xp = array_module(x)
+    top = FP8_MAX[fmt]
+    return xp.clip(x, -top, top).astype(FORMATS[fmt])
+
+
+def absmax(x) -> float:
+    """The largest |x| as a Python float (0 for an empty array)."""
+    return float(np.abs(x).max()) if x.size else 0.0
+
+
+def tensor_scale(amax, fmt: str):
+    """(scale, scale_inv), float32, of a per-tensor cast: scale = max / amax, 1 where amax is 0 or not finite.
+    `amax` may be an array (block grids): elementwise."""
+    amax = np.asarray(amax, dtype=np.float32)
+    usable = np.isfinite(amax) & (amax > 0)
+    scale = np.where(usable, np.float32(FP8_MAX[fmt]) / np.where(usable, amax, 1), 1).astype(np.float32)
+    return scale, (np.float32(1) / scale).astype(np.float32)
+
+
+def quantize_tensor(x, fmt: str, amax: float | None = None) -> Quantized:
+    """Per-tensor scaling: codes = cast(clip(x * scale)), scale from `amax` (default: this tensor's own, current
+    scaling; a delayed recipe passes its history's max, a split tensor the max over its group)."""
+    scale, scale_inv = tensor_scale(absmax(x) if amax is None else amax, fmt)
+    return Quantized(cast_saturating(x * x.dtype.type(scale), fmt), scale_inv)
+
+
+def _blocked(x, block: tuple):
+    """x (..., R, C) padded with zeros to whole blocks and viewed as (..., R/br, br, C/bc, bc); a 1 in `block`
+    spans a whole axis (so (1, 128) tiles rows, reading a block of one element along rows)."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    br, bc = _block_extent(block, rows, cols)
+    pad_r, pad_c = -rows % br, -cols % bc
+    if pad_r or pad_c:
+        x = np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
+    r, c = x.shape[-2] // br, x.shape[-1] // bc
+    return x.reshape(*x.shape[:-2], r, br, c, bc)
+
+
+def _block_extent(block: tuple, rows: int, cols: int) -> tuple[int, int]:
+    return min(block[0], rows), min(block[1], cols)
+
+
+def block_amax(x, block: tuple):
+    """The amax of each block of x's last two axes ((..., ceil(R/br), ceil(C/bc)); partial edge blocks count)."""
+    return np.abs(_blocked(x, block)).max(axis=(-3, -1))
+
+
+def expand_blocks(grid, block: tuple, shape: tuple):
+    """A per-block grid -> one value per element of an array of `shape` (edge blocks cut to size)."""
+    br, bc = _block_extent(block, shape[-2], shape[-1])
+    full = np.repeat(np.repeat(grid, br, axis=-2), bc, axis=-1)
+    return full[..., :shape[-2], :shape[-1]]
+
+
+def as_matrix(x):
+    """x (..., K) as rows (M, K): 1x128 tiles run along the last (reduction) axis of every row."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def quantize_blocks(x, fmt: str, block: tuple = (1, TILE), amax=None) -> Quantized:
+    """Block scaling (DeepSeek-V3): each block of x's last two axes gets scale_inv = amax / max, codes = cast(clip(x
+    / scale_inv)). (1, 128): activation and gradient tiles along the last axis; (128, 128): weight blocks. `amax`:
+    the block grid's amax when it was reduced over a group (default: x's own)."""
+    grid = block_amax(x, block) if amax is None else amax
+    scale, scale_inv = tensor_scale(grid, fmt)
+    codes = cast_saturating(x * expand_blocks(scale.astype(x.dtype), block, x.shape), fmt)
+    return Quantized(codes, scale_inv, block)
+
+
+def mx_scale(amax, fmt: str):
+    """OCP MX v1.0 shared scale of blocks with these amaxes: 2^(floor(log2 amax) - emax), as float8_e8m0fnu (exponent
+    clamped to e8m0's [-127, 127]); amax 0 (or not finite) -> 1. Elements above the format's max after the division
+    (up to 2^(emax+1) - ...) are clipped, as the spec says."""
+    amax = np.asarray(amax, dtype=np.float64)
+    usable = np.isfinite(amax) & (amax > 0)
+    _, exponent = np.frexp(np.where(usable, amax, 1.0))  # amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    power = np.where(usable, np.clip(exponent - 1 - EMAX[fmt], -127, 127), 0)
+    return np.ldexp(1.0, power).astype(E8M0)
+
+
+def quantize_mx(x, fmt: str, axis: int = -1) -> Quantized:
+    """MXFP8: blocks of 32 consecutive elements along `axis` (the reduction axis: -1 for activations and output
+    gradients, -2 (= 0 for a (K, N) weight) for weights), each with an e8m0 power-of-two scale."""
+    block = (1, MX_BLOCK) if axis in (-1, x.ndim - 1) else (MX_BLOCK, 1)
+    scale_inv = mx_scale(block_amax(x, block), fmt)
+    divisor = expand_blocks(scale_inv.astype(x.dtype), block, x.shape)
+    return Quantized(cast_saturating(x / divisor, fmt), scale_inv, block)
+
+
+class DelayedScaling:
+    """Transformer Engine's delayed scaling of one tensor role: the scale of a step comes from the max of the amaxes
+    of the previous `history` steps (amax_compute_algo "max", margin 0); this step's amax (the max over its calls,
+    reduced over the ranks by the caller) is recorded and enters the window when the step ends (`roll`).
+    An empty history (the first step) uses the current amax instead of TE's initial scale 1, so a first step with
+    |x| > 448 is not clipped."""
+
+    def __init__(self, history: int):
+        self.history = np.zeros(history, dtype=np.float32)  # newest first, like TE's amax_history rows
+        self.filled = 0
+        self.current = 0.0  # this step's amax so far
+
+    def amax_for(self, x_amax: float) -> float:
+        """The amax whose scale quantizes a tensor of amax x_amax in this step (recording x_amax)."""
+        self.current = max(self.current, x_amax)
+        return float(self.history[:self.filled].max()) if self.filled else x_amax
+
+    def roll(self, step_amax: float | None = None) -> None:
+        """End of step: the step's amax (default: `current`; the caller passes it reduced over the data ranks)
+        becomes the newest history entry, the oldest drops out."""
+        self.history = np.roll(self.history, 1)
+        self.history[0] = self.current if step_amax is None else step_amax
+        self.filled = min(self.filled + 1, self.history.size)
+        self.current = 0.0
