@@ -281,6 +281,17 @@ def expert_degrees(cfg: Config) -> Degrees:
     return Degrees(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp)
 
 
+_MOE_NOTES: dict = {}  # (model, ep) -> moe_note: it builds the whole model to count its parameters
+
+
+def _moe_note(cfg: Config) -> str:
+    """moe_note(cfg), once per model shape and ep (mpitrain plan asks thousands of times)."""
+    key = (repr(cfg.model), cfg.parallel.ep)
+    if key not in _MOE_NOTES:
+        _MOE_NOTES[key] = moe_note(cfg)
+    return _MOE_NOTES[key]
+
+
 def expert_mesh_note(cfg: Config) -> str:
     """model.moe: the two meshes of a pipeline stage, attention tp x cp x dp and experts etp x ep x edp."""
     if not MoeSettings.of(cfg.model).experts:
@@ -318,7 +329,7 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
     stage = "the first" if pp_rank == 0 else "the last" if pp_rank == p.pp - 1 else f"pipeline rank {pp_rank}'s"
     in_flight = "one micro-batch" if p.pp == 1 else f"{stage} stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
-    formulas["params"] += moe_note(cfg) + expert_mesh_note(cfg)  # model.moe: experts held here, both meshes
+    formulas["params"] += _moe_note(cfg) + expert_mesh_note(cfg)  # model.moe: experts held here, both meshes
     if p.cp > 1:
         formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
     elif attention == "fused":
