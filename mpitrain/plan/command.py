@@ -20,13 +20,24 @@ from mpitrain.errors import MpitrainError
                    "cluster computes in bf16/fp16.")
 @click.option("--json", "as_json", is_flag=True, help="Print the evaluated layouts as JSON.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None, help="Write the best layout's config.")
+@click.option("--layout", "layout_text", default=None,
+              help='Evaluate this layout alone, e.g. "dp64 tp8 pp16 zero1 mb1 interleaved/v4 rc-selective": memory '
+                   'rows, step time by part, MFU, and the nearest faster layout.')
+@click.option("--set", "layout_sets", multiple=True, metavar="KEY=VALUE",
+              help="With or instead of --layout: parallel.tp=8, train.micro_batch=2, memory.recompute=full, ...")
 @click.option("-n", "ranks", type=int, default=2, show_default=True, help="calibrate: local MPI ranks to measure.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="calibrate: where to write (default: configs/clusters/this-machine.toml).")
-def plan_command(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path):
+def plan_command(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, layout_text,
+                 layout_sets, ranks, out_path):
     """Which layout fits MODEL (preset or config) on CLUSTER (configs/clusters/NAME.toml), and how fast it runs.
     `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
     try:
+        if layout_text is not None or layout_sets:
+            from mpitrain.plan.search import evaluate_layout  # the model stack: loaded when the command runs
+            click.echo(evaluate_layout(model, cluster or "", layout_text or "", layout_sets, gpus, seq, global_batch,
+                                       attention))
+            return
         _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path)
     except MpitrainError as exc:  # a user error: one line on stderr, exit status 1
         raise click.ClickException(str(exc)) from None

@@ -93,9 +93,11 @@ class Layout:
     virtual_stages: int = 1
     offload: str = "none"
     etp: int = 0  # expert tensor parallelism: 0 = tp (experts split like the MLP), 1 = whole experts
+    cp_kind: str = "ring"  # context parallelism: "ring" (K/V passed round) or "ulysses" (all-to-all of heads)
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}"] * (self.cp > 1) + \
+                ["ulysses"] * (self.cp > 1 and self.cp_kind == "ulysses") + \
                 [f"ep{self.ep}"] * (self.ep > 1) + [f"etp{self.etp}"] * (0 < self.etp < self.tp) + \
                 [f"zero{self.zero}", f"mb{self.micro_batch}"]
         if self.pp > 1:
@@ -112,7 +114,7 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     cfg.train, cfg.memory, cfg.precision = copy.copy(base.train), copy.copy(base.memory), copy.copy(base.precision)
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.cp, p.ep, p.zero = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero
-    p.etp = layout.etp
+    p.etp, p.cp_kind = layout.etp, layout.cp_kind
     p.sequence_parallel, p.schedule, p.virtual_stages = layout.tp > 1, layout.schedule, layout.virtual_stages
     p.microbatches, p.stage_layers, p.allow_cross_node_tp = 0, [], True
     cfg.train.micro_batch, cfg.train.device = layout.micro_batch, "cpu"  # shapes only: cp's device check aside

@@ -239,3 +239,18 @@ def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, globa
         cfg.train.global_batch = global_batch
     validate(cfg)
     return cfg, name, cluster, search(cfg, cluster, gpus, attention), gpus
+
+
+def evaluate_layout(model: str, cluster_name: str, text: str, sets: tuple, gpus: int | None, seq: int | None,
+                    global_batch: int | None, attention: str | None = None) -> str:
+    """`mpitrain plan MODEL CLUSTER --layout TEXT [--set KEY=VALUE ...]`: the layout alone, explained (plan/layout.py),
+    with the nearest faster layout of the search over the same GPUs."""
+    from mpitrain.plan.layout import explain, layout_for, nearest_better, parse_layout
+    if not cluster_name:
+        raise ConfigError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
+    layout, world = layout_for(parse_layout(text, tuple(sets)), gpus)
+    cfg, _, cluster, found, _ = plan(model, cluster_name, world, seq, global_batch, attention)
+    result = estimate(cfg, layout, cluster, attention)
+    best = found["fits"][0] if found["fits"] else None
+    return explain(result, cluster, nearest_better(result, found["fits"]), best) + "\n" + \
+        attention_line(cluster, attention)
