@@ -66,7 +66,7 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule; zbv needs 2)
     stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
-    cp_kind: str = "ring"  # how cp ranks share attention: ring (K/V blocks travel) | ulysses (all-to-all of heads)
+    cp_kind: str = "ring"  # ring (K/V travel) | ulysses (all-to-all of heads) | hybrid (ulysses per node, ring across)
     ep: int = 1
     etp: int = 0  # expert tensor parallelism (model.moe): 1 = whole experts, tp = split like the MLP; 0: tp
     zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)

@@ -35,7 +35,7 @@ ALLOWED = {
     "parallel.zero": (0, 1, 2, 3),
     "memory.offload": ("none", "host", "disk"),
     "memory.recompute": ("none", "selective", "full"),
-    "parallel.cp_kind": ("ring", "ulysses"),
+    "parallel.cp_kind": ("ring", "ulysses", "hybrid"),
     "parallel.schedule": SCHEDULE_KINDS,
     "optim.schedule": LR_SCHEDULES,
     "optim.decay_shape": DECAY_SHAPES,

@@ -36,6 +36,8 @@ def validate_context_parallel(cfg) -> None:
             f"= {p.tp} (parallel.sequence_parallel splits them across the tp ranks)")
     if p.cp_kind == "ulysses":
         validate_ulysses(cfg)
+    # cp_kind 'hybrid' splits the heads over the cp ranks of a node, known once the nodes are: checked then
+    # (parallel/context.check_heads_split)
     # train.device = 'cuda' is allowed: the ring's buffers are the backend's arrays end to end (ring_attention.py
     # and ContextParallel use array_module) and travel on the cp group's NCCL lanes, or host-staged through MPI.
 
@@ -108,4 +110,6 @@ def groups_split_by_node(cfg) -> tuple[str, ...]:
     """The process-group kinds whose two levels (inside a node, across nodes) a run needs, for comm.Mesh; each
     hierarchical feature adds its kind here. The same tuple on every rank: the splits are collective."""
     kinds: list[str] = []
+    if cfg.parallel.cp_kind == "hybrid" and cfg.parallel.cp > 1:  # Ulysses inside a node, the ring across nodes
+        kinds.append("cp")
     return tuple(kinds)

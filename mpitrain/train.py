@@ -136,7 +136,7 @@ class Trainer:
         experts = ExpertParallel.of_mesh(self.mesh, MoeSettings.of(cfg.model).experts or 1)  # the expert mesh
         model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep=experts)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
-        apply_context_parallel(model, ContextParallel(self.mesh.cp, kind=p.cp_kind))  # parallel.cp: dp x cp
+        apply_context_parallel(model, ContextParallel.of_mesh(self.mesh, p.cp_kind))  # parallel.cp: dp x cp
         model.document_mask = cfg.data.document_mask  # every stage gets its micro-batches' documents
         return model
 

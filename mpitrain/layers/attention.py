@@ -12,7 +12,8 @@ positions and returns each query row's log-sum-exp with the output. Under contex
 mpitrain/parallel/context.apply_context_parallel) the core is ring attention instead (layers/ring_attention.py): it
 runs on this rank's two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp.
 With parallel.cp_kind = "ulysses" (`ulysses` set instead) it is layers/ulysses_attention.py: an all-to-all trades
-heads for tokens, the core above runs on whole sequences of H/c heads, a second all-to-all trades them back.
+heads for tokens, the core above runs on whole sequences of H/c heads, a second all-to-all trades them back; with
+"hybrid" (`hybrid`) layers/hybrid_attention.py: that all-to-all inside a node, the ring across nodes.
 
 Packed documents (data.document_mask, mpitrain/data/documents.py): the model's per-micro-batch context carries a
 (B, T, T) mask that also hides other documents (`ctx["bias"]`), rotary tables of each token's position in its
@@ -25,7 +26,7 @@ import math
 
 from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
-from mpitrain.layers import ops, ring_attention, ulysses_attention
+from mpitrain.layers import hybrid_attention, ops, ring_attention, ulysses_attention
 from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
 from mpitrain.state.params import ParamSpec
@@ -101,6 +102,7 @@ class Attention:
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
         self.ring = None  # the rank's ContextParallel under parallel.cp > 1
         self.ulysses = None  # ... instead, under parallel.cp_kind = "ulysses"
+        self.hybrid = None  # ... or "hybrid" (Ulysses inside a node, the ring across nodes)
 
     def local(self, tensors: dict) -> dict:
         """The views the linears use: with replicated K/V weights, the columns of this rank's K/V head."""
@@ -125,6 +127,8 @@ class Attention:
             out = out.astype(q.dtype, copy=False)
         elif self.ulysses is not None:
             out, core = ulysses_attention.forward(self.ulysses, q, k, v, ctx.get("documents"))
+        elif self.hybrid is not None:
+            out, core = hybrid_attention.forward(self.hybrid, q, k, v, ctx.get("documents"))
         else:
             (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
         y, merged = self.out.forward(params, merge_heads(out))
@@ -157,6 +161,8 @@ class Attention:
                           for grad in ring_attention.backward(self.ring, saved["core"], split_heads(d_out, self.heads)))
         elif self.ulysses is not None:
             dq, dk, dv = ulysses_attention.backward(self.ulysses, saved["core"], head_view(d_out, self.heads))
+        elif self.hybrid is not None:
+            dq, dk, dv = hybrid_attention.backward(self.hybrid, saved["core"], head_view(d_out, self.heads))
         else:
             dq, dk, dv = ops.attention_backward(saved["core"], head_view(d_out, self.heads))
         if self.rope:
@@ -176,4 +182,6 @@ class Attention:
             core[3:] = [((b, h, t, d), dtype), ((b, h, t), ring_attention.lse_dtype(dtype))]
         if self.ulysses is not None:
             core = ulysses_attention.saved_arrays(b, h, kv, t, d, self.ulysses.size, dtype)
+        if self.hybrid is not None:
+            core = hybrid_attention.saved_arrays(b, h, kv, t, d, self.hybrid.inside.size, dtype)
         return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)

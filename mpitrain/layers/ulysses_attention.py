@@ -97,40 +97,64 @@ def _mask(seq_len, dtype, xp, documents):
     return attention_core.document_bias(ids, positions, ids, positions, xp, dtype)
 
 
+def heads_for_tokens(cp, q, k, v):
+    """The first all-to-all: (q, k, v) of this rank's H/c query heads and the K/V heads they use over the whole
+    sequence of the group's tokens, in sequence order (B, h, c 2m, D) each, contiguous. q: (B, H, 2m, D) holding
+    this rank's two zig-zag chunks; k, v: (B, Hkv, 2m, D) likewise."""
+    xp, heads = array_module(q), q.shape[1]
+    kv = kv_heads_for(heads, k.shape[1], cp.size)
+    whole = _to_sequence(_scatter_heads(cp, [(q, _query_heads(heads, cp.size)), (k, kv), (v, kv)]),
+                         gathered_order(cp, q.shape[2] * cp.size))
+    hq, hkv = heads // cp.size, kv[0].stop - kv[0].start
+    return tuple(xp.ascontiguousarray(whole[:, a:b]) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+
+
+def tokens_for_heads(cp, out):
+    """The second all-to-all: the output (B, H/c, T, D) of this rank's heads over the whole sequence -> this rank's
+    tokens of all heads, (B, H, 2m, D)."""
+    back = cp.exchange(_to_ranks(out, gathered_order(cp, out.shape[2]), cp.size))  # block s: head group s
+    c, b, h, t, d = back.shape
+    return back.transpose(1, 0, 2, 3, 4).reshape(b, c * h, t, d)
+
+
+def queries_for_tokens(cp, dout):
+    """Backward's first all-to-all: dO of this rank's tokens (B, H, 2m, D) -> of its heads over the whole sequence."""
+    order = gathered_order(cp, dout.shape[2] * cp.size)
+    return _to_sequence(_scatter_heads(cp, [(dout, _query_heads(dout.shape[1], cp.size))]), order)
+
+
+def grads_for_tokens(cp, dq, dk, dv, kv_heads: int):
+    """Backward's second all-to-all, the transpose of heads_for_tokens: dQ (B, H/c, T, D), dK/dV of the K/V heads
+    this rank used -> (dq, dk, dv) of this rank's tokens (B, H or Hkv, 2m, D). Replicated K/V heads sum the
+    gradients of the ranks that shared them."""
+    xp = array_module(dq)
+    back = cp.exchange(_to_ranks(xp.concatenate([dq, dk, dv], axis=1), gathered_order(cp, dq.shape[2]), cp.size))
+    hq, hkv = dq.shape[1], dk.shape[1]
+    c, b, _, t, d = back.shape
+    dq = back[:, :, :hq].transpose(1, 0, 2, 3, 4).reshape(b, c * hq, t, d)
+    shape = (b, kv_heads, t, d)
+    dk, dv = xp.zeros(shape, dtype=back.dtype), xp.zeros(shape, dtype=back.dtype)
+    for source, heads_used in enumerate(kv_heads_for(c * hq, kv_heads, c)):
+        dk[:, heads_used] += back[source, :, hq:hq + hkv]
+        dv[:, heads_used] += back[source, :, hq + hkv:]
+    return dq, dk, dv
+
+
+def _query_heads(heads: int, cp_size: int) -> list[slice]:
+    return [slice(r * heads // cp_size, (r + 1) * heads // cp_size) for r in range(cp_size)]
+
+
 def forward(cp, q, k, v, documents=None):
     """(out, saved): causal attention of this rank's tokens. q: (B, H, 2m, D) holding its two zig-zag chunks; k, v:
     (B, Hkv, 2m, D) likewise; documents: None, or the whole rows' (ids, positions). out: (B, H, 2m, D)."""
-    xp, heads, kv_heads = array_module(q), q.shape[1], k.shape[1]
-    q_heads = [slice(r * heads // cp.size, (r + 1) * heads // cp.size) for r in range(cp.size)]
-    kv = kv_heads_for(heads, kv_heads, cp.size)
-    seq_len = q.shape[2] * cp.size
-    order = gathered_order(cp, seq_len)
-    whole = _to_sequence(_scatter_heads(cp, [(q, q_heads), (k, kv), (v, kv)]), order)
-    hq, hkv = heads // cp.size, kv[0].stop - kv[0].start
-    q_all, k_all, v_all = (xp.ascontiguousarray(whole[:, a:b]) for a, b in
-                           ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
-    (out, _), core = ops.attention_forward(q_all, k_all, v_all, _mask(seq_len, q.dtype, xp, documents))
-    back = cp.exchange(_to_ranks(out, order, cp.size))  # block s: head group s of this rank's tokens
-    c, b, h, t, d = back.shape
-    out = back.transpose(1, 0, 2, 3, 4).reshape(b, c * h, t, d)
-    return out, (core, kv_heads)
+    q_all, k_all, v_all = heads_for_tokens(cp, q, k, v)
+    mask = _mask(q_all.shape[2], q.dtype, array_module(q), documents)
+    (out, _), core = ops.attention_forward(q_all, k_all, v_all, mask)
+    return tokens_for_heads(cp, out), (core, k.shape[1])
 
 
 def backward(cp, saved, dout):
     """(dq, dk, dv) of this rank's tokens, the shapes of forward's q, k, v."""
     core, kv_heads = saved
-    xp, heads = array_module(dout), dout.shape[1]
-    q_heads = [slice(r * heads // cp.size, (r + 1) * heads // cp.size) for r in range(cp.size)]
-    kv = kv_heads_for(heads, kv_heads, cp.size)
-    order = gathered_order(cp, dout.shape[2] * cp.size)
-    dout_all = _to_sequence(_scatter_heads(cp, [(dout, q_heads)]), order)
-    dq, dk, dv = ops.attention_backward(core, dout_all)
-    back = cp.exchange(_to_ranks(xp.concatenate([dq, dk, dv], axis=1), order, cp.size))
-    hq, hkv = heads // cp.size, dk.shape[1]
-    dq = back[:, :, :hq].transpose(1, 0, 2, 3, 4).reshape(dout.shape)
-    shape = (dout.shape[0], kv_heads) + dout.shape[2:]
-    dk, dv = xp.zeros(shape, dtype=back.dtype), xp.zeros(shape, dtype=back.dtype)
-    for source, heads_used in enumerate(kv):  # replicated K/V: the ranks that shared a head sum their gradients
-        dk[:, heads_used] += back[source, :, hq:hq + hkv]
-        dv[:, heads_used] += back[source, :, hq + hkv:]
-    return dq, dk, dv
+    dq, dk, dv = ops.attention_backward(core, queries_for_tokens(cp, dout))
+    return grads_for_tokens(cp, dq, dk, dv, kv_heads)

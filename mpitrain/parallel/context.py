@@ -26,7 +26,10 @@ from dataclasses import replace
 import numpy as np
 
 from mpitrain.backend import array_module, wire_view
+from mpitrain.errors import ConfigError, LayoutError
 from mpitrain.layers.ring_attention import visible_pairs
+from mpitrain.layers.ulysses_attention import bytes_per_block as ulysses_bytes_per_block
+from mpitrain.layers.ulysses_attention import kv_heads_per_rank
 from mpitrain.state.params import UnitLayout
 
 RING_KIND = "cp_ring"
@@ -88,18 +91,78 @@ def ring_bytes_per_block(kv_full_bytes: int, cp_size: int) -> dict[str, float]:
     return {"forward": share, "backward": 2 * share}
 
 
+def cp_bytes_per_block(kind: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                       element_bytes: int, cp_size: int, inside: int = 1) -> dict[str, dict[str, float]]:
+    """Bytes one rank sends per attention block and micro-batch under parallel.cp_kind `kind`, by the comm counter
+    they are counted under: {"cp_ring": {"forward", "backward"}, "all_to_all": {...}}. heads, kv_heads: a tp rank's;
+    seq_len: the whole sequence T; inside: hybrid's cp ranks per node (a; the ring runs over c/a nodes).
+
+        ring     cp_ring     forward (c-1)/c F, backward 2 (c-1)/c F        F = 2 B Hkv T D e
+        ulysses  all_to_all  forward = backward = (c-1)/c (2 Q + 2 K')     Q = B H (T/c) D e, K' = B Hkv' (T/c) D e
+        hybrid   both: Ulysses over a ranks, the ring over r = c/a ranks with F = 2 B Hkv'(a) T D e
+
+    Hkv' = Hkv split, or c (one replicated head to each rank; Hkv'(a): 1 head) where c exceeds Hkv. Full
+    recomputation repeats the forward's bytes."""
+    per_head = batch * seq_len // cp_size * head_dim * element_bytes  # one head of this rank's tokens
+    a = {"ring": 1, "ulysses": cp_size, "hybrid": inside}[kind]
+    zero = {"forward": 0.0, "backward": 0.0}
+    all_to_all = ulysses_bytes_per_block(heads * per_head, kv_heads * per_head, kv_heads, a) if a > 1 else zero
+    ring_kv_heads = kv_heads if a == 1 else kv_heads_per_rank(kv_heads, a)
+    ring = ring_bytes_per_block(2 * batch * ring_kv_heads * seq_len * head_dim * element_bytes, cp_size // a) \
+        if cp_size > a else zero
+    return {"cp_ring": ring, "all_to_all": all_to_all}
+
+
+def cp_bytes_per_step(kind: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                      element_bytes: int, cp_size: int, inside: int = 1, blocks: int = 1, micro_batches: int = 1,
+                      recompute: str = "none") -> dict[str, float]:
+    """Bytes one rank sends per step on the cp groups, by counter: blocks (this rank's attention blocks) x
+    micro_batches x (forward + backward, the forward twice under full recomputation) of cp_bytes_per_block."""
+    forward_runs = 2 if recompute == "full" else 1
+    return {counter: blocks * micro_batches * (forward_runs * sent["forward"] + sent["backward"])
+            for counter, sent in cp_bytes_per_block(kind, batch, seq_len, heads, kv_heads, head_dim, element_bytes,
+                                                    cp_size, inside).items()}
+
+
+def hybrid_levels(cp, inside, across):
+    """(inside, across) ContextParallels of a hybrid cp group from its two node levels (comm Groups). The zig-zag
+    split over c = a r ranks (a per node, r nodes) is the ring's over the r nodes, refined: cp rank j a + i (node j,
+    position i on it) holds chunks j a + i and 2c-1-(j a + i), so node j holds the ring chunks j and 2r-1-j, and in
+    the node's own order its position i holds chunks i and 2a-1-i: Ulysses' zig-zag over the node. Hence the cp
+    rank must be the across rank times a plus the inside rank. Without groups (shapes only) all ranks are ring."""
+    if inside is None:
+        return ContextParallel(None, size=1, kind="ulysses"), ContextParallel(None, size=cp.size, kind="ring")
+    if cp.rank != across.rank * inside.size + inside.rank or inside.size * across.size != cp.size:
+        raise LayoutError(f"parallel.cp_kind = 'hybrid' needs each node's cp ranks consecutive in the cp group: cp "
+                          f"rank {cp.rank} is position {inside.rank} of {inside.size} on its node and {across.rank} "
+                          f"of {across.size} across nodes; place ranks on nodes in blocks or use cp_kind 'ring'")
+    return ContextParallel(inside, kind="ulysses"), ContextParallel(across, kind="ring")
+
+
 class ContextParallel:
     """The cp group of one rank, what the model needs of it: positions, the sequence split and the ring.
 
     group: a comm Group over the cp ranks (ring order = group rank order); None with `size` for a layout without
-    communication (mpitrain memory counts shapes only). kind: parallel.cp_kind, "ring" (layers/ring_attention.py)
-    or "ulysses" (layers/ulysses_attention.py: heads exchanged for tokens by all-to-all).
+    communication (mpitrain memory counts shapes only). kind: parallel.cp_kind, "ring" (layers/ring_attention.py),
+    "ulysses" (layers/ulysses_attention.py: heads exchanged for tokens by all-to-all) or "hybrid"
+    (layers/hybrid_attention.py): `inside` and `across` are then the ContextParallels of the group's two levels,
+    Ulysses over the cp ranks on this node, the ring over one cp rank per node (`hybrid_levels`).
     """
 
-    def __init__(self, group, size: int | None = None, kind: str = "ring"):
+    def __init__(self, group, size: int | None = None, kind: str = "ring", inside=None, across=None):
         self.group, self.kind = group, kind
         self.size, self.rank = (group.size, group.rank) if group is not None else (size, 0)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.inside, self.across = None, None
+        if kind == "hybrid":
+            self.inside, self.across = hybrid_levels(self, inside, across)
+
+    @classmethod
+    def of_mesh(cls, mesh, kind: str) -> ContextParallel:
+        """The rank's cp group of `mesh` (comm.Mesh), with its two node levels under kind "hybrid"."""
+        if kind != "hybrid" or mesh.cp.size == 1:
+            return cls(mesh.cp, kind=kind)
+        return cls(mesh.cp, kind=kind, inside=mesh.inside_node["cp"], across=mesh.across_nodes["cp"])
 
     def positions(self, local_len: int) -> np.ndarray:
         """Absolute positions of a rank's `local_len` tokens (the full sequence is size * local_len)."""
@@ -137,18 +200,31 @@ class ContextParallel:
 
 
 def apply_context_parallel(model, cp: ContextParallel) -> None:
-    """Make `model` (a GPT) a cp rank's model: ring (or Ulysses) attention in every block, positions of its zig-zag
-    chunks, and every gradient that data parallelism reduces over dp reduced over dp x cp (each cp rank saw other
-    tokens of the same sequences). Call before the state is built from model.layouts."""
+    """Make `model` (a GPT) a cp rank's model: ring, Ulysses or hybrid attention in every block, positions of its
+    zig-zag chunks, and every gradient that data parallelism reduces over dp reduced over dp x cp (each cp rank saw
+    other tokens of the same sequences). Call before the state is built from model.layouts."""
     if cp.size == 1:
         return
     model.context_parallel = cp
     for unit in model.units:
         for layer in unit.sublayers:
-            if cp.kind == "ulysses" and hasattr(layer, "ulysses"):  # the attention core
-                layer.ulysses = cp
+            if cp.kind in ("ulysses", "hybrid") and hasattr(layer, cp.kind):  # the attention core
+                check_heads_split(cp, layer.heads, layer.kv_heads)
+                setattr(layer, cp.kind, cp)
             elif hasattr(layer, "ring"):  # the attention core, the learned-position table
                 layer.ring = cp
         unit.layout = UnitLayout(unit.layout.name, [replace(spec, reduce_over="dp_cp") if spec.reduce_over == "dp"
                                                     else spec for spec in unit.layout.specs])
     model.layouts = [unit.layout for unit in model.units]
+
+
+def check_heads_split(cp: ContextParallel, heads: int, kv_heads: int) -> None:
+    """The all-to-all gives each of `a` ranks (the cp group, or its ranks on one node under hybrid) H/a of a tp
+    rank's heads: refused with the keys to change when they do not split. Under hybrid `a` is known only once the
+    node layout is (config validation checks Ulysses' a = cp)."""
+    a = cp.size if cp.kind == "ulysses" else cp.inside.size
+    where = "parallel.cp" if cp.kind == "ulysses" else f"the {a} cp ranks per node"
+    if heads % a or not (kv_heads % a == 0 or a % kv_heads == 0):
+        raise ConfigError(f"parallel.cp_kind = {cp.kind!r}: the {heads} query and {kv_heads} key/value heads per tp "
+                          f"rank do not split over {where} = {a} (query heads must divide evenly, key/value heads "
+                          f"divide or be divided); change model.n_head / n_kv_head, parallel.tp or cp_kind 'ring'")

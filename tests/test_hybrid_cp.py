@@ -1,0 +1,154 @@
+"""Hybrid context parallelism (parallel.cp_kind = "hybrid": Ulysses inside a node, the ring across nodes): the layer
+against one process with finite-difference gradients and its bytes against cp_bytes_per_block at cp 4 as 2 x 2,
+4 x 1 (one node: Ulysses) and 1 x 4 (one rank per node: the ring); whole runs on fake nodes at parity with one
+process in float64, and the bytes per step of ring, Ulysses and hybrid runs against cp_bytes_per_step."""
+from __future__ import annotations
+
+import pytest
+
+from mpitrain.config import load_config
+from mpitrain.errors import ConfigError
+from mpitrain.layout_checks import groups_split_by_node
+from mpitrain.parallel.context import cp_bytes_per_block, cp_bytes_per_step
+from tests.mpi_helpers import run_python_mpi_results
+from tests.test_context_parallel import ARCH, assert_same_run, train_run
+
+LAYER_SCRIPT = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.comm.group import Group
+from mpitrain.data.documents import documents_of
+from mpitrain.layers import attention_core, hybrid_attention, ops
+from mpitrain.parallel.context import ContextParallel, cp_bytes_per_block, zigzag_positions
+
+world = MPI.COMM_WORLD
+rng = np.random.default_rng(0)  # the same full-sequence arrays on every rank
+B, H, Hkv, T, D = 2, 4, 2, 16, 4
+q, dout = rng.standard_normal((B, H, T, D)), rng.standard_normal((B, H, T, D))
+k, v = rng.standard_normal((B, Hkv, T, D)), rng.standard_normal((B, Hkv, T, D))
+documents = documents_of(rng.integers(0, 4, (B, T)), 0)  # packed documents: a new one after every 0
+results = {}
+for inside_size, docs in ((2, False), (2, True), (4, False), (1, True)):  # 2 x 2; one node; one rank per node
+    node, position = divmod(world.rank, inside_size)
+    inside = Group(world.Split(node, position), "cp_inside")
+    across = Group(world.Split(position, node), "cp_across")
+    cp = ContextParallel(Group(world.Split(0, world.rank), "cp"), kind="hybrid", inside=inside, across=across)
+    if docs:
+        mask = attention_core.document_bias(documents.ids, documents.positions, documents.ids, documents.positions,
+                                            np, np.float64)
+    else:
+        mask = ops.causal_bias(T, T, np, np.float64)
+    (ref, _), saved = ops.attention_forward(q, k, v, mask)
+    ref_grads = ops.attention_backward(saved, dout)
+    mine = zigzag_positions(T, cp.size, cp.rank)
+    local = [np.ascontiguousarray(x[:, :, mine]) for x in (q, k, v)]
+    rows = (documents.ids, documents.positions) if docs else None
+    out, kept = hybrid_attention.forward(cp, *local, rows)
+    sent_forward = {"all_to_all": inside.bytes_sent["all_to_all"], "cp_ring": across.bytes_sent["cp_ring"]}
+    grads = hybrid_attention.backward(cp, kept, np.ascontiguousarray(dout[:, :, mine]))
+    sent_backward = {"all_to_all": inside.bytes_sent["all_to_all"] - sent_forward["all_to_all"],
+                     "cp_ring": across.bytes_sent["cp_ring"] - sent_forward["cp_ring"]}
+    errors = [float(np.abs(a - b[:, :, mine]).max() / np.abs(b).max())
+              for a, b in zip((out, *grads), (ref, *ref_grads))]
+    declared = hybrid_attention.saved_arrays(B, H, Hkv, T // 4, D, inside_size, np.float64)
+    fd = []
+    if inside_size == 2:  # finite differences of the distributed forward at rank 0's inputs
+        def loss(which, where, eps):
+            inputs = [x.copy() for x in local]
+            if cp.rank == 0:
+                inputs[which][where] += eps
+            y, _ = hybrid_attention.forward(cp, *inputs, rows)
+            return world.allreduce(float((y * dout[:, :, mine]).sum()))
+        for which in range(3):
+            for _ in range(2):
+                where = tuple(int(rng.integers(0, n)) for n in local[which].shape)
+                numeric = (loss(which, where, 1e-6) - loss(which, where, -1e-6)) / 2e-6
+                analytic = world.bcast(float(grads[which][where]) if cp.rank == 0 else None)
+                fd.append(abs(numeric - analytic) / max(abs(analytic), 1e-3))
+    theory = cp_bytes_per_block("hybrid", B, T, H, Hkv, D, 8, 4, inside=inside_size)
+    results[f"{inside_size}{'-docs' if docs else ''}"] = {
+        "errors": errors, "fd": fd, "forward": sent_forward, "backward": sent_backward,
+        "theory": {kind: theory[kind] for kind in ("all_to_all", "cp_ring")},
+        "kept": [list(x.shape) for x in kept[0][:5]], "declared": [list(shape) for shape, _ in declared]}
+everyone = world.gather(results)
+if world.rank == 0:
+    print("RESULTS " + json.dumps(everyone))
+"""
+
+
+def test_hybrid_layer_equals_one_process_at_every_split_of_cp4():
+    """cp 4 with 4 query and 2 K/V heads as 2 nodes x 2 (K/V split over a node), 1 x 4 (replicated: Ulysses) and
+    4 x 1 (the ring), causal and packed documents: output and dq/dk/dv equal one process, gradients equal finite
+    differences, the bytes each level sends equal cp_bytes_per_block, saved_arrays declares what is kept."""
+    for rank in run_python_mpi_results(4, LAYER_SCRIPT, timeout=180):
+        for split, got in rank.items():
+            assert max(got["errors"]) < 1e-12, (split, got)
+            assert max(got["fd"], default=0) < 1e-6, (split, got)
+            assert got["kept"] == got["declared"], (split, got)
+            for counter in ("all_to_all", "cp_ring"):
+                for direction in ("forward", "backward"):
+                    assert got[direction][counter] == got["theory"][counter][direction], (split, counter, got)
+        assert rank["2"]["fd"] and rank["2"]["forward"]["cp_ring"] > 0 and rank["2"]["forward"]["all_to_all"] > 0
+        assert rank["4"]["forward"]["cp_ring"] == 0 and rank["1-docs"]["forward"]["all_to_all"] == 0
+
+
+def test_bytes_formulas_of_the_three_kinds():
+    b, t, h, kv, d, e = 2, 64, 8, 2, 16, 2
+    q = b * h * t // 4 * d * e  # this rank's Q at cp 4
+    ring, ulysses = (cp_bytes_per_block(kind, b, t, h, kv, d, e, 4) for kind in ("ring", "ulysses"))
+    full_kv = 2 * b * kv * t * d * e
+    assert ring == {"cp_ring": {"forward": 3 / 4 * full_kv, "backward": 3 / 2 * full_kv},
+                    "all_to_all": {"forward": 0.0, "backward": 0.0}}
+    # 2 K/V heads over 4 ranks: replicated, one head to each rank
+    assert ulysses["all_to_all"]["forward"] == ulysses["all_to_all"]["backward"] == 3 / 4 * (2 * q + 2 * q / h * 4)
+    hybrid = cp_bytes_per_block("hybrid", b, t, h, kv, d, e, 4, inside=2)
+    assert hybrid["all_to_all"]["forward"] == 1 / 2 * (2 * q + 2 * q / h * kv)  # K/V split over the node's 2
+    assert hybrid["cp_ring"]["forward"] == 1 / 2 * 2 * b * 1 * t * d * e  # one K/V head per rank, 2 nodes
+    assert cp_bytes_per_block("hybrid", b, t, h, kv, d, e, 4, inside=4) == ulysses
+    assert cp_bytes_per_block("hybrid", b, t, h, kv, d, e, 4, inside=1) == ring
+    step = cp_bytes_per_step("hybrid", b, t, h, kv, d, e, 4, inside=2, blocks=3, micro_batches=2, recompute="full")
+    assert step["cp_ring"] == 3 * 2 * (2 * hybrid["cp_ring"]["forward"] + hybrid["cp_ring"]["backward"])
+
+
+def test_config_splits_the_cp_group_by_node_under_hybrid_only():
+    assert groups_split_by_node(load_config("configs/tiny.toml", ["parallel.cp=4", "parallel.cp_kind=hybrid"])) == \
+        ("cp",)
+    assert "cp" not in groups_split_by_node(load_config("configs/tiny.toml", ["parallel.cp=4"]))
+    with pytest.raises(ConfigError, match="parallel.cp_kind"):
+        load_config("configs/tiny.toml", ["parallel.cp=2", "parallel.cp_kind=tree"])
+
+
+def tiny_bytes_per_step(kind: str, inside: int = 1, tp: int = 1) -> dict[str, float]:
+    """cp_bytes_per_step of a configs/tiny.toml llama run with 2 K/V heads at cp 4 in float64 (2 blocks, 2
+    micro-batches of 4 rows, 4 heads of 8)."""
+    kv = 2 // tp if tp <= 2 else 1
+    return cp_bytes_per_step(kind, 4, 32, 4 // tp, kv, 8, 8, 4, inside=inside, blocks=2, micro_batches=2)
+
+
+RUNS = {  # name: (ranks, fake nodes, cp per node, overrides)
+    "cp4-2x2-gqa": (4, 2, 2, ["parallel.cp=4"]),  # K/V heads split over a node's 2 ranks
+    "tp2-cp4-2x2": (8, 2, 2, ["parallel.cp=4", "parallel.tp=2"]),  # one K/V head per tp rank: replicated
+}
+
+
+@pytest.fixture(scope="module")
+def single_llama(tmp_path_factory):
+    return train_run(1, tmp_path_factory.mktemp("single-llama"), *ARCH["llama"])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_hybrid_run_on_fake_nodes_matches_one_process(tmp_path, monkeypatch, single_llama, name):
+    """Losses every step and the final parameters at 1e-10 against one process; every step's bytes on the cp groups'
+    two levels equal cp_bytes_per_step."""
+    ranks, nodes, inside, overrides = RUNS[name]
+    monkeypatch.setenv("MPITRAIN_FAKE_NODES", str(nodes))
+    run = train_run(ranks, tmp_path / name, *ARCH["llama"], *overrides, "parallel.cp_kind=hybrid")
+    assert_same_run(single_llama, run, name)
+    tp = 2 if "parallel.tp=2" in overrides else 1
+    expected = tiny_bytes_per_step("hybrid", inside, tp)
+    for record in run[0]:
+        assert record["comm_bytes"]["cp_ring"] == expected["cp_ring"], (record["comm_bytes"], expected)
+        assert record["comm_bytes"]["all_to_all"] == expected["all_to_all"], (record["comm_bytes"], expected)
+    print(f"{name}: bytes per step and rank {expected} (measured cp_ring {run[0][0]['comm_bytes']['cp_ring']:,}, "
+          f"all_to_all {run[0][0]['comm_bytes']['all_to_all']:,})")
