@@ -33,6 +33,8 @@ ALLOWED = {
     "precision.master": ("float32",),
     "precision.grad_reduce": ("float32", "bfloat16"),
     "parallel.zero": (0, 1, 2, 3),
+    "parallel.zero_gather_dtype": ("same", "int8", "fp8"),
+    "parallel.zero_grad_reduce": ("exact", "int8", "int4"),
     "memory.offload": ("none", "host", "disk"),
     "memory.recompute": ("none", "selective", "full"),
     "parallel.cp_kind": ("ring", "ulysses", "hybrid"),
@@ -128,6 +130,7 @@ def validate(cfg) -> None:
             "the norm over the replicas, so a rank's own fault could not be told from the data's")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
+    _validate_quantized_zero(cfg)
     require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
@@ -157,6 +160,28 @@ def _validate_schedules(cfg) -> None:
     require(start <= t.global_batch and (t.global_batch - start) % increment == 0,
             f"config key train.batch_rampup = {t.batch_rampup}: train.global_batch = {t.global_batch} must be "
             f"start = {start} plus a whole number of increments of {increment}")
+
+
+def _validate_quantized_zero(cfg) -> None:
+    """ZeRO++'s quantized collectives (state/zero_quantized.py): which ZeRO stage, dtype and device they need."""
+    p = cfg.parallel
+    if p.zero_gather_dtype == "same" and p.zero_grad_reduce == "exact":
+        return
+    require(p.zero_quant_block >= 2 and p.zero_quant_block % 2 == 0,
+            f"config key parallel.zero_quant_block = {p.zero_quant_block} must be an even number >= 2 (int4 packs "
+            "two values per byte)")
+    require(p.zero_gather_dtype == "same" or p.zero == 3,
+            f"config key parallel.zero_gather_dtype = {p.zero_gather_dtype!r} quantizes ZeRO-3's parameter "
+            f"all-gather; it needs parallel.zero = 3, got {p.zero}")
+    require(p.zero_grad_reduce == "exact" or p.zero >= 1,
+            f"config key parallel.zero_grad_reduce = {p.zero_grad_reduce!r} quantizes ZeRO's gradient "
+            f"reduce-scatter; it needs parallel.zero >= 1, got {p.zero}")
+    require(p.zero_grad_reduce == "exact" or cfg.precision.grad_reduce == "float32",
+            f"config key parallel.zero_grad_reduce = {p.zero_grad_reduce!r} excludes precision.grad_reduce = "
+            f"{cfg.precision.grad_reduce!r}: the gradients have one wire format")
+    require(cfg.train.device == "cpu",
+            f"config keys parallel.zero_gather_dtype / zero_grad_reduce need train.device = 'cpu', got "
+            f"{cfg.train.device!r}: the block codecs (comm/quantized.py) run on numpy arrays")
 
 
 def _require_finite_floats(cfg) -> None:

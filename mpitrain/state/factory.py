@@ -6,6 +6,7 @@ from mpitrain.state.frozen import split_frozen
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.strategy import StateStrategy, other_reduction_groups, reduction_group
 from mpitrain.state.zero import ZeroState
+from mpitrain.state.zero_quantized import QuantizedComm
 
 
 def make_state(cfg: Config, model, backend, mesh, placement=None) -> StateStrategy:
@@ -18,5 +19,6 @@ def make_state(cfg: Config, model, backend, mesh, placement=None) -> StateStrate
     if p.zero == 0:
         return ReplicatedState(model.layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap,
                                reduce, placement, others)
+    quantized = QuantizedComm(p.zero_gather_dtype, p.zero_grad_reduce, p.zero_quant_block)
     return ZeroState(model.layouts, backend, cfg.train.seed, group, p.zero, p.overlap, p.reshard_after_forward, reduce,
-                     placement, others)
+                     placement, others, quantized)

@@ -34,8 +34,9 @@ from mpitrain.backend import wire_view
 from mpitrain.state.frozen import frozen_nbytes, hold_frozen, split_frozen, with_frozen
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
-from mpitrain.state.reduce import GradReducer, add_into
+from mpitrain.state.reduce import add_into
 from mpitrain.state.strategy import Segment, ShardLayout, StateStrategy, add_up, norm_ranges, squared_sum
+from mpitrain.state.zero_quantized import QuantizedComm, make_grad_reducer, quantized_gather
 
 
 class FullParams:
@@ -134,6 +135,8 @@ class ShardedParams:
 
 def gather(layout: UnitLayout, shard, group, zero) -> list:
     """[a single-part FlatBuffer, the handle of the all-gather filling it from every rank's shard]."""
+    if zero.quantized.gathers_quantized:  # parallel.zero_gather_dtype: a decoded copy (state/zero_quantized.py)
+        return quantized_gather(layout, shard, group, zero, zero.quantized.gather, zero.quantized.block)
     buffer = FlatBuffer.allocate([layout], zero.backend.xp, zero.backend.dtype, align=zero.align)
     return [buffer, group.iall_gather(wire_view(shard), wire_view(buffer.data))]
 
@@ -303,7 +306,7 @@ class ZeroState(StateStrategy):
 
     def __init__(self, layouts, backend, seed: int, group, stage: int, overlap: bool = True,
                  reshard_after_forward: bool = True, grad_reduce: str = "float32", placement=None,
-                 other_groups=None):
+                 other_groups=None, quantized: QuantizedComm | None = None):
         """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device).
         other_groups: {ParamSpec.reduce_over: group} for tensors not reduced over `group` (experts: expert_dp):
         they are sharded over that group. Frozen tensors in `layouts` are held whole beside the parameters at
@@ -326,7 +329,9 @@ class ZeroState(StateStrategy):
         self.shard_sizes = [(self.geometry.unit_range(p)[1] - self.geometry.unit_range(p)[0]) // self.group_of(p).size
                             for p in range(len(self.parts))]
         self.shard_offsets = np.cumsum([0] + self.shard_sizes).tolist()
-        self.reducers = {name: GradReducer(g, backend.dtype, grad_reduce) for name, g in self.groups.items()}
+        self.quantized = quantized or QuantizedComm()  # ZeRO++'s quantized wire formats (state/zero_quantized.py)
+        self.reducers = {name: make_grad_reducer(g, backend.dtype, grad_reduce, self.quantized)
+                         for name, g in self.groups.items()}
         self.norm_ranges = norm_ranges(self.geometry)
         params_kind, grads_kind = STAGES[stage]
         self.params, self.grads = params_kind(self), grads_kind(self)

@@ -1,0 +1,99 @@
+"""Block-quantized wire formats for communication (ZeRO++'s qwZ and qgZ): pure numpy, no MPI.
+
+An array is cut into blocks of `block` elements (the last one may be short); each block travels as small codes and
+one fp32 scale, symmetric around 0 and chosen from the block's largest magnitude (absmax), so one outlier costs
+precision only in its own block:
+
+    codec   codes per element            scale             worst error per element (|x| <= absmax of its block)
+    int8    1 byte, round(x / s) in      s = absmax / 127   s / 2 = absmax / 254
+            [-127, 127]
+    int4    half a byte (two per byte,   s = absmax / 7     s / 2 = absmax / 14
+            first in the low nibble),
+            round(x / s) in [-7, 7]
+    fp8     1 byte, float8 e4m3fn of     s = absmax / 448   2^-4 |x| (3 mantissa bits), and at most 2^-10 s for
+            x / s                                           e4m3fn's subnormals: below absmax / 16 either way
+
+Rounding is to nearest, ties to even (numpy's rint; ml_dtypes' cast does the same for fp8). An all-zero block has
+scale 0 and decodes to zeros. fp8's quotient is clipped to +-448 before the cast: e4m3fn has no infinity, and a
+value cast from beyond its range becomes NaN (x / s can round past 448 by an ulp of fp32).
+
+`encode(x, block)` returns (payload: uint8 array, scales: float32 array); `decode(payload, scales, n, block)`
+returns the n values as float32. Payload bytes: n (int8, fp8) or ceil(n / 2) (int4); scales: ceil(n / block)
+float32s. `wire_nbytes` says both, for the byte counters and the planner.
+"""
+from __future__ import annotations
+
+import numpy as np
+from ml_dtypes import float8_e4m3fn
+
+CODECS = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+LEVELS = {"int8": 127, "int4": 7, "fp8": FP8_MAX}  # what a block's absmax maps to
+WORST_RELATIVE_ERROR = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 1 / 16}  # per element, relative to its block's absmax
+
+
+def check_codec(codec: str, block: int) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown quantization codec {codec!r}; expected one of {', '.join(CODECS)}")
+    if block < 2 or block % 2:
+        raise ValueError(f"quantization block must be an even number >= 2, got {block}")
+
+
+def block_count(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def payload_nbytes(codec: str, n: int) -> int:
+    """Bytes of the codes of n elements (int4: two per byte)."""
+    return -(-n // 2) if codec == "int4" else n
+
+
+def wire_nbytes(codec: str, n: int, block: int) -> int:
+    """Bytes n elements take on the wire: codes + fp32 scales."""
+    check_codec(codec, block)
+    return payload_nbytes(codec, n) + 4 * block_count(n, block)
+
+
+def _blocks(x, block: int) -> np.ndarray:
+    """x flattened to float32, zero-padded to whole blocks, as (blocks, block)."""
+    flat = np.asarray(x).reshape(-1).astype(np.float32)
+    padded = np.zeros(block_count(flat.size, block) * block, np.float32)
+    padded[:flat.size] = flat
+    return padded.reshape(-1, block)
+
+
+def encode(x, block: int, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """(payload uint8, scales float32) of the values of `x`, block by block."""
+    check_codec(codec, block)
+    n, blocks = np.asarray(x).size, _blocks(x, block)
+    scales = (np.abs(blocks).max(axis=1) / np.float32(LEVELS[codec])).astype(np.float32)
+    divisor = np.where(scales > 0, scales, np.float32(1))[:, None]  # an all-zero block: codes 0 under any divisor
+    scaled = blocks / divisor
+    if codec == "fp8":
+        codes = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(float8_e4m3fn).view(np.uint8)
+        return codes.reshape(-1)[:n].copy(), scales
+    levels = LEVELS[codec]
+    codes = np.clip(np.rint(scaled), -levels, levels).astype(np.int8).reshape(-1)[:n]
+    if codec == "int8":
+        return codes.view(np.uint8).copy(), scales
+    nibbles = np.zeros(2 * payload_nbytes(codec, n), np.uint8)
+    nibbles[:n] = codes.view(np.uint8) & 0x0F  # two's complement in 4 bits
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8), scales
+
+
+def decode(payload, scales, n: int, block: int, codec: str) -> np.ndarray:
+    """The n float32 values that `encode` packed into (payload, scales)."""
+    check_codec(codec, block)
+    payload, scales = np.asarray(payload, np.uint8).reshape(-1), np.asarray(scales, np.float32).reshape(-1)
+    if payload.size != payload_nbytes(codec, n) or scales.size != block_count(n, block):
+        raise ValueError(f"{codec} payload of {payload.size} bytes and {scales.size} scales do not hold {n} "
+                         f"elements in blocks of {block}")
+    if codec == "fp8":
+        values = payload.view(float8_e4m3fn).astype(np.float32)
+    elif codec == "int8":
+        values = payload.view(np.int8).astype(np.float32)
+    else:
+        nibbles = np.empty(2 * payload.size, np.uint8)
+        nibbles[0::2], nibbles[1::2] = payload & 0x0F, payload >> 4
+        values = ((nibbles[:n].astype(np.int8) ^ 8) - 8).astype(np.float32)  # sign-extend 4 bits
+    return values * np.repeat(scales, block)[:n]
