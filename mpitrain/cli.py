@@ -384,6 +384,21 @@ def doctor_parity(config, overrides, n_ranks, tol, out_dir):
     sys.exit(run_parity(config, list(overrides), n_ranks, tol, out_dir, click.echo))
 
 
+@doctor.command("precision")
+@CONFIG_ARG
+@SET_OPTION
+@click.option("--steps", type=int, default=3, show_default=True, help="Training steps measured (one process).")
+@_user_errors
+def doctor_precision(config, overrides, steps):
+    """An error budget of the configured precision: per layer, the relative error of its output and gradients
+    against a float64 replay of that layer on the same inputs, beside the recipe's bound; exit status 1 when a
+    layer is over its bound."""
+    from mpi4py import MPI
+
+    from mpitrain.doctor.precision import run_precision
+    sys.exit(run_precision(config, list(overrides), steps, MPI.COMM_WORLD, click.echo))
+
+
 @doctor.command("capture", hidden=True)
 @CONFIG_ARG
 @SET_OPTION
