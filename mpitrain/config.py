@@ -60,10 +60,13 @@ class ParallelConfig:
     dp: int = 0  # 0: whatever the world size leaves after tp*pp*cp
     tp: int = 1  # tensor parallelism: every layer split over tp ranks (innermost in the mesh: one node)
     sequence_parallel: bool = False  # tp > 1: norm/residual regions split along the sequence (1/tp activations)
+    # sequence parallelism: pipeline each linear's all-gather / reduce-scatter with its matmul, one sequence chunk at
+    # a time (collective matmul, mpitrain/layers/tp_overlap.py)
+    tp_overlap: bool = False
     pp: int = 1  # pipeline stages: each pp rank holds a slice of the layers (embedding first, head last)
     microbatches: int = 0  # pipeline micro-batches per step; 0: global_batch / (dp * micro_batch), the same number
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb1p | zbv
-    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule; zbv needs 2)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zb1p | zbv | dualpipev
+    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule; zbv and dualpipev need 2)
     stage_layers: list = field(default_factory=list)  # layers per (virtual) stage, in stage order; []: even split
     cp: int = 1
     cp_kind: str = "ring"  # ring (K/V travel) | ulysses (all-to-all of heads) | hybrid (ulysses per node, ring across)
@@ -77,6 +80,11 @@ class ParallelConfig:
     # ZeRO's gradient reduce-scatter: exact | int8 | int4 (all-to-all of block-quantized pieces, summed in fp32)
     zero_grad_reduce: str = "exact"
     zero_quant_block: int = 256  # elements per quantization block of the two keys above (one fp32 scale each); even
+    # ZeRO shards over: world (all dp ranks) | node (the dp ranks of one node, one copy per node: hybrid sharding,
+    # gathers stay inside the node; state/hierarchical.py)
+    zero_shard: str = "world"
+    # gradient reduction: flat (one ring over dp) | two_level (inside a node, across nodes on 1/k, inside again)
+    dp_reduce: str = "flat"
     bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB); ZeRO reduces one unit at a time
     overlap: bool = True  # start gradient reductions during backward
     allow_cross_node_tp: bool = False  # accept a tp (or ep) group spanning nodes (slow links); refused by default
@@ -128,6 +136,10 @@ class PrecisionConfig:
     master: str = "float32"  # master weights and Adam moments when compute is lower (float64 runs keep float64)
     grad_reduce: str = "float32"  # bfloat16: gradients travel in bf16 (half the bytes), summed in fp32
     loss_scale_window: int = 1000  # float16: double the loss scale after this many steps without overflow
+    # FP8 GEMMs of the attention projections and MLP/expert linears, emulated exactly (docs/fp8.md):
+    # none | tensor (current scaling) | delayed (amax history) | block (1x128 / 128x128) | mxfp8 (1x32, e8m0)
+    fp8: str = "none"
+    fp8_history: int = 16  # precision.fp8 = "delayed": steps of amax history whose max sets each tensor's scale
 
 
 @dataclass
@@ -336,6 +348,10 @@ def resolve_layout(cfg: Config, world_size: int) -> None:
             f"the interleaved schedule needs the micro-batches per step ({micro_batches} = train.global_batch / "
             f"(parallel.dp * train.micro_batch)) to be a multiple of parallel.pp = {p.pp}; change "
             f"train.global_batch or train.micro_batch")
+    require(p.schedule != "dualpipev" or micro_batches >= 2 * p.pp,
+            f"parallel.schedule = 'dualpipev' needs at least 2 * parallel.pp = {2 * p.pp} micro-batches per step, got "
+            f"{micro_batches} = train.global_batch / (parallel.dp * train.micro_batch); raise train.global_batch or "
+            f"lower train.micro_batch")
     _validate_ramp_layout(cfg)
 
 
@@ -359,6 +375,10 @@ def _validate_ramp_layout(cfg: Config) -> None:
                 f"config key train.batch_rampup = {t.batch_rampup}: its global batch of {size} is "
                 f"{size // per_step} micro-batches, which the interleaved schedule needs to be a multiple of "
                 f"parallel.pp = {p.pp}")
+        require(p.schedule != "dualpipev" or size // per_step >= 2 * p.pp,
+                f"config key train.batch_rampup = {t.batch_rampup}: its global batch of {size} is "
+                f"{size // per_step} micro-batches, fewer than the 2 * parallel.pp = {2 * p.pp} that "
+                f"parallel.schedule = 'dualpipev' needs; start the ramp higher")
 
 
 def grad_accumulation_steps(cfg: Config) -> int:

@@ -20,6 +20,14 @@ def validate_tensor_parallel(cfg) -> None:
     require(not cfg.parallel.sequence_parallel or m.seq_len % t == 0,
             f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {t} (parallel.sequence_parallel "
             f"splits the sequence across the tp ranks)")
+    require(not cfg.parallel.tp_overlap or (t > 1 and cfg.parallel.sequence_parallel),
+            f"parallel.tp_overlap pipelines sequence parallelism's all-gathers and reduce-scatters with the linears' "
+            f"matmuls, chunk by chunk along the sequence: it needs parallel.tp > 1 (is {t}) and "
+            f"parallel.sequence_parallel = true (without it a region ends in an all-reduce of the whole sequence, "
+            f"which has no sequence chunks to pipeline)")
+    require(not cfg.parallel.tp_overlap or cfg.train.collectives == "mpi",
+            "parallel.tp_overlap runs its ring over MPI point-to-point; train.collectives = 'nccl' has no lanes "
+            "for it yet: set train.collectives = 'mpi' or parallel.tp_overlap = false")
 
 
 def validate_context_parallel(cfg) -> None:
@@ -65,11 +73,12 @@ def validate_pipeline(cfg) -> None:
     resolve_layout, once dp is)."""
     p, layers = cfg.parallel, cfg.model.n_layer
     stages = p.pp * p.virtual_stages
-    require(p.schedule != "zbv" or p.virtual_stages == 2,
-            f"parallel.schedule = 'zbv' runs two model chunks per rank in a V; set parallel.virtual_stages = 2 (got "
-            f"{p.virtual_stages})")
-    require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv"),
-            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved' or 'zbv' (got "
+    require(p.schedule not in ("zbv", "dualpipev") or p.virtual_stages == 2,
+            f"parallel.schedule = {p.schedule!r} runs two model chunks per rank in a V; set parallel.virtual_stages "
+            f"= 2 (got {p.virtual_stages})")
+    require(p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv", "dualpipev"),
+            f"parallel.virtual_stages = {p.virtual_stages} needs parallel.schedule = 'interleaved', 'zbv' or "
+            f"'dualpipev' (got "
             f"{p.schedule!r}); set parallel.virtual_stages = 1 or change the schedule")
     require(layers >= stages,
             f"model.n_layer = {layers} is fewer than the {stages} pipeline stages (parallel.pp * "
@@ -93,7 +102,9 @@ def thread_replica_blockers(cfg) -> list[str]:
     p = cfg.parallel
     checks = [(cfg.train.device == "cpu", f"train.device = {cfg.train.device!r}"), (p.pp == 1, f"parallel.pp = {p.pp}"),
               (p.tp == 1, f"parallel.tp = {p.tp}"), (p.cp == 1, f"parallel.cp = {p.cp}"),
-              (p.zero < 3, "parallel.zero = 3"), (not MoeSettings.of(cfg.model).experts, "model.moe")]
+              (p.zero < 3, "parallel.zero = 3"), (not MoeSettings.of(cfg.model).experts, "model.moe"),
+              # a per-tensor fp8 scale is the amax of a whole micro-batch, not of a replica's rows
+              (cfg.precision.fp8 == "none", f"precision.fp8 = {cfg.precision.fp8!r}")]
     return [what for allowed, what in checks if not allowed]
 
 
@@ -106,10 +117,47 @@ def validate_thread_replicas(cfg) -> None:
             f"train.thread_replicas = 0 (auto: replicas where the layout allows) or 1")
 
 
+def dp_split_kind(parallel) -> str:
+    """The group hierarchical data parallelism splits by node: the one gradients are summed over (dp, or dp_cp when
+    cp > 1: the cp ranks' gradients are part of the same sum)."""
+    return "dp_cp" if parallel.cp > 1 else "dp"
+
+
+def hierarchical_dp(parallel) -> bool:
+    """parallel.zero_shard = 'node' or parallel.dp_reduce = 'two_level' (state/hierarchical.py)."""
+    return parallel.zero_shard == "node" or parallel.dp_reduce == "two_level"
+
+
+def validate_hierarchical_dp(cfg) -> None:
+    """What the two-level gradient reduction and hybrid sharding need (the ranks per node are checked by the mesh)."""
+    p = cfg.parallel
+    if not hierarchical_dp(p):
+        return
+    require(p.zero_shard == "world" or p.zero >= 1,
+            "parallel.zero_shard = 'node' shards ZeRO's state inside a node and needs parallel.zero >= 1; for plain "
+            "data parallelism use parallel.dp_reduce = 'two_level'")
+    require(p.zero_shard == "world" or p.dp_reduce == "flat",
+            "parallel.zero_shard = 'node' already reduces in two levels (inside the node, then across on the shard); "
+            "set parallel.dp_reduce = 'flat'")
+    require(p.zero_shard == "world" or (p.ep == 1 and p.etp in (0, p.tp)),
+            f"parallel.zero_shard = 'node' with parallel.ep = {p.ep}, parallel.etp = {p.etp}: experts summed over "
+            "their own group are sharded flat; set parallel.zero_shard = 'world' (or parallel.dp_reduce = "
+            "'two_level')")
+    key = "parallel.zero_shard = 'node'" if p.zero_shard == "node" else "parallel.dp_reduce = 'two_level'"
+    require(cfg.precision.grad_reduce == "float32",
+            f"{key} sums gradients with reduce-scatters and all-reduces in two levels; precision.grad_reduce = "
+            f"'bfloat16' (an all-to-all of bf16 blocks) has no two-level form: set precision.grad_reduce = 'float32'")
+    require(cfg.train.collectives == "mpi",
+            f"{key} runs its two levels over MPI groups; train.collectives = 'nccl' is not supported with it yet: "
+            "set train.collectives = 'mpi' or drop the key")
+
+
 def groups_split_by_node(cfg) -> tuple[str, ...]:
     """The process-group kinds whose two levels (inside a node, across nodes) a run needs, for comm.Mesh; each
     hierarchical feature adds its kind here. The same tuple on every rank: the splits are collective."""
     kinds: list[str] = []
+    if hierarchical_dp(cfg.parallel):  # the gradient reduction's two levels (state/hierarchical.py)
+        kinds.append(dp_split_kind(cfg.parallel))
     if cfg.parallel.cp_kind == "hybrid" and cfg.parallel.cp > 1:  # Ulysses inside a node, the ring across nodes
         kinds.append("cp")
     return tuple(kinds)

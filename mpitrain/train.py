@@ -28,6 +28,7 @@ from mpitrain.data.documents import documents_from_starts
 from mpitrain.errors import MpitrainError
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
+from mpitrain.layers.fp8 import apply_fp8, end_delayed_step
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.layout_checks import groups_split_by_node
@@ -132,10 +133,11 @@ class Trainer:
         cfg, p = self.cfg, self.cfg.parallel
         stages = rank_stages(cfg.model.n_layer, p.pp, p.virtual_stages, self.mesh.pp_rank, p.stage_layers,
                              placement_of(p.schedule))
-        tp = TensorParallel(self.mesh.tp, p.sequence_parallel, breakdown=self.breakdown)
+        tp = TensorParallel(self.mesh.tp, p.sequence_parallel, breakdown=self.breakdown, overlap=p.tp_overlap)
         experts = ExpertParallel.of_mesh(self.mesh, MoeSettings.of(cfg.model).experts or 1)  # the expert mesh
         model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep=experts)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
+        self.fp8_gemms = apply_fp8(model.units, cfg.precision.fp8, cfg.precision.fp8_history)  # precision.fp8
         apply_context_parallel(model, ContextParallel.of_mesh(self.mesh, p.cp_kind))  # parallel.cp: dp x cp
         model.document_mask = cfg.data.document_mask  # every stage gets its micro-batches' documents
         return model
@@ -219,6 +221,7 @@ class Trainer:
             if MoeSettings.of(cfg.model).balance == "bias":  # the routing biases follow the step's expert loads
                 self.model.update_routing_biases(state, step_expert_loads(aux, self.mesh.dp_cp))
         state.after_step()
+        end_delayed_step(self.fp8_gemms, self.mesh.dp_cp)  # precision.fp8 = "delayed": the step's amaxes enter
         self.breakdown.pop()
         if self.guard.strikes("flip", step + 1):
             flip_one_bit(self.optimizer.segments)

@@ -24,21 +24,57 @@ are counted when issued.
 
 Every operation is entered in the rank's progress record (operations.py), which the watchdog reads to find a
 hang and who caused it; blocking calls and `Handle.wait` record what the rank waits on.
+
+A test and benchmark hook gives the MPI operations of some groups a deterministic transfer time, e.g.
+MPITRAIN_COMM_LATENCY="tp=0.02" (seconds; several groups separated by commas): each operation of a tp group then
+completes no earlier than 0.02 s after it was started, as on a slow link. A blocking call waits that long; a
+non-blocking one is not done (Test) before then, and its wait sleeps what is left, so compute issued in between hides
+it (profile/breakdown.py's MPITRAIN_COMM_DELAY instead adds its delay to every wait, hidden or not).
 """
 
 from __future__ import annotations
 
 import abc
+import os
 import pickle
+import time
 from fractions import Fraction
 
 import numpy as np
 
 from mpitrain.comm.operations import Handle, Operation, ProgressRecord
+from mpitrain.errors import ConfigError
 
 COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control",
                  "cp_ring")
 REDUCE_OPS = ("sum", "max", "min")
+LATENCY_ENV = "MPITRAIN_COMM_LATENCY"
+
+
+def latency_of(group_kind: str) -> float:
+    """Seconds every operation of a `group_kind` group takes at least, from MPITRAIN_COMM_LATENCY (0: none)."""
+    latencies = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(LATENCY_ENV, "").split(","))):
+        kind, _, value = item.partition("=")
+        try:
+            latencies[kind.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"{LATENCY_ENV}: {item!r} is not GROUP=SECONDS (e.g. tp=0.02)") from None
+    return latencies.get(group_kind, 0.0)
+
+
+class _Late:
+    """An MPI request that completes no earlier than `ready` (time.monotonic()): the latency hook."""
+
+    def __init__(self, request, ready: float):
+        self._request, self._ready = request, ready
+
+    def Test(self) -> bool:
+        return bool(self._request.Test()) and time.monotonic() >= self._ready
+
+    def Wait(self) -> None:
+        time.sleep(max(0.0, self._ready - time.monotonic()))
+        self._request.Wait()
 
 
 def ring_bytes(kind: str, nbytes: int, size: int, is_root: bool = False) -> Fraction:
@@ -247,6 +283,7 @@ class Group(GroupBase):
         self._members = tuple(self.world_ranks)
         self._channel = f"{name}@{self.world_ranks[0]}"  # groups of one kind partition the world: unique
         self._others = tuple(r for r in self.world_ranks if r != me)
+        self.latency_s = latency_of(name) if self.size > 1 else 0.0  # the test hook (module docstring)
 
     # ---- watched calls: every MPI operation is entered in the progress record -----------------------------------
     def _enter(self, name: str, nbytes: int) -> Operation:
@@ -261,12 +298,26 @@ class Group(GroupBase):
     def _blocking(self, operation: Operation, run, start=None) -> None:
         """Run the blocking call `run()`, recorded as what this rank waits on. Without thread support for the
         watchdog, the non-blocking form `start()` is polled against the deadline instead (object calls have none)."""
+        if self.latency_s:
+            run, start = self._late(run, start)
         if self.progress.poll_timeout_s and start is not None:
             Handle(start(), (), operation, self.progress).wait()
         else:
             self.progress.wait_for(operation, run)
 
+    def _late(self, run, start):
+        """A blocking call under the latency hook: `run` sleeps the latency first; `start`'s request completes no
+        earlier than that."""
+        ready = time.monotonic() + self.latency_s
+
+        def late_run():
+            time.sleep(self.latency_s)
+            run()
+        return late_run, None if start is None else (lambda: _Late(start(), ready))
+
     def _handle(self, operation: Operation, request, buffers) -> Handle:
+        if self.latency_s:
+            request = _Late(request, time.monotonic() + self.latency_s)
         return Handle(request, buffers, operation, self.progress)
 
     # ---- collectives ---------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ fresh buffer after each reduce-scatter). Bias gradients are cheap and always tak
 
 Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
 `adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms.
+
+FP8 (`fp8`: a mpitrain/layers/fp8.py Fp8Gemms, set by apply_fp8): the matmuls multiply the recipe's fp8 values of
+their operands (inputs and weights e4m3, output gradients e5m2), outputs stored in the compute dtype. An input or
+output gradient that is gathered along the sequence is quantized before the gather (its amax over the tp group), as
+an FP8 all-gather would move it; bias gradients take the unquantized output gradient.
 """
 from __future__ import annotations
 
@@ -44,18 +49,30 @@ def weight_grads(work, grads, deferred, tp) -> None:
         deferred.extend(work)
 
 
+def _at(arrays, positions) -> list:
+    """The arrays over a slice of their sequence axis (1); all of them for None."""
+    return list(arrays) if positions is None else [array[:, positions] for array in arrays]
+
+
 class ColumnParallelLinear:
     def __init__(self, tp: TensorParallel, in_features: int, weights: list[str],
                  biases: list[str | None] | None = None, trainable: bool = True):
         self.tp, self.in_features, self.weights, self.trainable = tp, in_features, list(weights), trainable
         self.biases = list(biases) if biases else [None] * len(self.weights)
         self.adapters: dict = {}
+        self.fp8 = None
 
     def forward(self, params, x):
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
-        h = self.tp.enter(x)
-        outputs = [ops.linear_forward(h, params[w], params[b] if b else None)[0]
-                   for w, b in zip(self.weights, self.biases)]
+        weights, dtype = self._weights(params), x.dtype
+
+        def project(rows):
+            return [ops.linear_forward(rows, w, params[b] if b else None)[0].astype(dtype, copy=False)
+                    for w, b in zip(weights, self.biases)]
+
+        if self.fp8 is not None:
+            x = self.fp8.inputs([self.weights[0] + ".x"], [x])[0]
+        h, outputs = self.tp.enter_and_apply(x, project)  # tp.overlap: chunk by chunk, under the gather
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(params, h, y)
@@ -63,20 +80,33 @@ class ColumnParallelLinear:
 
     def backward(self, params, grads, h, output_grads, deferred=None):
         """Input gradient (this rank's sequence chunk under SP), reduced over tp; adds the parameter gradients."""
-        dh = ops.linear_input_grad([params[w] for w in self.weights], output_grads)
-        for w, dy in zip(self.weights, output_grads):
-            if w in self.adapters:
-                dh += self.adapters[w].backward(params, grads, h, dy, deferred)
-        pending = self.tp.start_enter_backward(dh)
+        extra = [self.adapters[w].backward(params, grads, h, dy, deferred)
+                 for w, dy in zip(self.weights, output_grads) if w in self.adapters]
+        weights, gemm_grads = self._weights(params), output_grads
+        if self.fp8 is not None:
+            gemm_grads = self.fp8.output_grads([w + ".dy" for w in self.weights], output_grads)
+
+        def input_grad(positions):  # unreduced, over a slice of the sequence (None: all of it)
+            dh = ops.linear_input_grad(weights, _at(gemm_grads, positions)).astype(output_grads[0].dtype, copy=False)
+            for adapter_dh in _at(extra, positions):
+                dh += adapter_dh
+            return dh
+
+        pending = self.tp.start_enter_backward_of(input_grad, h.shape[1])  # tp.overlap: a ring, chunk by chunk
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
                     ops.add_bias_grad(grads[bias], dy)
             # Q/K/V's gradients from the attention core share one buffer: one work item, one product in the W pass
-            work = ([(tuple(self.weights), h, list(output_grads))] if ops.share_one_buffer(output_grads)
-                    else [(w, h, dy) for w, dy in zip(self.weights, output_grads)])
+            work = ([(tuple(self.weights), h, list(gemm_grads))] if ops.share_one_buffer(gemm_grads)
+                    else [(w, h, dy) for w, dy in zip(self.weights, gemm_grads)])
             weight_grads(work, grads, deferred, self.tp)
         return pending.wait()
+
+    def _weights(self, params) -> list:
+        """The weights the matmuls multiply: as they are, or their fp8 values (split by output columns)."""
+        weights = [params[w] for w in self.weights]
+        return weights if self.fp8 is None else self.fp8.weights(self.weights, weights, -1)
 
     def saved_arrays(self, batch: int, seq_len: int, dtype) -> list:
         """(shape, dtype) of what forward saves: the entered input, (batch, seq_len, in_features)."""
@@ -89,13 +119,27 @@ class RowParallelLinear:
         """in_features: this rank's input columns (the split dimension's share)."""
         self.tp, self.in_features, self.weight, self.bias, self.trainable = tp, in_features, weight, bias, trainable
         self.adapters: dict = {}
+        self.fp8 = None
+
+    def _operands(self, params, x):
+        """The matmul's input and weight: as they are, or their fp8 values (the weight split by input rows)."""
+        if self.fp8 is None:
+            return x, params[self.weight]
+        return (self.fp8.inputs([self.weight + ".x"], [x])[0],
+                self.fp8.weights([self.weight], [params[self.weight]], -2)[0])
 
     def forward(self, params, x):
         """(y, saved): x holds this rank's input columns; y is summed over tp (this rank's chunk under SP)."""
-        partial = ops.linear_forward(x, params[self.weight])[0]
-        if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
-            self.adapters[self.weight].add_forward(params, x, partial)
-        y = self.tp.exit(partial)
+        gemm_input, weight = self._operands(params, x)
+
+        def partial(positions):  # over a slice of the sequence (None: all of it)
+            rows = gemm_input if positions is None else gemm_input[:, positions]
+            summand = ops.linear_forward(rows, weight)[0].astype(x.dtype, copy=False)
+            if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
+                self.adapters[self.weight].add_forward(params, rows, summand)
+            return summand
+
+        y = self.tp.exit_of(partial, x.shape[1])  # tp.overlap: a ring, chunk by chunk
         if self.bias:
             y += params[self.bias]
         return y, x
@@ -103,12 +147,16 @@ class RowParallelLinear:
     def backward(self, params, grads, x, dy, deferred=None):
         """dy arrives replicated (or as this rank's chunk under SP, then all-gathered): the bias gradient is taken
         from the full dy, so it is complete and identical on every rank."""
-        dy = self.tp.exit_backward(dy)
+        gemm_input, weight = self._operands(params, x)
+        gemm_grad = dy if self.fp8 is None else self.fp8.output_grads([self.weight + ".dy"], [dy])[0]
+        gemm_grad, (dx,) = self.tp.exit_backward_and_apply(  # tp.overlap: chunk by chunk, under the gather
+            gemm_grad, lambda rows: [ops.linear_input_grad([weight], [rows]).astype(x.dtype, copy=False)])
+        # the unquantized full dy where a bias or an adapter needs it (fp8 under SP: a second gather)
+        dy = self.tp.exit_backward(dy) if self.fp8 is not None and (self.bias or self.adapters) else gemm_grad
         if self.trainable:
             if self.bias:
                 ops.add_bias_grad(grads[self.bias], dy)
-            weight_grads([(self.weight, x, dy)], grads, deferred, self.tp)
-        dx = ops.linear_input_grad([params[self.weight]], [dy])
+            weight_grads([(self.weight, gemm_input, gemm_grad)], grads, deferred, self.tp)
         if self.weight in self.adapters:
             dx += self.adapters[self.weight].backward(params, grads, x, dy, deferred)
         return dx

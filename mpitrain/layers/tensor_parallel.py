@@ -36,7 +36,7 @@ import numpy as np
 
 from mpitrain.backend import array_module
 from mpitrain.comm.operations import Handle
-from mpitrain.layers import ops
+from mpitrain.layers import ops, tp_overlap
 from mpitrain.layers.precision import LOW_PRECISION, computes_in_float32
 from mpitrain.state.params import ParamSpec
 
@@ -51,11 +51,14 @@ class TensorParallel:
     non-blocking reduction hidden behind compute is not counted), for the step breakdown and benchmarks.
     """
 
-    def __init__(self, group=None, sequence_parallel: bool = False, breakdown=None):
+    def __init__(self, group=None, sequence_parallel: bool = False, breakdown=None, overlap: bool = False):
         self.group = group
         self.size = group.size if group is not None else 1
         self.rank = group.rank if group is not None else 0
         self.sequence_parallel = sequence_parallel
+        # parallel.tp_overlap: the sequence gathers / reduce-scatters pipelined with the linears' matmuls, chunk by
+        # chunk (mpitrain/layers/tp_overlap.py); only meaningful with sequence parallelism over several ranks
+        self.overlap = overlap and sequence_parallel and self.size > 1
         self.seconds = dict.fromkeys(TIMED_KINDS, 0.0)
         self.breakdown = breakdown  # profile/breakdown.py's Breakdown: the linears time their dW matmuls apart
 
@@ -156,6 +159,41 @@ class TensorParallel:
 
     def exit_backward(self, dy):
         return scatter_to_sp_backward(self, dy) if self.sequence_parallel else reduce_from_tp_backward(self, dy)
+
+    # -- the same four operators with the linear's matmul handed in, so that with `overlap` the transfer of one
+    # sequence chunk runs under the matmul of another (tp_overlap.py); without it, the plain operators above.
+    # `apply(rows)` maps an entered array (or chunk of one) to a list of outputs; `partial(positions)` returns a
+    # fresh partial sum over a slice of sequence positions (None: all of them).
+    def enter_and_apply(self, x, apply):
+        """(enter(x), apply(enter(x))): a column-parallel linear's forward."""
+        if self.overlap:
+            return tp_overlap.gather_and_apply(self, x, apply)
+        h = self.enter(x)
+        return h, apply(h)
+
+    def exit_backward_and_apply(self, dy, apply):
+        """(exit_backward(dy), apply(exit_backward(dy))): a row-parallel linear's input gradient."""
+        if self.overlap:
+            return tp_overlap.gather_and_apply(self, dy, apply)
+        dy = self.exit_backward(dy)
+        return dy, apply(dy)
+
+    def exit_of(self, partial, seq_len: int):
+        """exit(partial(all positions)): a row-parallel linear's forward, over a sequence of seq_len positions."""
+        if self.overlap:
+            return tp_overlap.start_ring_reduce(self, partial, self._chunk_length(seq_len)).wait()
+        return self.exit(partial(None))
+
+    def start_enter_backward_of(self, partial, seq_len: int) -> Handle:
+        """start_enter_backward(partial(all positions)): a column-parallel linear's input gradient, in flight."""
+        if self.overlap:
+            return tp_overlap.start_ring_reduce(self, partial, self._chunk_length(seq_len))
+        return self.start_enter_backward(partial(None))
+
+    def _chunk_length(self, seq_len: int) -> int:
+        if seq_len % self.size:
+            raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by tp = {self.size}")
+        return seq_len // self.size
 
 
 def _widened(x):

@@ -244,6 +244,12 @@ class RunSummary:
         return {key: value / self.steps for key, value in self.sums.items()} if self.steps else {}
 
 
+def exposed_of_group(parts: dict, group: str) -> float:
+    """The seconds of a breakdown charged to waits on operations of `group` (every comm.<op>.<group> part), e.g.
+    a tp group's gathers and reduce-scatters and, under parallel.tp_overlap, its ring's sends and receives."""
+    return sum(value for key, value in parts.items() if key.startswith(COMM_PREFIX) and key.endswith("." + group))
+
+
 def max_over_ranks(per_rank: Iterable[dict]) -> dict[str, float]:
     """Per part, the largest value over the ranks' dicts (a part missing on a rank counts 0)."""
     result: dict[str, float] = {}
