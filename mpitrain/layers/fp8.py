@@ -52,6 +52,11 @@ class Quantized:
         return values * expand_blocks(self.scale_inv.astype(dtype), self.block, values.shape)
 
 
+def widened(x):
+    """bfloat16/float16 -> float32 (a scale multiplies in fp32); float32/float64 unchanged."""
+    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
+
+
 def cast_saturating(x, fmt: str):
     """x -> fp8 codes of format `fmt` ("e4m3" / "e5m2"), clipped to +-max first (round to nearest even)."""
     xp = array_module(x)
@@ -76,6 +81,7 @@ def tensor_scale(amax, fmt: str):
 def quantize_tensor(x, fmt: str, amax: float | None = None) -> Quantized:
     """Per-tensor scaling: codes = cast(clip(x * scale)), scale from `amax` (default: this tensor's own, current
     scaling; a delayed recipe passes its history's max, a split tensor the max over its group)."""
+    x = widened(x)
     scale, scale_inv = tensor_scale(absmax(x) if amax is None else amax, fmt)
     return Quantized(cast_saturating(x * x.dtype.type(scale), fmt), scale_inv)
 
@@ -93,12 +99,12 @@ def _blocked(x, block: tuple):
 
 
 def _block_extent(block: tuple, rows: int, cols: int) -> tuple[int, int]:
-    return min(block[0], rows), min(block[1], cols)
+    return max(1, min(block[0], rows)), max(1, min(block[1], cols))  # an empty array (an idle expert): one-wide
 
 
 def block_amax(x, block: tuple):
     """The amax of each block of x's last two axes ((..., ceil(R/br), ceil(C/bc)); partial edge blocks count)."""
-    return np.abs(_blocked(x, block)).max(axis=(-3, -1))
+    return np.abs(_blocked(x, block)).max(axis=(-3, -1), initial=0)
 
 
 def expand_blocks(grid, block: tuple, shape: tuple):
@@ -117,6 +123,7 @@ def quantize_blocks(x, fmt: str, block: tuple = (1, TILE), amax=None) -> Quantiz
     """Block scaling (DeepSeek-V3): each block of x's last two axes gets scale_inv = amax / max, codes = cast(clip(x
     / scale_inv)). (1, 128): activation and gradient tiles along the last axis; (128, 128): weight blocks. `amax`:
     the block grid's amax when it was reduced over a group (default: x's own)."""
+    x = widened(x)
     grid = block_amax(x, block) if amax is None else amax
     scale, scale_inv = tensor_scale(grid, fmt)
     codes = cast_saturating(x * expand_blocks(scale.astype(x.dtype), block, x.shape), fmt)
@@ -137,6 +144,7 @@ def mx_scale(amax, fmt: str):
 def quantize_mx(x, fmt: str, axis: int = -1) -> Quantized:
     """MXFP8: blocks of 32 consecutive elements along `axis` (the reduction axis: -1 for activations and output
     gradients, -2 (= 0 for a (K, N) weight) for weights), each with an e8m0 power-of-two scale."""
+    x = widened(x)
     block = (1, MX_BLOCK) if axis in (-1, x.ndim - 1) else (MX_BLOCK, 1)
     scale_inv = mx_scale(block_amax(x, block), fmt)
     divisor = expand_blocks(scale_inv.astype(x.dtype), block, x.shape)
@@ -167,3 +175,138 @@ class DelayedScaling:
         self.history[0] = self.current if step_amax is None else step_amax
         self.filled = min(self.filled + 1, self.history.size)
         self.current = 0.0
+
+
+def operand_dtype(x):
+    """The dtype a dequantized operand is held in: float64 under precision.compute = "float64", else float32 (an fp8
+    value times a float32 scale is exact in float32, not in bfloat16)."""
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+def check_block_alignment(recipe: str, width: int, group_size: int, what: str) -> None:
+    """block/mxfp8 under tensor parallelism: a block must not cross a shard boundary, or each rank would scale a
+    different block than one process does. Refused (one line naming the keys) unless the shard width of the split
+    dimension is a whole number of blocks."""
+    block = TILE if recipe == "block" else MX_BLOCK
+    if group_size > 1 and width % block:
+        from mpitrain.errors import ConfigError
+        raise ConfigError(f"precision.fp8 = {recipe!r}: {what} is split {width} wide per rank over parallel.tp = "
+                          f"{group_size}, not a multiple of the {block}-element scaling block; use a tp that keeps "
+                          f"shards whole blocks, or precision.fp8 = 'tensor'")
+
+
+class Fp8Gemms:
+    """The FP8 emulation of one linear's GEMMs (or one MoE layer's expert GEMMs): its operands quantized by the
+    recipe and handed back dequantized, so the caller's matmul multiplies exactly what an FP8 GEMM would:
+
+        forward   y  = deq(q_e4m3(x)) @ deq(q_e4m3(W))
+        backward  dx = deq(q_e5m2(dy)) @ deq(q_e4m3(W))^T      dW = deq(q_e4m3(x))^T @ deq(q_e5m2(dy))
+
+    Per-tensor amaxes (tensor, delayed) are reduced (max) over `group`, the group the tensor is split over (tp, or
+    an expert's etp): the amax of a split tensor is that of the whole. Tiles and blocks never cross a shard
+    (check_block_alignment), so block and mxfp8 scales need no reduction. Operands are quantized again where the
+    backward needs them: the same inputs give the same codes (delayed scales change only between steps).
+    `scales[key]`: (min, max) of the last scale_inv of each operand, for checks and `mpitrain doctor precision`."""
+
+    def __init__(self, recipe: str, group=None, history: int = 16, name: str = ""):
+        self.recipe, self.group, self.history, self.name = recipe, group, history, name
+        self.delayed: dict[str, DelayedScaling] = {}
+        self.scales: dict[str, tuple[float, float]] = {}
+
+    @property
+    def group_size(self) -> int:
+        return self.group.size if self.group is not None else 1
+
+    def inputs(self, keys, arrays, fmt: str = "e4m3") -> list:
+        """Activations (fmt e4m3) or output gradients (e5m2), (..., K): scaled along their last axis."""
+        return self._operands(keys, arrays, fmt, weight=False)
+
+    def output_grads(self, keys, arrays) -> list:
+        return self._operands(keys, arrays, "e5m2", weight=False)
+
+    def weights(self, keys, arrays, split_axis: int) -> list:
+        """Weights (K, N), e4m3, in 128x128 blocks / 32x1 MX blocks along K; `split_axis`: the axis split over the
+        group (-1: output columns, column-parallel; -2: input rows, row-parallel)."""
+        if self.recipe in ("block", "mxfp8"):
+            for key, w in zip(keys, arrays):
+                check_block_alignment(self.recipe, w.shape[split_axis], self.group_size, key)
+        return self._operands(keys, arrays, "e4m3", weight=True)
+
+    def _operands(self, keys, arrays, fmt: str, weight: bool) -> list:
+        wide = [a.astype(operand_dtype(a), copy=False) for a in arrays]
+        if self.recipe in ("tensor", "delayed"):
+            quantized = [quantize_tensor(a, fmt, amax) for a, amax in zip(wide, self._tensor_amaxes(keys, wide))]
+        elif self.recipe == "block":
+            quantized = [quantize_blocks(a if weight else as_matrix(a), fmt, (TILE, TILE) if weight else (1, TILE))
+                         for a in wide]
+        else:
+            quantized = [quantize_mx(a if weight else as_matrix(a), fmt, axis=-2 if weight else -1) for a in wide]
+        out = []
+        for key, a, q in zip(keys, wide, quantized):
+            scale_inv = q.scale_inv.astype(np.float64)
+            self.scales[key] = (float(scale_inv.min()), float(scale_inv.max())) if scale_inv.size else (1.0, 1.0)
+            out.append(q.dequantize(a.dtype).reshape(a.shape))
+        return out
+
+    def _tensor_amaxes(self, keys, arrays) -> list[float]:
+        """Each array's amax over the group (one all-reduce for all); under delayed scaling, its history's max."""
+        amaxes = np.array([absmax(a) for a in arrays], dtype=np.float64)
+        if self.group_size > 1:
+            self.group.all_reduce(amaxes, "max")
+        if self.recipe == "tensor":
+            return list(amaxes)
+        return [self._history(key).amax_for(float(amax)) for key, amax in zip(keys, amaxes)]
+
+    def _history(self, key: str) -> DelayedScaling:
+        if key not in self.delayed:
+            self.delayed[key] = DelayedScaling(self.history)
+        return self.delayed[key]
+
+
+def end_delayed_step(gemms: list[Fp8Gemms], group=None) -> None:
+    """End of a training step under delayed scaling: each tensor role's step amax, the max over `group` (the ranks
+    holding the same layers: data and context parallel; tp was reduced call by call), enters its history."""
+    histories = [g.delayed[key] for g in gemms for key in sorted(g.delayed)]
+    if not histories:
+        return
+    amaxes = np.array([h.current for h in histories], dtype=np.float64)
+    if group is not None and group.size > 1:
+        group.all_reduce(amaxes, "max")
+    for history, amax in zip(histories, amaxes):
+        history.roll(float(amax))
+
+
+def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
+    """Put an Fp8Gemms on every block's attention projections (qkv, out) and MLP linears (or MoE experts), in place;
+    embeddings, norms, the router and the head stay in the compute dtype. Returns them, in unit order (the order
+    end_delayed_step reduces their amaxes in: the same on every rank of a stage)."""
+    if recipe == "none":
+        return []
+    gemms = []
+    for unit in units:
+        for sublayer in ("attention", "mlp"):
+            layer = getattr(unit, sublayer, None)
+            if layer is None:
+                continue
+            prefix = f"{unit.layout.name}.{sublayer}"
+            if hasattr(layer, "expert_weights"):  # MoE: the experts' width is split over etp
+                targets = [(layer, prefix, layer.ep.etp)]
+            else:
+                pair = ("qkv", "out") if sublayer == "attention" else ("up", "down")
+                targets = [(getattr(layer, part), f"{prefix}.{part}", layer_tp_group(getattr(layer, part)))
+                           for part in pair]
+            for target, name, group in targets:
+                target.fp8 = Fp8Gemms(recipe, group, history, name)
+                gemms.append(target.fp8)
+    return gemms
+
+
+def layer_tp_group(linear):
+    """The group a linear's weights are split over (None: one rank)."""
+    return linear.tp.group if linear.tp.size > 1 else None
+
+
+def scale_summary(gemms: list[Fp8Gemms]) -> dict[str, tuple[float, float]]:
+    """'unit.sublayer.part.operand' -> (min, max) of its last scale_inv on this rank (the tp ranks' pieces differ
+    under block scaling: reduce min/max over tp to compare with one process)."""
+    return {f"{g.name}.{key}": value for g in gemms for key, value in g.scales.items()}

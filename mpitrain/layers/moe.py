@@ -148,6 +148,7 @@ class MoE:
         self.expert_weights = [*self.ups, self.down]
         self.adapters: dict = {}  # LoRA (mpitrain/layers/lora.py): expert weight name -> ExpertAdapter
         self.frozen_experts, self.router_trainable = False, True  # LoRA freezes both (the router unless targeted)
+        self.fp8 = None  # precision.fp8: the experts' GEMMs in FP8 (mpitrain/layers/fp8.py Fp8Gemms; the router not)
 
     # -- routing (every tp rank the same)
     def _route(self, params, x2d):
@@ -241,18 +242,34 @@ class MoE:
 
     def _expert_linear(self, params, weight: str, e: int, x):
         """x W[e], plus its LoRA adapter's term where it has one."""
-        y = ops.linear_forward(x, params[weight][e])[0]
+        y = ops.linear_forward(*self._fp8_operands(weight, e, x, params[weight][e]))[0].astype(x.dtype, copy=False)
         if weight in self.adapters:
             self.adapters[weight].add_forward(params, e, x, y)
         return y
 
+    def _fp8_operands(self, weight: str, e: int, x, w):
+        """Expert e's GEMM input and weight: as they are, or their fp8 values (up/gate split over etp by output
+        columns, down by input rows)."""
+        if self.fp8 is None:
+            return x, w
+        shared = self.ups[0] if weight in self.ups else weight  # gate and up share their input and its scale
+        return (self.fp8.inputs([f"{shared}.{e}.x"], [x])[0],
+                self.fp8.weights([f"{weight}.{e}"], [w], -1 if weight in self.ups else -2)[0])
+
     def _expert_linear_backward(self, params, grads, weights: list[str], e: int, x, d_ys):
         """The input gradient of expert e's linears `weights` (one input x, outputs' gradients d_ys); their weight
         gradients (none when frozen) and their adapters' gradients added."""
-        dx = ops.linear_input_grad([params[w][e] for w in weights], list(d_ys))
-        for w, dy in zip(weights, d_ys):
+        gemm_input, gemm_weights = x, [params[w][e] for w in weights]
+        gemm_grads = list(d_ys)
+        if self.fp8 is not None:
+            gemm_input = self.fp8.inputs([f"{weights[0]}.{e}.x"], [x])[0]
+            gemm_weights = self.fp8.weights([f"{w}.{e}" for w in weights], gemm_weights,
+                                            -1 if weights[0] in self.ups else -2)
+            gemm_grads = self.fp8.output_grads([f"{w}.{e}.dy" for w in weights], gemm_grads)
+        dx = ops.linear_input_grad(gemm_weights, gemm_grads).astype(x.dtype, copy=False)
+        for w, dy, gemm_grad in zip(weights, d_ys, gemm_grads):
             if not self.frozen_experts:
-                ops.add_weight_grad(grads[w][e], x, dy)
+                ops.add_weight_grad(grads[w][e], gemm_input, gemm_grad)
             if w in self.adapters:
                 dx += self.adapters[w].backward(params, grads, e, x, dy)
         return dx
