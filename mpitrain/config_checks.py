@@ -32,6 +32,7 @@ ALLOWED = {
     "precision.compute": ("float32", "float64", "bfloat16", "float16"),
     "precision.master": ("float32",),
     "precision.grad_reduce": ("float32", "bfloat16"),
+    "precision.fp8": ("none", "tensor", "delayed", "block", "mxfp8"),  # mpitrain/layers/fp8.py RECIPES
     "parallel.zero": (0, 1, 2, 3),
     "parallel.zero_gather_dtype": ("same", "int8", "fp8"),
     "parallel.zero_grad_reduce": ("exact", "int8", "int4"),
@@ -89,7 +90,7 @@ def validate(cfg) -> None:
                 "train.steps", "train.global_batch", "train.micro_batch", "train.log_every", "train.eval_batches",
                 "optim.beta1", "optim.beta2", "optim.eps", "parallel.bucket_mb", "model.rope_theta", "model.norm_eps",
                 "precision.loss_scale_window", "fault.straggler_steps", "fault.spike_window", "fault.max_bad_steps",
-                "memory.offload_chunk_mb"]
+                "memory.offload_chunk_mb", "precision.fp8_history"]
     for key in positive:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -130,6 +131,7 @@ def validate(cfg) -> None:
             "the norm over the replicas, so a rank's own fault could not be told from the data's")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
+    _validate_fp8(cfg)
     _validate_quantized_zero(cfg)
     require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
@@ -140,6 +142,20 @@ def validate(cfg) -> None:
     if cfg.data.mix:
         mix_entries("data.mix", cfg.data.mix)  # a config built in code has not passed _coerce
         require(not cfg.data.synthetic, "config keys data.mix and data.synthetic = true exclude each other")
+
+
+def _validate_fp8(cfg) -> None:
+    """precision.fp8 is a numpy emulation (mpitrain/layers/fp8.py): CPU only, and not under LoRA's adapters (they
+    would read the quantized input). Any compute dtype is allowed: the fp8 values are multiplied in fp32 (float64
+    under float64) and only the GEMM outputs are stored in the compute dtype; with float16 the loss scale is absorbed
+    by the output gradients' own fp8 scale, so it changes no fp8 code."""
+    fp8 = cfg.precision.fp8
+    if fp8 == "none":
+        return
+    require(cfg.train.device == "cpu", f"config key precision.fp8 = {fp8!r} is emulated in numpy: it needs "
+            f"train.device = 'cpu', got {cfg.train.device!r}")
+    require(cfg.lora.rank == 0, f"config key precision.fp8 = {fp8!r} excludes lora.rank = {cfg.lora.rank}: the "
+            "adapters would read the fp8-quantized input of their linear")
 
 
 def _validate_schedules(cfg) -> None:
