@@ -120,16 +120,18 @@ def reduce_scatter_bytes(shard: int, group_size: int, wire_element_bytes: int, g
     return (group_size - 1) * each
 
 
-def zero3_step_bytes(shards: list[int], group_size: int, element_bytes: int, wire_element_bytes: int,
-                     quantized: QuantizedComm, micro_batches: int = 1, reshard_after_forward: bool = True) -> dict:
-    """{counter kind: bytes} one rank sends per ZeRO-3 training step: each part gathered before its forward and
-    (resharded) again for its backward, and its gradient reduce-scattered, in every micro-batch. The quantized
-    reduce-scatter is an all-to-all, counted under that kind."""
-    gathers = micro_batches * (2 if reshard_after_forward else 1)
-    gathered = gathers * sum(gather_bytes(k, group_size, element_bytes, quantized.gather, quantized.block)
-                             for k in shards)
-    reduced = micro_batches * sum(reduce_scatter_bytes(k, group_size, wire_element_bytes, quantized.grad_reduce,
-                                                       quantized.block) for k in shards)
+def zero_step_bytes(stage: int, shards: list[int], group_size: int, element_bytes: int, wire_element_bytes: int,
+                    quantized: QuantizedComm, micro_batches: int = 1, reshard_after_forward: bool = True) -> dict:
+    """{counter kind: bytes} one rank sends per ZeRO training step over the group that shards `shards` (elements
+    per rank of each part). Stage 3 gathers each part before its forward and, resharded, again for its backward,
+    and reduce-scatters its gradient, in every micro-batch; stage 2 reduce-scatters every micro-batch, stage 1 once,
+    and both all-gather the updated parameters once (in the compute dtype: quantized gathers are ZeRO-3's). The
+    quantized reduce-scatter is an all-to-all, counted under that kind."""
+    gather = quantized.gather if stage == 3 else "same"
+    gathers = micro_batches * (2 if reshard_after_forward else 1) if stage == 3 else 1
+    reduces = micro_batches if stage >= 2 else 1
+    gathered = gathers * sum(gather_bytes(k, group_size, element_bytes, gather, quantized.block) for k in shards)
+    reduced = reduces * sum(reduce_scatter_bytes(k, group_size, wire_element_bytes, quantized.grad_reduce,
+                                                 quantized.block) for k in shards)
     kind = "reduce_scatter" if quantized.grad_reduce == "exact" else "all_to_all"
     return {"all_gather": gathered, kind: reduced}
-
