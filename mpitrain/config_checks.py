@@ -20,6 +20,7 @@ from mpitrain.config_rules import (
 from mpitrain.errors import ConfigError
 from mpitrain.layout_checks import (
     validate_context_parallel,
+    validate_hierarchical_dp,
     validate_pipeline,
     validate_tensor_parallel,
     validate_thread_replicas,
@@ -34,6 +35,8 @@ ALLOWED = {
     "precision.grad_reduce": ("float32", "bfloat16"),
     "precision.fp8": ("none", "tensor", "delayed", "block", "mxfp8"),  # mpitrain/layers/fp8.py RECIPES
     "parallel.zero": (0, 1, 2, 3),
+    "parallel.zero_shard": ("world", "node"),
+    "parallel.dp_reduce": ("flat", "two_level"),
     "parallel.zero_gather_dtype": ("same", "int8", "fp8"),
     "parallel.zero_grad_reduce": ("exact", "int8", "int4"),
     "memory.offload": ("none", "host", "disk"),
@@ -115,6 +118,7 @@ def validate(cfg) -> None:
     validate_tensor_parallel(cfg)
     validate_pipeline(cfg)
     validate_context_parallel(cfg)
+    validate_hierarchical_dp(cfg)
     validate_moe(cfg)
     validate_thread_replicas(cfg)
     require(cfg.optim.beta1 < 1 and cfg.optim.beta2 < 1, "optim.beta1 and optim.beta2 must be < 1")

@@ -88,18 +88,21 @@ class CheckpointManager:
         # a tied copy (gpt2's embedding on the last pipeline stage) is read back from the first stage's tensors
         load_only = self.tied_copies
         experts = (mesh.expert_dp.size, mesh.expert_dp.rank)  # model.moe under parallel.ep > 1
-        held = held_pieces("param", layout.geometry, layout.param_windows, layout.params_dp_replicated,
-                           dp, tp, load_only, experts)
+        copies = layout.shard_copies  # parallel.zero_shard = 'node': each shard held once per node, written once
+        sharded = copies[0] > 1, copies
+        held = held_pieces("param", layout.geometry, layout.param_windows,
+                           *((True, dp) if layout.params_dp_replicated else sharded), tp, load_only, experts)
         if layout.frozen is not None:  # trainable = False tensors, whole on every rank or sharded (ZeRO-3)
             whole = layout.frozen_windows is None
             windows = [(0, layout.frozen.size, layout.frozen.data, 0)] if whole else layout.frozen_windows
-            held += held_pieces("param", layout.frozen, windows, whole, dp, tp, load_only, experts)
+            held += held_pieces("param", layout.frozen, windows, *((True, dp) if whole else sharded), tp, load_only,
+                                experts)
         optimizer = self.optimizer
         for kind, moments in optimizer.checkpoint_arrays().items():  # element-wise, e.g. exp_avg, exp_avg_sq
             windows = [(g0, g1, moments, bound[0]) for (g0, g1), bound in zip(layout.segment_windows,
                                                                               optimizer.bounds)]
-            held += held_pieces(kind, layout.geometry, windows, layout.moments_dp_replicated, dp, tp, load_only,
-                                experts)
+            held += held_pieces(kind, layout.geometry, windows,
+                                *((True, dp) if layout.moments_dp_replicated else sharded), tp, load_only, experts)
         return held
 
     def _index(self, step: int, records: list[dict]) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mpitrain.config import Config
 from mpitrain.state.frozen import split_frozen
+from mpitrain.state.hierarchical import hierarchical_group
 from mpitrain.state.replicated import ReplicatedState
 from mpitrain.state.strategy import StateStrategy, other_reduction_groups, reduction_group
 from mpitrain.state.zero import ZeroState
@@ -15,6 +16,7 @@ def make_state(cfg: Config, model, backend, mesh, placement=None) -> StateStrate
     p, reduce = cfg.parallel, cfg.precision.grad_reduce
     trainable, _ = split_frozen(model.layouts)  # frozen tensors are never reduced: they name no group
     group = reduction_group(trainable, mesh)  # ParamSpec.reduce_over resolved against the mesh: dp today
+    group = hierarchical_group(p, mesh, group)  # zero_shard = node / dp_reduce = two_level: in two levels
     others = other_reduction_groups(trainable, mesh)  # experts under ep > 1: reduced (and ZeRO-sharded) over expert_dp
     if p.zero == 0:
         return ReplicatedState(model.layouts, backend, cfg.train.seed, group, int(p.bucket_mb * 2**20), p.overlap,

@@ -43,6 +43,12 @@ class ShardLayout:
     frozen: FlatBuffer | None = None  # the trainable = False tensors' geometry (whole on every rank: saved once)...
     frozen_windows: list | None = None  # ... or (start, end, array, offset) of this rank's shards (ZeRO-3)
 
+    @property
+    def shard_copies(self) -> tuple[int, int]:
+        """(how many ranks hold the same shards, which of them this rank is): one copy per node under
+        parallel.zero_shard = 'node' (comm/two_level.py NodeShardGroup), else (1, 0). A checkpoint writes one."""
+        return getattr((self.segment_groups or [None])[0], "copies", (1, 0))
+
 
 class StateStrategy(abc.ABC):
     group: object  # the data-parallel group gradients are reduced over (None: a single process)
