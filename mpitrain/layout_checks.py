@@ -150,6 +150,9 @@ def validate_hierarchical_dp(cfg) -> None:
     require(cfg.train.collectives == "mpi",
             f"{key} runs its two levels over MPI groups; train.collectives = 'nccl' is not supported with it yet: "
             "set train.collectives = 'mpi' or drop the key")
+    require(p.zero_grad_reduce == "exact" and p.zero_gather_dtype == "same",
+            f"{key} has no quantized two-level form yet (parallel.zero_grad_reduce = {p.zero_grad_reduce!r}, "
+            f"parallel.zero_gather_dtype = {p.zero_gather_dtype!r}): set them to 'exact' and 'same'")
 
 
 def groups_split_by_node(cfg) -> tuple[str, ...]:
