@@ -8,10 +8,12 @@ One 4-rank job checks the operators against the plain ones on a tp group of 2 (r
     matmuls being row-wise equal to the unchunked ones up to BLAS's row kernels (the module docstring);
   - bytes sent: the ring moves what ring_bytes_sent says.
 One 2-rank job measures exposed tp time under a deterministic latency (MPITRAIN_COMM_LATENCY) with and without the
-overlap, in the same job. Training runs compare with one process at 1e-10 in float64.
+overlap, in the same job. Training runs compare with one process at 1e-10 in float64, and bfloat16 runs with and
+without the overlap bit for bit.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mpitrain.config import load_config
@@ -19,7 +21,7 @@ from mpitrain.errors import ConfigError
 from mpitrain.layers.tp_overlap import exposed_seconds, ring_bytes_sent
 from tests.mpi_helpers import REPO_ROOT, run_python_mpi_results
 from tests.test_tensor_parallel import assert_exact
-from tests.test_train_parity import dataset, train_run  # noqa: F401  (dataset: the module-scoped token file)
+from tests.test_train_parity import dataset, run_training, train_run  # noqa: F401  (dataset: the module-scoped token file)
 
 OPERATORS_JOB = """
 import json
@@ -207,3 +209,17 @@ def test_tp_overlap_trains_at_parity_with_one_process(tmp_path, dataset):
     reference = train_run(1, tmp_path / "ref-gpt2", dataset, *FAST, *gpt2)
     run = train_run(4, tmp_path / "tp2-dp2", dataset, *FAST, *gpt2, *OVERLAP, "parallel.zero=1")
     assert_exact(reference, run, "tp_overlap tp2 x dp2 zero1")
+
+
+def test_tp_overlap_in_bfloat16_is_bitwise_the_plain_run(tmp_path, dataset):
+    """bfloat16 compute, tp 2 with sequence parallelism: with and without tp_overlap every loss and every final weight
+    are the same bits. The ring's sums are (t = 2, float32 accumulation as the plain path), and the tiny model's chunk
+    matmuls (64 of 128 rows) line up with BLAS's row kernels, so the order is kept everywhere."""
+    settings = [f"data.path={dataset}", "precision.compute=bfloat16", "train.steps=4", *FAST, *OVERLAP[:2]]
+    plain_metrics, plain_params = run_training(2, tmp_path / "plain", settings)
+    metrics, params = run_training(2, tmp_path / "overlap", [*settings, "parallel.tp_overlap=true"])
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+    assert [m["grad_norm"] for m in metrics] == [m["grad_norm"] for m in plain_metrics]
+    assert params.keys() == plain_params.keys()
+    for name, value in plain_params.items():
+        assert np.array_equal(params[name], value), name
