@@ -63,9 +63,6 @@ def validate_ulysses(cfg) -> None:
             f"parallel.cp_kind = 'ulysses': the {kv} key/value heads per tp rank (model.n_kv_head = {m.kv_heads}) "
             f"are split over the cp ranks when a multiple of parallel.cp = {p.cp} and replicated when parallel.cp "
             f"is a multiple of them; choose one")
-    require(cfg.memory.recompute != "selective",
-            "parallel.cp_kind = 'ulysses' recomputes with memory.recompute = 'full' or 'none', not 'selective' "
-            "(its kept attention core is the whole sequence of its heads); choose another memory.recompute")
 
 
 def validate_pipeline(cfg) -> None:

@@ -13,6 +13,7 @@ from mpitrain.errors import ConfigError
 from mpitrain.parallel.context import (
     attention_flops_per_rank,
     attention_pairs_per_rank,
+    cp_bytes_per_step,
     ring_bytes_per_block,
     ring_pairs_computed,
     split_sequence,
@@ -202,6 +203,11 @@ def test_context_parallel_run_matches_one_process(tmp_path, single_process, name
         for record in run[0]:
             assert record["comm_bytes"]["cp_ring"] == expected
         print(f"cp2 ring bytes per step and rank: {expected:,.0f} (measured {run[0][0]['comm_bytes']['cp_ring']:,})")
+    if name == "cp4":  # llama, 2 K/V heads: the bytes per step of cp_bytes_per_step, the planner's formula
+        expected = cp_bytes_per_step("ring", 4, 32, 4, 2, 8, 8, 4, blocks=2, micro_batches=2)
+        for record in run[0]:
+            assert {kind: record["comm_bytes"][kind] for kind in expected} == expected, record["comm_bytes"]
+        print(f"cp4 ring bytes per step and rank: {expected} (measured cp_ring {run[0][0]['comm_bytes']['cp_ring']:,})")
 
 
 def test_a_cp_checkpoint_resumes_under_another_layout(tmp_path, single_process):

@@ -119,16 +119,59 @@ def test_config_splits_the_cp_group_by_node_under_hybrid_only():
         load_config("configs/tiny.toml", ["parallel.cp=2", "parallel.cp_kind=tree"])
 
 
-def tiny_bytes_per_step(kind: str, inside: int = 1, tp: int = 1) -> dict[str, float]:
-    """cp_bytes_per_step of a configs/tiny.toml llama run with 2 K/V heads at cp 4 in float64 (2 blocks, 2
-    micro-batches of 4 rows, 4 heads of 8)."""
-    kv = 2 // tp if tp <= 2 else 1
-    return cp_bytes_per_step(kind, 4, 32, 4 // tp, kv, 8, 8, 4, inside=inside, blocks=2, micro_batches=2)
+def tiny_bytes_per_step(kind: str, inside: int, tp: int, blocks: int, recompute: str) -> dict[str, float]:
+    """cp_bytes_per_step of a configs/tiny.toml llama run with 2 K/V heads at cp 4 in float64 (2 micro-batches of
+    4 rows, 4 heads of 8, 2 blocks over the pipeline's stages)."""
+    return cp_bytes_per_step(kind, 4, 32, 4 // tp, 2 // tp, 8, 8, 4, inside=inside, blocks=blocks, micro_batches=2,
+                             recompute=recompute)
+
+
+MEMORY_JOB = """
+import json
+import numpy as np
+from mpi4py import MPI
+from mpitrain.backend import make_backend, nbytes_of
+from mpitrain.comm.mesh import Mesh
+from mpitrain.config import ModelConfig
+from mpitrain.layers.recompute import apply_recompute
+from mpitrain.model.gpt import GPT
+from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
+from mpitrain.state.replicated import ReplicatedState
+
+mesh = Mesh(MPI.COMM_WORLD, cp=4, split_by_node=("cp",))  # MPITRAIN_FAKE_NODES=2: 2 cp ranks per node
+cfg = ModelConfig(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16, arch="llama", n_kv_head=2)
+tokens = np.random.default_rng(5).integers(0, 64, (2, 16))
+out = {}
+for mode in ("none", "selective", "full"):
+    backend = make_backend("cpu", "float64")
+    model = GPT(cfg, backend)
+    cp = ContextParallel.of_mesh(mesh, "hybrid")
+    apply_context_parallel(model, cp)
+    apply_recompute(model, mode)
+    state = ReplicatedState(model.layouts, backend, 0)
+    local = split_sequence(tokens, 4, cp.rank)
+    loss, saved = model.forward(state, local, split_sequence(np.roll(tokens, -1, axis=1), 4, cp.rank))
+    per_micro_batch, shared = model.saved_bytes(2, backend.dtype)
+    out[mode] = {"measured": nbytes_of(saved), "declared": per_micro_batch + shared, "inside": cp.inside.size}
+if MPI.COMM_WORLD.rank == 0:
+    print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_hybrid_saved_state_counted_equals_declared():
+    """cp 4 as 2 x 2: the arrays one micro-batch's saved state keeps, counted, equal what `mpitrain memory` declares,
+    without, with selective and with full recomputation."""
+    out = run_python_mpi_results(4, MEMORY_JOB, timeout=120, env={"MPITRAIN_FAKE_NODES": "2"})
+    assert {mode: got["inside"] for mode, got in out.items()} == {"none": 2, "selective": 2, "full": 2}
+    for mode, got in out.items():
+        assert got["measured"] == got["declared"], (mode, out)
+    assert out["full"]["measured"] < out["selective"]["measured"] < out["none"]["measured"]
 
 
 RUNS = {  # name: (ranks, fake nodes, cp per node, overrides)
-    "cp4-2x2-gqa": (4, 2, 2, ["parallel.cp=4"]),  # K/V heads split over a node's 2 ranks
+    "cp4-2x2-gqa-selective": (4, 2, 2, ["parallel.cp=4", "memory.recompute=selective"]),  # K/V split over a node
     "tp2-cp4-2x2": (8, 2, 2, ["parallel.cp=4", "parallel.tp=2"]),  # one K/V head per tp rank: replicated
+    "pp2-cp4-2x2-full": (8, 4, 2, ["parallel.cp=4", "parallel.pp=2", "memory.recompute=full", "parallel.zero=1"]),
 }
 
 
@@ -146,7 +189,9 @@ def test_hybrid_run_on_fake_nodes_matches_one_process(tmp_path, monkeypatch, sin
     run = train_run(ranks, tmp_path / name, *ARCH["llama"], *overrides, "parallel.cp_kind=hybrid")
     assert_same_run(single_llama, run, name)
     tp = 2 if "parallel.tp=2" in overrides else 1
-    expected = tiny_bytes_per_step("hybrid", inside, tp)
+    pp = 2 if "parallel.pp=2" in overrides else 1
+    recompute = "full" if "memory.recompute=full" in overrides else "none"
+    expected = tiny_bytes_per_step("hybrid", inside, tp, blocks=2 // pp, recompute=recompute)
     for record in run[0]:
         assert record["comm_bytes"]["cp_ring"] == expected["cp_ring"], (record["comm_bytes"], expected)
         assert record["comm_bytes"]["all_to_all"] == expected["all_to_all"], (record["comm_bytes"], expected)

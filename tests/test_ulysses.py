@@ -8,6 +8,7 @@ import pytest
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
 from mpitrain.layers.ulysses_attention import bytes_per_block
+from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.plan.cost import ulysses_bytes_per_micro_batch
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_context_parallel import ARCH, assert_same_run, train_run
@@ -95,8 +96,6 @@ def test_config_refuses_heads_that_do_not_split():
         load_config("configs/tiny.toml", ["parallel.cp=8", "parallel.cp_kind=ulysses"])
     with pytest.raises(ConfigError, match="parallel.tp = 2\\) are not divisible by parallel.cp = 4"):
         load_config("configs/tiny.toml", ["parallel.cp=4", "parallel.tp=2", "parallel.cp_kind=ulysses"])
-    with pytest.raises(ConfigError, match="not 'selective'"):
-        load_config("configs/tiny.toml", ["parallel.cp=2", "parallel.cp_kind=ulysses", "memory.recompute=selective"])
 
 
 def test_memory_plan_counts_the_whole_sequence_of_a_ranks_heads():
@@ -142,7 +141,7 @@ mesh = Mesh(MPI.COMM_WORLD, dp=1, cp=2)
 cfg = ModelConfig(n_layer=3, d_model=32, n_head=4, vocab_size=64, seq_len=16, **VARIANT)
 tokens = np.random.default_rng(5).integers(0, 64, (2, 16))
 out = {}
-for mode in ("none", "full"):
+for mode in ("none", "selective", "full"):
     backend = make_backend("cpu", "float64")
     model = GPT(cfg, backend)
     apply_context_parallel(model, ContextParallel(mesh.cp, kind="ulysses"))
@@ -160,7 +159,7 @@ if MPI.COMM_WORLD.rank == 0:
 @pytest.mark.parametrize("variant", [{}, {"arch": "llama", "n_kv_head": 2}])
 def test_saved_state_counted_equals_declared(variant):
     """cp 2 ulysses: the arrays one micro-batch's saved state keeps, counted, equal what `mpitrain memory`
-    declares, with and without full recomputation."""
+    declares, without, with selective and with full recomputation."""
     out = run_python_mpi_results(2, MEMORY_JOB.replace("VARIANT", repr(variant)), timeout=120)
     for mode in out:
         assert out[mode]["measured"] == out[mode]["declared"], (mode, out)
@@ -170,7 +169,7 @@ LAYOUTS = {  # name: (arch, ranks, overrides)
     "cp2-gpt2": ("gpt2", 2, ["parallel.cp=2"]),
     "cp2-llama-gqa": ("llama", 2, ["parallel.cp=2"]),  # 2 K/V heads over 2 ranks: split
     "cp4-llama-gqa": ("llama", 4, ["parallel.cp=4"]),  # 2 K/V heads over 4 ranks: replicated
-    "cp2-tp2-llama": ("llama", 4, ["parallel.cp=2", "parallel.tp=2"]),
+    "cp2-tp2-llama-selective": ("llama", 4, ["parallel.cp=2", "parallel.tp=2", "memory.recompute=selective"]),
     "cp2-pp2-recompute": ("gpt2", 4, ["parallel.cp=2", "parallel.pp=2", "memory.recompute=full"]),
 }
 
@@ -202,6 +201,12 @@ def test_ulysses_run_matches_one_process(tmp_path, single_process, name):
             assert record["comm_bytes"]["all_to_all"] == expected
             assert record["comm_bytes"]["cp_ring"] == 0
         print(f"cp2 ulysses all-to-all bytes per step and rank: {expected:,.0f}")
+    if name == "cp4-llama-gqa":  # 2 K/V heads over 4 ranks: replicated; cp_bytes_per_step, the planner's formula
+        expected = cp_bytes_per_step("ulysses", 4, 32, 4, 2, 8, 8, 4, blocks=2, micro_batches=2)
+        for record in run[0]:
+            assert {kind: record["comm_bytes"][kind] for kind in expected} == expected, record["comm_bytes"]
+        print(f"cp4 ulysses bytes per step and rank: {expected} (measured all_to_all "
+              f"{run[0][0]['comm_bytes']['all_to_all']:,})")
 
 
 def test_ulysses_with_packed_documents_matches_one_process(tmp_path, single_process):

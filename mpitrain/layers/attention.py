@@ -175,8 +175,12 @@ class Attention:
         """The entered input, q, k, v, the probabilities and the merged output (the rope tables are the model's).
         Ring attention (seq_len: this cp rank's tokens) keeps q, k, v, its output and log-sum-exp instead of the
         probabilities (recomputed block by block in backward). Ulysses keeps the one-process core's arrays of its
-        heads over the whole sequence."""
-        b, t, d, h, kv = batch, seq_len, self.head_dim, self.heads, self.kv_heads
+        heads over the whole sequence, hybrid the ring's over its node's tokens."""
+        b, t = batch, seq_len
+        return self.qkv.saved_arrays(b, t, dtype) + self._core_arrays(b, t, dtype) + self.out.saved_arrays(b, t, dtype)
+
+    def _core_arrays(self, b: int, t: int, dtype) -> list:
+        d, h, kv = self.head_dim, self.heads, self.kv_heads
         core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
         if self.ring is not None:
             core[3:] = [((b, h, t, d), dtype), ((b, h, t), ring_attention.lse_dtype(dtype))]
@@ -184,4 +188,43 @@ class Attention:
             core = ulysses_attention.saved_arrays(b, h, kv, t, d, self.ulysses.size, dtype)
         if self.hybrid is not None:
             core = hybrid_attention.saved_arrays(b, h, kv, t, d, self.hybrid.inside.size, dtype)
-        return self.qkv.saved_arrays(b, t, dtype) + core + self.out.saved_arrays(b, t, dtype)
+        return core
+
+    # ---- selective recomputation (layers/recompute.py): what is kept of the core, and the core restored from it
+    def keep_selective(self, saved) -> tuple:
+        """q, k, v (after RoPE); the ring its whole core (it saves no probabilities); Ulysses its heads' q, k, v over
+        the whole sequence and the exchanged output (recomputing it would repeat the all-to-all); hybrid its ring's
+        whole core and the exchanged output."""
+        core = saved["core"]
+        if self.ring is not None:
+            return core
+        if self.ulysses is not None:
+            return (*core[0][:3], core[1], saved["out"])
+        if self.hybrid is not None:
+            return core, saved["out"]
+        return core[:3]
+
+    def restore_selective(self, kept, ctx) -> tuple:
+        """(core, the output projection's input) from keep_selective's arrays: the one-process core run again (the
+        same operations on the same inputs: bitwise the forward's)."""
+        if self.ring is not None:
+            return kept, merge_heads(kept[3])  # the ring's output in the input's dtype, as handed to the projection
+        if self.hybrid is not None:
+            return kept
+        if self.ulysses is not None:
+            q, k, v, kv_heads, merged = kept
+            mask = ulysses_attention.whole_mask(q.shape[2], q.dtype, array_module(q), ctx.get("documents"))
+            return (ops.attention_forward(q, k, v, mask)[1], kv_heads), merged
+        (out, _), core = ops.attention_forward(*kept, ctx["bias"])
+        return core, merge_heads(out)
+
+    def selective_saved_arrays(self, b: int, t: int, dtype) -> list:
+        """(shape, dtype) of keep_selective's arrays."""
+        core = self._core_arrays(b, t, dtype)
+        if self.ring is not None:
+            return core
+        if self.ulysses is not None:
+            return core[:3] + self.out.saved_arrays(b, t, dtype)
+        if self.hybrid is not None:
+            return core + self.out.saved_arrays(b, t, dtype)
+        return core[:3]

@@ -14,7 +14,9 @@
              matmul or all-to-all runs again, only the nonlinearities (MoE.keep_selective).
              Ring attention (parallel.cp > 1) keeps its whole core (q, k, v, output and log-sum-exp: it saves no
              probabilities to drop); recomputed are the norms, their entry into the tp region and the output's
-             merged heads.
+             merged heads. Ulysses keeps its heads' q, k, v over the whole sequence and the exchanged output,
+             hybrid its ring's whole core and the exchanged output: no all-to-all runs again
+             (Attention.keep_selective).
 `memory.recompute_layers = K`: only the first K blocks of each model chunk (pipeline stage) recompute; 0: all.
 
 Exact: the recomputed arrays are the same operations on the same inputs, so they are bitwise the forward's, and a
@@ -26,9 +28,7 @@ only the attention core's two (T x T) matmuls; count them as hardware FLOPs, not
 from __future__ import annotations
 
 from mpitrain.layers import ops
-from mpitrain.layers.attention import merge_heads
 from mpitrain.layers.moe import MoE
-from mpitrain.layers.ring_attention import lse_dtype
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -63,9 +63,7 @@ def forward(block, params, x, ctx):
     x1 = x + attention
     h2, _ = block.norm2.forward(params, x1)
     mlp, mlp_saved = block.mlp.forward(params, h2, ctx)
-    # the ring keeps its whole core (q, k, v, output, log-sum-exp): its backward recomputes no (T x T) block anyway
-    core = attention_saved["core"] if block.attention.ring is not None else attention_saved["core"][:3]
-    kept.update(x1=x1, core=core)
+    kept.update(x1=x1, core=block.attention.keep_selective(attention_saved))
     if isinstance(block.mlp, MoE):
         kept["moe"] = block.mlp.keep_selective(mlp_saved)
     else:
@@ -79,12 +77,8 @@ def restore(block, params, kept) -> dict:
     if block.recompute == "full":
         return block.forward_all(params, kept["x"], ctx)[1]
     h1, norm1 = block.norm1.forward(params, kept["x"])
-    if block.attention.ring is not None:
-        core = kept["core"]
-        out = core[3]  # the ring's output in the input's dtype, as its forward handed it to the projection
-    else:
-        (out, _), core = ops.attention_forward(*kept["core"], ctx["bias"])
-    attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": merge_heads(out)}
+    core, out = block.attention.restore_selective(kept["core"], ctx)
+    attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": out}
     if block.attention.rope:
         attention["rope"] = kept["rope"]
     h2, norm2 = block.norm2.forward(params, kept["x1"])
@@ -104,9 +98,7 @@ def saved_arrays(block, batch: int, seq_len: int, dtype) -> list:
     if block.recompute == "full":
         return [residual]
     a = block.attention
-    qkv = [((batch, a.heads, seq_len, a.head_dim), dtype)] + [((batch, a.kv_heads, seq_len, a.head_dim), dtype)] * 2
-    if a.ring is not None:  # its output and log-sum-exp too
-        qkv += [((batch, a.heads, seq_len, a.head_dim), dtype), ((batch, a.heads, seq_len), lse_dtype(dtype))]
+    qkv = a.selective_saved_arrays(batch, seq_len, dtype)
     if isinstance(block.mlp, MoE):
         return [residual, residual] + qkv + block.mlp.selective_saved_arrays(batch, seq_len, dtype)
     hidden = ((batch, seq_len, block.mlp.local_width), dtype)

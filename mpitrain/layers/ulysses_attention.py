@@ -90,7 +90,8 @@ def _to_ranks(x, order, cp_size):
     return xp.ascontiguousarray(gathered.transpose(2, 0, 1, 3, 4))
 
 
-def _mask(seq_len, dtype, xp, documents):
+def whole_mask(seq_len, dtype, xp, documents):
+    """The core's mask over the whole sequence: causal, or the packed documents' of the whole rows."""
     if documents is None:
         return ops.causal_bias(seq_len, seq_len, xp, dtype)
     ids, positions = documents  # the whole rows' (B, T), the same on every cp rank
@@ -148,7 +149,7 @@ def forward(cp, q, k, v, documents=None):
     """(out, saved): causal attention of this rank's tokens. q: (B, H, 2m, D) holding its two zig-zag chunks; k, v:
     (B, Hkv, 2m, D) likewise; documents: None, or the whole rows' (ids, positions). out: (B, H, 2m, D)."""
     q_all, k_all, v_all = heads_for_tokens(cp, q, k, v)
-    mask = _mask(q_all.shape[2], q.dtype, array_module(q), documents)
+    mask = whole_mask(q_all.shape[2], q.dtype, array_module(q), documents)
     (out, _), core = ops.attention_forward(q_all, k_all, v_all, mask)
     return tokens_for_heads(cp, out), (core, k.shape[1])
 
