@@ -17,7 +17,9 @@ Each test submits a 2-task job and interrupts it once it is under way:
   runs on the other node only);
 - two nodes: docs/clusters.md's two-node example (dp 2 x tp 2, 2 tasks per node) at float64 parity with one
   process, the refusal of a tp group spanning nodes, and a node lost mid-run (its slurmd and ranks SIGKILLed; the
-  script finds it gone, restarts on the other node with dp 1, and the losses equal the uninterrupted run's).
+  script finds it gone, restarts on the other node with dp 1, and the losses equal the uninterrupted run's), and
+  hierarchical data parallelism (dp 4, 2 ranks per node: the two-level all-reduce and hybrid-sharded ZeRO-3) at
+  parity with one process, its bytes across nodes the formulas'.
 Two srun tasks on one node used to fail now and then in MPICH's MPI_Init ("Out of memory" in
 MPIDI_POSIX_comm_bootstrap, "Message truncated"): MPICH names its shared-memory segment after the PMI kvs name, under
 srun "JOBID.STEPID", and a step whose ranks were killed leaves /dev/shm/mpich_shm_* behind for the next job of that id
@@ -44,6 +46,9 @@ import pytest
 from mpitrain.data.prepare import prepare_dataset
 from mpitrain.resilience.heartbeat import read_heartbeats
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
+from tests.test_hierarchical_dp import MODES as HIERARCHICAL_MODES
+from tests.test_hierarchical_dp import PARITY_JOB as HIERARCHICAL_JOB
+from tests.test_hierarchical_dp import check_parity_and_bytes
 
 SBATCH_SCRIPT = REPO_ROOT / "slurm" / "train.sbatch"
 CI_CLUSTER_DIR = Path(os.environ.get("SLURM_CI_DIR", "/tmp/mpitrain-slurm"))
@@ -527,3 +532,24 @@ def test_lost_node_run_continues_on_the_other(slurm_env, jobs, tmp_path, dataset
     assert sorted(losses) == sorted(reference_losses), log
     for step, loss in reference_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-10, abs=0), f"step {step}\n{log}"
+
+
+def test_hierarchical_data_parallelism_on_two_nodes(slurm_env, jobs, tmp_path):
+    """dp 4 on two nodes (2 ranks each), float64: the two-level all-reduce (plain DP) and hybrid-sharded ZeRO-3
+    (parallel.zero_shard = 'node') train as one process does, step by step (1e-10), and the bytes on the across-node
+    groups are state/hierarchical.py's formulas (tests/test_hierarchical_dp.py runs the same job on fake nodes)."""
+    first, second = two_node_cluster(slurm_env)
+    modes = [HIERARCHICAL_MODES[0], HIERARCHICAL_MODES[-1]]  # zero 0 two_level, zero 3 node
+    script = tmp_path / "hierarchical.py"
+    script.write_text(textwrap.dedent(HIERARCHICAL_JOB))
+    layouts = json.dumps([overrides for overrides, _, _ in modes], separators=(",", ":"))  # no spaces: one word
+    job = Job(slurm_env, tmp_path, [], {"MPITRAIN_COMMAND": f"{sys.executable} {script} 2 {layouts} -",
+                                        "MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable},
+              shape=("--nodes=2", "--ntasks-per-node=2"))
+    jobs.append(job)
+    job.wait_until_completed(240)
+    lines = [line for line in job.log().splitlines() if line.startswith("RESULTS ")]
+    assert len(lines) == 1, job.log()
+    results = json.loads(lines[0][len("RESULTS "):])
+    assert all(result["nodes"] == f"2 nodes: {first} ranks 0-1, {second} ranks 2-3" for result in results), results
+    check_parity_and_bytes(results, modes)
