@@ -74,11 +74,8 @@ class ParallelConfig:
     etp: int = 0  # expert tensor parallelism (model.moe): 1 = whole experts, tp = split like the MLP; 0: tp
     zero: int = 0  # 0 = plain data parallelism; 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward (False: keep for backward)
-    # ZeRO-3's parameter all-gather on the wire: same (the compute dtype) | int8 | fp8, block-quantized with an fp32
-    # scale per block, every rank computing with the decoded weights; the master weights stay exact
-    zero_gather_dtype: str = "same"
-    # ZeRO's gradient reduce-scatter: exact | int8 | int4 (all-to-all of block-quantized pieces, summed in fp32)
-    zero_grad_reduce: str = "exact"
+    zero_gather_dtype: str = "same"  # ZeRO-3's weight all-gather: same | int8 | fp8 (block-quantized; masters exact)
+    zero_grad_reduce: str = "exact"  # ZeRO's gradient reduce-scatter: exact | int8 | int4 (quantized all-to-all)
     zero_quant_block: int = 256  # elements per quantization block of the two keys above (one fp32 scale each); even
     # ZeRO shards over: world (all dp ranks) | node (the dp ranks of one node, one copy per node: hybrid sharding,
     # gathers stay inside the node; state/hierarchical.py)
