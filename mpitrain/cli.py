@@ -297,7 +297,7 @@ main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE]
 @click.option("--schedule", "kind", type=click.Choice(SCHEDULE_KINDS), default="1f1b",
               show_default=True)
 @click.option("--virtual-stages", type=int, default=1, show_default=True,
-              help="Model chunks per rank (interleaved; zbv always 2).")
+              help="Model chunks per rank (interleaved; zbv and dualpipev always 2).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="Also draw the timeline into this PNG file (needs matplotlib: pip install 'mpitrain[plot]').")
 @click.option("--width", type=int, default=120, show_default=True, help="Columns of the text timeline.")
@@ -305,7 +305,7 @@ main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE]
 @_user_errors
 def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, instructions):
     """Simulate a pipeline schedule: timeline, bubble (theoretical and simulated), peak activations per rank."""
-    from mpitrain.parallel.schedule import make_schedule, placement_of, theoretical_bubble
+    from mpitrain.parallel.schedule import V_KINDS, dualpipev_pairs, make_schedule, placement_of, theoretical_bubble
     from mpitrain.parallel.schedule_analysis import (
         bubble_fraction,
         format_schedule,
@@ -315,21 +315,24 @@ def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, in
     )
     from mpitrain.parallel.timeline import render_png, render_text
 
-    v = 2 if kind == "zbv" and virtual_stages == 1 else virtual_stages  # zbv: two chunks in a V
+    v = 2 if kind in V_KINDS and virtual_stages == 1 else virtual_stages  # zbv, dualpipev: two chunks in a V
     plan, placement = make_schedule(kind, pp, microbatches, v), placement_of(kind)
     validate(plan, pp, microbatches, v, placement)
     # time unit: one micro-batch's forward through a whole stage; an interleaved chunk is 1/v of a stage
     timeline = simulate(plan, t_forward=1 / v, t_backward=2 / v, t_backward_input=1 / v, t_backward_weight=1 / v,
                         placement=placement)
-    times = "forward 1, input grad 1, weight grad 1" if kind in ("zb1p", "zbv") else "forward 1, backward 2"
+    times = "forward 1, input grad 1, weight grad 1" if kind in ("zb1p",) + V_KINDS else "forward 1, backward 2"
     click.echo(f"{kind}: pp = {pp}, {microbatches} micro-batches" + (f", {v} chunks per rank" if v > 1 else "")
                + f"; time per micro-batch and stage: {times}")
     if instructions:
         click.echo(format_schedule(plan))
     click.echo(render_text(timeline, width=width))
-    formula = "(p-1)/(6m+p-1), a bound: " if kind == "zbv" else ""
-    click.echo(f"bubble: theoretical {formula}{theoretical_bubble(kind, pp, microbatches, v):.4f}, "
-               f"simulated {bubble_fraction(timeline):.4f}")
+    formula = {"zbv": "(p-1)/(6m+p-1)" if microbatches >= 2 * pp else "", "dualpipev": "(p-1)/(3m+p-1)"}.get(kind)
+    click.echo(f"bubble: theoretical {formula + ' = ' if formula else ''}"
+               f"{theoretical_bubble(kind, pp, microbatches, v):.4f}, simulated {bubble_fraction(timeline):.4f}")
+    if kind == "dualpipev":  # a pair's messages move while its other half computes
+        click.echo("overlapped pairs per rank: " + ", ".join(str(len(pairs)) for pairs in
+                                                             dualpipev_pairs(pp, microbatches)))
     unit = f"(micro-batch, chunk) pairs, 1/{v} stage each" if v > 1 else "micro-batches"
     click.echo(f"peak activations ({unit}): "
                + ", ".join(f"rank {rank} {n}" for rank, n in enumerate(peak_activations(plan))))

@@ -6,7 +6,8 @@ import difflib
 
 from mpitrain.errors import ConfigError
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")  # parallel.schedule (mpitrain/parallel/schedule.py)
+# parallel.schedule (mpitrain/parallel/schedule.py)
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
 OPTIMIZERS = ("adamw", "adafactor", "adam8bit", "sgd")  # optim.name (mpitrain/optim/factory.py)
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optim.schedule (mpitrain/optim/schedule.py)
 DECAY_SHAPES = ("linear", "cosine", "sqrt")  # optim.decay_shape: the wsd schedule's decay

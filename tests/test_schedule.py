@@ -32,8 +32,8 @@ def legal_layouts(ps=(1, 2, 3, 4, 8), ms=range(1, 13), vs=(1, 2, 3)):
         for p in ps:
             for m in ms:
                 for v in vs:
-                    if kind == "zbv":  # always two chunks in a V
-                        if v == 2:
+                    if kind in ("zbv", "dualpipev"):  # always two chunks in a V; dualpipev needs m >= 2p
+                        if v == 2 and (kind == "zbv" or m >= 2 * p):
                             yield kind, p, m, v
                         continue
                     if v > 1 and (kind != "interleaved" or m % p):
@@ -63,7 +63,7 @@ def test_every_kind_validates_over_a_grid_of_layouts():
         for program in schedule:
             assert [ins.op for ins in program[-2:]] == ["reduce_grads", "optimizer_step"]
         count += 1
-    assert count == 352  # zbv: 5 p x 12 m with two chunks
+    assert count == 384  # zbv: 5 p x 12 m with two chunks; dualpipev: the 32 with m >= 2p
 
 
 def test_functions_match_the_dispatcher():

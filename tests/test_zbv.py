@@ -1,12 +1,14 @@
 """The ZB-V schedule (parallel.schedule = "zbv"): two chunks per rank in a V, the backward split into B and W.
 
 Without MPI: every (p, m) validates (FIFO channels, the turn on the last rank in memory, no deadlock), its simulated
-bubble with unit per-chunk costs is never below the bound theoretical_bubble states and equals it when m is a multiple
-of p (p <= 4, p = 8), it beats zb1p, and no rank holds more than 2p chunks from their forward to their weight
-gradient (1f1b's p micro-batches). Under mpiexec
-(float64): pp 2 and pp 4 runs match one process, and a zbv run resumes under another schedule.
+bubble with unit per-chunk costs is exactly bubble_formula's (fractions): the published (p-1)/(6m+p-1) for m >= 2p,
+the list scheduling's own makespan below; it beats zb1p, no rank holds saved activations of more than 2p chunks
+(1f1b's p micro-batches), nor more than 2p+2 from forward to weight gradient. Under mpiexec (float64): pp 2, pp 4
+and pp 2 x tp 2 x dp 2 runs match one process, and a zbv run resumes under another schedule.
 """
 from __future__ import annotations
+
+from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
@@ -19,10 +21,11 @@ from mpitrain.parallel.schedule import (
     Instruction,
     ScheduleArgumentError,
     ScheduleError,
+    bubble_formula,
     make_schedule,
-    theoretical_bubble,
+    zbv_makespan,
 )
-from mpitrain.parallel.schedule_analysis import bubble_fraction, peak_activations, simulate, validate
+from mpitrain.parallel.schedule_analysis import bubble_fraction, exact_bubble, peak_activations, simulate, validate
 from tests.test_checkpoint import PREEMPTED, losses, train
 from tests.test_pipeline import BASE, FAST, FLAVOURS
 from tests.test_tensor_parallel import assert_exact
@@ -46,18 +49,21 @@ def held_until_weight_gradient(program) -> int:
     return peak
 
 
-def test_zbv_validates_and_meets_its_bound_over_a_grid():
+def test_zbv_validates_and_its_bubble_is_its_formula_over_a_grid():
     for p in range(1, 9):
-        for m in range(1, 17):
+        for m in range(1, 2 * p + 9):
             schedule = make_schedule("zbv", p, m, 2)
             validate(schedule, p, m, 2, placement="v")
-            bound, simulated = theoretical_bubble("zbv", p, m, 2), zbv_bubble(p, m)
-            assert simulated >= bound - 1e-12, (p, m)
-            if m % p == 0 and (p <= 4 or p == 8):
-                assert simulated == pytest.approx(bound, abs=1e-12), (p, m)
+            simulated = exact_bubble(simulate(schedule, placement="v"))
+            assert simulated == bubble_formula("zbv", p, m, 2), (p, m)
+            makespan = max(6 * m + p - 1, 4 * p + 2 * m - 1)  # the fill, or the last micro-batch's trip: a bound
+            assert zbv_makespan(p, m) >= makespan, (p, m)
+            if m >= 2 * p:
+                assert simulated == Fraction(p - 1, 6 * m + p - 1), (p, m)
             if m >= p > 1:
                 assert simulated < bubble_fraction(simulate(make_schedule("zb1p", p, m))), (p, m)
-            assert max(held_until_weight_gradient(program) for program in schedule) <= 2 * p, (p, m)
+            assert max(peak_activations(schedule)) <= 2 * p, (p, m)
+            assert max(held_until_weight_gradient(program) for program in schedule) <= 2 * p + 2, (p, m)
 
 
 @pytest.mark.parametrize("m", [8, 16])
@@ -70,10 +76,9 @@ def test_pp4_zbv_halves_zb1p_bubble_at_1f1b_memory(m):
           f"{peaks}, held from F to W at most {held}")
     assert zbv == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
     assert zbv < zb1p
-    # 2p chunks of half a stage each = p whole micro-batches, what 1f1b's rank 0 holds (and zb1p's, F to W)
-    assert peaks == held == [2 * p] * p
+    # 2p chunks of half a stage each = p whole micro-batches, what 1f1b's rank 0 holds; two chunks more wait for W
+    assert peaks == [2 * p] * p and held == [2 * p + 2] * p
     assert max(peak_activations(make_schedule("1f1b", p, m))) * 2 == max(peaks)
-    assert max(held_until_weight_gradient(program) for program in make_schedule("zb1p", p, m)) * 2 == max(held)
 
 
 def test_the_turn_on_the_last_rank_sends_nothing():
@@ -118,7 +123,7 @@ def test_zbv_needs_two_chunks():
 def test_schedule_command_shows_zbv():
     result = CliRunner().invoke(main, ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zbv"])
     assert result.exit_code == 0, result.output
-    assert "(p-1)/(6m+p-1), a bound: 0.0588, simulated 0.0588" in result.output
+    assert "(p-1)/(6m+p-1) = 0.0588, simulated 0.0588" in result.output
     assert "rank 0 8, rank 1 8, rank 2 8, rank 3 8" in result.output
 
 
@@ -134,6 +139,13 @@ def references(tmp_path_factory, dataset):
 def test_zbv_matches_single_process(tmp_path, dataset, references, flavour, p):
     run = train_run(p, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS[flavour], f"parallel.pp={p}", *ZBV)
     assert_exact(references[flavour], run, f"{flavour} pp{p} zbv")
+
+
+def test_pp2_tp2_dp2_zbv_matches_single_process(tmp_path, dataset, references):
+    """Eight ranks: the V's pp group under tensor and data parallelism (m = 4 = 2p micro-batches per dp rank)."""
+    run = train_run(8, tmp_path / "run", dataset, *FAST, *BASE, *FLAVOURS["llama"], "parallel.pp=2", "parallel.tp=2",
+                    "train.micro_batch=1", *ZBV)
+    assert_exact(references["llama"], run, "llama pp2 tp2 dp2 zbv")
 
 
 def test_a_zbv_run_continues_under_another_schedule(tmp_path, dataset):

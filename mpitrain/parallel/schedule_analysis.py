@@ -7,6 +7,7 @@ receives, which is both the deadlock check of `validate` and the clock of `simul
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from fractions import Fraction
 
 from mpitrain.parallel.schedule import (
     COMM_OPS,
@@ -125,10 +126,13 @@ def _check_turn(rank: int, positions: dict, p: int, m: int) -> None:
     (stage p), and chunk 1's input gradient before chunk 0's backward."""
     if rank != p - 1:
         return
+    def gradient(micro: int, chunk: int) -> int:  # where the input gradient is computed: B, or a full backward
+        op = "backward_input" if ("backward_input", micro, chunk) in positions else "backward"
+        return positions[op, micro, chunk][0]
+
     for micro in range(m):
-        gradient = "backward_input" if ("backward_input", micro, 0) in positions else "backward"
         if positions["forward", micro, 0][0] > positions["forward", micro, 1][0] or \
-                positions[gradient, micro, 1][0] > positions[gradient, micro, 0][0]:
+                gradient(micro, 1) > gradient(micro, 0):
             raise ScheduleError(f"rank {rank}: micro-batch {micro} turns the V out of order (forward chunk 0 before "
                                 f"chunk 1, input gradient chunk 1 before chunk 0)")
 
@@ -239,10 +243,43 @@ def bubble_fraction(timeline: PerRankEvents) -> float:
     return 1.0 - busy / (len(timeline) * makespan)
 
 
+def exact_bubble(timeline: PerRankEvents) -> Fraction:
+    """bubble_fraction as an exact fraction, for timelines whose times are whole numbers (unit costs)."""
+    compute = [event for events in timeline for event in events if event.instruction.op in COMPUTE_OPS]
+    makespan = Fraction(max(e.end for e in compute)) - Fraction(min(e.start for e in compute))
+    busy = sum(Fraction(e.end) - Fraction(e.start) for e in compute)
+    return 1 - busy / (len(timeline) * makespan)
+
+
+def overlap_violations(program: list[Instruction], pairs) -> list[str]:
+    """What keeps `program` (one rank's instructions, built or recorded) from running each overlapped pair
+    ((forward, micro, chunk), (backward op, micro, chunk)) of schedule.dualpipev_pairs as one: the two computations
+    next to each other, the backward's receive before the forward and the forward's send before the backward, so
+    that each half's messages travel while the other half computes. Empty when every pair is kept."""
+    index = {(ins.op, ins.micro, ins.chunk): i for i, ins in enumerate(program)}
+    problems = []
+    for forward, backward in pairs:
+        f_at, b_at = index.get(forward), index.get(backward)
+        if f_at is None or b_at is None:
+            problems.append(f"pair {forward} + {backward}: a half is missing")
+            continue
+        between = [ins for ins in program[f_at + 1:b_at] if ins.op in COMPUTE_OPS]
+        receive = index.get(("recv_backward", backward[1], backward[2]))
+        send = index.get(("send_forward", forward[1], forward[2]))
+        if b_at < f_at or between:
+            problems.append(f"pair {forward} + {backward}: not one after the other")
+        elif receive is not None and receive > f_at:
+            problems.append(f"pair {forward} + {backward}: the backward's receive waits until after the forward")
+        elif send is not None and send > b_at:
+            problems.append(f"pair {forward} + {backward}: the forward's send waits until after the backward")
+    return problems
+
+
 def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most (micro-batch, chunk) pairs whose forward is done and whose backward (B for zb1p) is not:
-    the activations the rank holds at its worst moment. GPipe: m; 1F1B and zb1p: p - rank. For interleaved, each
-    pair holds one chunk's activations, 1/v of what a micro-batch holds on a non-interleaved stage."""
+    """Per rank, the most (micro-batch, chunk) pairs whose forward is done and whose backward (B when split) is not:
+    the activations the rank holds at its worst moment. GPipe: m; 1F1B and zb1p: p - rank; zbv 2p, dualpipev 2p+1
+    (m >= 2p). For interleaved and the V's, each pair holds one chunk's activations, 1/v of what a micro-batch holds on
+    a non-interleaved stage (schedule_costs.peak_activation_chunks gives them without building the schedule)."""
     peaks = []
     for program in schedule:
         in_flight = peak = 0

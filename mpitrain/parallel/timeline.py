@@ -19,9 +19,9 @@ Times are relative to each rank's `reset()`; ranks on one node share perf_counte
 origins agree to within the barrier's skew (microseconds), far below a forward's time.
 
 Measured times depend on the machine's load; the ORDER in which a rank recorded its events does not. `replay` turns
-the recorded order back into a schedule and times it with the simulator's unit costs (F 1, B 2; zb1p's B and W 1
-each), which gives the bubble the executor's real instruction order implies, the same on an idle or a busy machine:
-what tests check. The measured bubble is for benchmarks (benchmarks/bench_pipeline.py).
+the recorded order back into a schedule and times it with the simulator's unit costs (F 1, B 2; a split backward's B
+and W 1 each), which gives the bubble the executor's real instruction order implies, the same on an idle or a busy
+machine: what tests check. The measured bubble is for benchmarks (benchmarks/bench_pipeline.py).
 """
 from __future__ import annotations
 
@@ -30,14 +30,23 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from mpitrain.errors import MpitrainError
-from mpitrain.parallel.schedule import COMPUTE_OPS, OPS, Event, Instruction, PerRankEvents, Schedule
+from mpitrain.parallel.schedule import (
+    COMPUTE_OPS,
+    OPS,
+    Event,
+    Instruction,
+    PerRankEvents,
+    Schedule,
+    rank_and_chunk,
+    stage_of,
+)
 from mpitrain.parallel.schedule_analysis import bubble_fraction, simulate
 
 __all__ = ["Timeline", "bubble_fraction", "merge_events", "recorded_program", "render_png", "render_text", "replay"]
 
 LETTERS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
-LEGEND = ("F forward, B backward (zb1p: input gradient only), W weight gradient, each followed by its micro-batch;\n"
-          "lowercase: odd model chunk (interleaved); '.' idle or waiting on a peer")
+LEGEND = ("F forward, B backward (input gradient only where W appears), W weight gradient, each followed by its "
+          "micro-batch;\nlowercase: odd model chunk (interleaved, zbv, dualpipev); '.' idle or waiting on a peer")
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "backward_input": "#55a868", "backward_weight": "#c44e52"}
 
 
@@ -93,31 +102,34 @@ def merge_events(event_lists: Iterable[Iterable[dict]]) -> PerRankEvents:
     return [sorted(by_rank.get(rank, []), key=lambda e: (e.start, e.end)) for rank in range(n_ranks)]
 
 
-# The neighbour each kind of transfer talks to (schedule.py: stage s-1 lives on rank r-1 mod p, s+1 on r+1 mod p).
-_PEER_STEP = {"recv_forward": -1, "send_backward": -1, "send_forward": +1, "recv_backward": +1}
+# The neighbouring stage each kind of transfer talks to: the one before (-1) or after (+1) the instruction's own.
+_STAGE_STEP = {"recv_forward": -1, "send_backward": -1, "send_forward": +1, "recv_backward": +1}
 
 
-def recorded_program(event_lists: Iterable[Iterable[dict]], p: int) -> Schedule:
+def recorded_program(event_lists: Iterable[Iterable[dict]], p: int, placement: str = "loop") -> Schedule:
     """Per pipeline rank, the instructions it recorded, in the order it recorded them (not sorted by time): the
-    schedule the executor really ran. Peers follow from the rank; the optimizer step, which runs in the trainer
-    after the executor returns, is appended after a recorded reduce_grads."""
+    schedule the executor really ran. Peers follow from the rank, the chunk and the placement (schedule.placement_of:
+    "v" for zbv and dualpipev); the optimizer step, which runs in the trainer after the executor returns, is appended
+    after a recorded reduce_grads."""
     program: Schedule = [[] for _ in range(p)]
     for events in event_lists:
         for event in events:
-            rank, kind = int(event["rank"]), event["kind"]
-            step = _PEER_STEP.get(kind)
-            peer = None if step is None else (rank + step) % p
-            program[rank].append(Instruction(kind, event.get("micro"), event.get("chunk", 0) or 0, peer))
+            rank, kind, chunk = int(event["rank"]), event["kind"], event.get("chunk", 0) or 0
+            step = _STAGE_STEP.get(kind)
+            peer = None if step is None else \
+                rank_and_chunk(stage_of(rank, chunk, p, placement) + step, p, placement)[0]
+            program[rank].append(Instruction(kind, event.get("micro"), chunk, peer))
     for steps in program:
         if steps and steps[-1].op == "reduce_grads":
             steps.append(Instruction("optimizer_step"))
     return program
 
 
-def replay(event_lists: Iterable[Iterable[dict]], p: int, **unit_costs: float) -> PerRankEvents:
+def replay(event_lists: Iterable[Iterable[dict]], p: int, placement: str = "loop",
+           **unit_costs: float) -> PerRankEvents:
     """The recorded instruction order of every rank, timed by the simulator (unit costs by default; keyword
     arguments as for schedule.simulate): a timeline that does not depend on how busy the machine was."""
-    return simulate(recorded_program(event_lists, p), **unit_costs)
+    return simulate(recorded_program(event_lists, p, placement), placement=placement, **unit_costs)
 
 
 def _compute_span(timeline: PerRankEvents) -> tuple[float, float]:
@@ -204,7 +216,7 @@ def render_png(timeline: PerRankEvents, path, title: str = "") -> None:
     axes.set_xlim(0, makespan)
     axes.set_xlabel("time")
     axes.legend(handles=[Patch(color=COLORS["forward"], label="forward"),
-                         Patch(color=COLORS["backward"], label="backward (zb1p: input grad)"),
+                         Patch(color=COLORS["backward"], label="backward (split: input grad)"),
                          Patch(color=COLORS["backward_weight"], label="weight grad")],
                 loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
     axes.set_title(f"{title}  bubble {bubble_fraction(timeline):.3f}".strip(), loc="left")
