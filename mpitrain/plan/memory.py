@@ -101,7 +101,7 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int =
     if p.pp == 1:
         return per_micro_batch + shared
     micro_batches = cfg.train.global_batch // (p.dp * b)
-    deferred = deferred_bytes_per_micro_batch(cfg, b, pp_rank) if p.schedule in ("zb1p", "zbv") else 0
+    deferred = deferred_bytes_per_micro_batch(cfg, b, pp_rank) if p.schedule in ("zb1p", "zbv", "dualpipev") else 0
     holdings = _stage_holdings(p.schedule, p.pp, micro_batches, p.virtual_stages)[pp_rank]
     peak = max(per_micro_batch * saved + deferred * waiting for saved, waiting in holdings)
     return int(peak / p.virtual_stages + shared)
