@@ -9,6 +9,8 @@ from mpitrain.config_rules import did_you_mean
 from mpitrain.errors import ConfigError
 
 BALANCE_MODES = ("aux_loss", "bias")
+DISPATCH_DTYPES = ("same", "fp8")  # model.moe.dispatch_dtype (layers/expert_parallel.py)
+CHOICES = {"balance": BALANCE_MODES, "dispatch_dtype": DISPATCH_DTYPES}  # the allowed values of the str keys
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class MoeSettings:
     balance: str = "aux_loss"  # aux_loss: the batch-level balance loss (aux_loss); bias: DeepSeek-V3's routing bias
     bias_rate: float = 0.001  # balance = "bias": how far each step moves an expert's routing bias
     seq_aux_loss: float = 0.0  # DeepSeek-V3's sequence-level balance loss coefficient (either balance)
+    # the combine stays in the compute dtype; fp8 halves bf16's dispatch bytes, plus the scales (expert_parallel.py)
+    dispatch_dtype: str = "same"  # the forward dispatch on the wire: same | fp8 (e4m3, an fp32 scale per 1x128 tile)
 
     @classmethod
     def of(cls, model_cfg) -> MoeSettings:
@@ -36,8 +40,8 @@ class MoeSettings:
                                   f"allowed: {', '.join(cls.__dataclass_fields__)}")
             kind = type(getattr(defaults, key))
             if kind is str:
-                if value not in BALANCE_MODES:
-                    raise ConfigError(f"config key model.moe.{key} must be one of {', '.join(BALANCE_MODES)}, got "
+                if value not in CHOICES[key]:
+                    raise ConfigError(f"config key model.moe.{key} must be one of {', '.join(CHOICES[key])}, got "
                                       f"{value!r}")
                 values[key] = value
                 continue

@@ -24,6 +24,7 @@ import numpy as np
 
 from mpitrain.backend import array_module
 from mpitrain.config import Config, PrecisionConfig, load_config
+from mpitrain.config_moe import MoeSettings
 from mpitrain.doctor.parity import REFERENCE
 from mpitrain.doctor.plant import plant_from_environment
 from mpitrain.errors import ConfigError
@@ -89,11 +90,16 @@ def fp8_recipe(cfg: Config) -> str:
     return recipe if recipe in RECIPE_FACTOR else "none"
 
 
-def bounds_for(kind: str, compute: str, recipe: str, in_block: bool) -> tuple[float, float, float]:
+def bounds_for(kind: str, compute: str, recipe: str, in_block: bool,
+               fp8_dispatch: bool = False) -> tuple[float, float, float]:
     """ROUNDINGS[kind] times the compute dtype's roundoff; a block's linears under an FP8 recipe: the e4m3 input and
-    weight of the forward, the e5m2 output gradient of backward, times the recipe's factor, on top."""
+    weight of the forward, the e5m2 output gradient of backward, times the recipe's factor, on top. An MoE layer
+    whose dispatch sends e4m3 (model.moe.dispatch_dtype): its experts read rows rounded to e4m3, and a gated or GELU
+    expert is about quadratic in them near zero, so twice e4m3's roundoff on each quantity."""
     u = UNIT_ROUNDOFF[compute]
     bounds = [k * u for k in ROUNDINGS[kind]]
+    if kind == "moe" and fp8_dispatch:
+        bounds = [bound + 2 * FP8_ROUNDOFF["e4m3"] for bound in bounds]
     if recipe != "none" and in_block and kind.split(maxsplit=1)[0] in ("linear", "attention", "mlp", "moe"):
         linears = 1 if kind.startswith("linear") else 2  # a sublayer's error carries both of its linears'
         factor, e4m3, e5m2 = RECIPE_FACTOR[recipe], FP8_ROUNDOFF["e4m3"], FP8_ROUNDOFF["e5m2"]
@@ -106,12 +112,12 @@ def bounds_for(kind: str, compute: str, recipe: str, in_block: bool) -> tuple[fl
 class Budget:
     """The rows in forward order, made on first use."""
 
-    def __init__(self, compute: str, recipe: str):
-        self.compute, self.recipe, self.rows = compute, recipe, {}
+    def __init__(self, compute: str, recipe: str, fp8_dispatch: bool = False):
+        self.compute, self.recipe, self.fp8_dispatch, self.rows = compute, recipe, fp8_dispatch, {}
 
     def row(self, layer: str, kind: str) -> Row:
         if layer not in self.rows:
-            bounds = bounds_for(kind, self.compute, self.recipe, layer.startswith("blocks."))
+            bounds = bounds_for(kind, self.compute, self.recipe, layer.startswith("blocks."), self.fp8_dispatch)
             self.rows[layer] = Row(layer, kind, bounds)
         return self.rows[layer]
 
@@ -324,9 +330,13 @@ def _linear_forward(unit, params, grads, ctx, sub: str, label: str, x):
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 def shadow_config(cfg: Config) -> Config:
-    """The same run in float64, FP8 off (precision.fp8's default, where the key exists)."""
+    """The same run in float64, FP8 off: precision.fp8's default (where the key exists), and an MoE dispatch in the
+    compute dtype."""
     off = {f.name: f.default for f in fields(PrecisionConfig) if f.name == "fp8"}
-    return replace(cfg, precision=replace(cfg.precision, compute="float64", **off))
+    model = cfg.model
+    if getattr(model, "moe", None):
+        model = replace(model, moe={**model.moe, "dispatch_dtype": "same"})
+    return replace(cfg, model=model, precision=replace(cfg.precision, compute="float64", **off))
 
 
 def load_doctor_config(config: str, overrides: list[str]) -> Config:
@@ -352,7 +362,7 @@ def measure(cfg: Config, world_comm, steps: int) -> tuple[Budget, str | None]:
     """`steps` training steps of cfg; before each, every layer of micro-batch 0 against its float64 replay."""
     low, exact = Trainer(cfg, world_comm), Trainer(shadow_config(cfg), world_comm)
     planted = plant_from_environment(low.model, False)  # the low side only: the shadow is the truth
-    budget = Budget(cfg.precision.compute, fp8_recipe(cfg))
+    budget = Budget(cfg.precision.compute, fp8_recipe(cfg), MoeSettings.of(cfg.model).dispatch_dtype == "fp8")
     rows = range(cfg.train.micro_batch)
     for step in range(steps):
         copy_master_weights(low, exact)
@@ -368,6 +378,7 @@ def measure(cfg: Config, world_comm, steps: int) -> tuple[Budget, str | None]:
 def report(budget: Budget, steps: int, planted: str | None) -> tuple[str, int]:
     """The table and the verdict; the number of layers over their bound."""
     recipe = budget.compute + ("" if budget.recipe == "none" else f" + fp8 {budget.recipe}")
+    recipe += " + fp8 MoE dispatch" if budget.fp8_dispatch else ""
     lines = [(f"relative error against a float64 replay of each layer on the same inputs ({recipe}, worst of "
               f"{steps} step(s)); bound in brackets; ! marks an error over its bound")]
     if planted:

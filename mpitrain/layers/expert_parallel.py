@@ -16,12 +16,36 @@ the other way round):
 Each is one all_to_allv of the rows (counted under "all_to_all": exactly the routed rows that go to other ranks).
 Before it, the ranks learn how many rows each sends to each expert with one small all_gather of E counts per rank
 (counted under "all_gather", so the all_to_all counter holds token bytes only). With one rank both are local copies.
+
+FP8 dispatch (`model.moe.dispatch_dtype = "fp8"`, DeepSeek-V3's): the forward dispatch sends each row as e4m3 codes
+with one fp32 scale per 1x128 tile of it (the tile's amax / 448; layers/fp8.quantize_blocks, which clips to 448
+before the cast, since an out-of-range e4m3fn cast gives NaN), two all_to_allv (codes, scales): a bf16 row's bytes
+halved, plus 4 per tile (`dispatch_bytes`). The experts compute with the decoded rows. Every dispatched row is
+quantized, also those that stay on this rank, so a layout's numbers do not depend on which experts are local (ep 2
+matches one process). The combine and the backward's exchanges stay in the compute dtype, as in DeepSeek-V3: the
+combine sums the top-k expert outputs of a token weighted by its gates, and an e4m3 error of each output would
+enter the residual stream directly, where the dispatch's error is damped by the expert's nonlinearity and only
+perturbs the input of one linear (the input gradient of the dispatch passes straight through the rounding).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from mpitrain.backend import array_module, to_host, wire_view
+from mpitrain.layers.fp8 import FORMATS, Quantized, quantize_blocks
+
+DISPATCH_TILE = 128  # fp8 dispatch: one fp32 scale per 1x128 tile of a row (DeepSeek-V3)
+SCALE_BYTES = 4
+
+
+def dispatch_bytes(rows: int, width: int, itemsize: int, dispatch_dtype: str = "same") -> int:
+    """Bytes of `rows` dispatched rows of `width` values (compute dtype of `itemsize` bytes) on the wire: the rows
+    themselves, or with fp8 one byte a value plus an fp32 scale per 1x128 tile."""
+    if dispatch_dtype == "fp8":
+        return rows * (width + SCALE_BYTES * math.ceil(width / DISPATCH_TILE))
+    return rows * width * itemsize
 
 
 class ExpertParallel:
@@ -85,9 +109,14 @@ class ExpertParallel:
         everyone = everyone.reshape(self.size, self.size, self.local)  # [sender, owner rank, local expert]
         return Routing(sent=everyone[self.rank], received=everyone[:, self.rank])
 
-    def dispatch(self, rows, routing: Routing):
-        """rows (A, C) in global-expert order -> (rows of this rank's experts, expert-major)."""
-        received = self._exchange(rows, routing.sent.sum(axis=1), routing.received.sum(axis=1))
+    def dispatch(self, rows, routing: Routing, dispatch_dtype: str = "same"):
+        """rows (A, C) in global-expert order -> (rows of this rank's experts, expert-major). dispatch_dtype "fp8":
+        they travel as e4m3 codes and per-tile scales and arrive decoded, in rows' dtype."""
+        send_rows, recv_rows = routing.sent.sum(axis=1), routing.received.sum(axis=1)
+        if dispatch_dtype == "fp8":
+            received = self._exchange_fp8(rows, send_rows, recv_rows)
+        else:
+            received = self._exchange(rows, send_rows, recv_rows)
         return received[routing.to_expert_major] if len(received) else received
 
     def combine(self, rows, routing: Routing):
@@ -101,9 +130,27 @@ class ExpertParallel:
         send = np.ascontiguousarray(to_host(rows))
         if self.group is None:
             out[...] = send
+        elif send.dtype == FORMATS["e4m3"]:  # no MPI datatype: its bytes
+            self.group.all_to_allv(send.view(np.uint8), send_rows * width, out.view(np.uint8), recv_rows * width)
         else:
             self.group.all_to_allv(wire_view(send), send_rows * width, wire_view(out), recv_rows * width)
         return out if xp is np else xp.asarray(out)
+
+    def _exchange_fp8(self, rows, send_rows, recv_rows):
+        """The rows as e4m3 codes with one fp32 scale per 1x128 tile, exchanged, decoded to rows' dtype."""
+        xp, host = array_module(rows), to_host(rows)
+        wide = host if host.dtype == np.float64 else host.astype(np.float32)  # the scale multiplies in fp32 (fp64)
+        tiles = math.ceil(rows.shape[1] / DISPATCH_TILE)
+        if len(wide):
+            quantized = quantize_blocks(wide, "e4m3", (1, DISPATCH_TILE))
+            codes, scales = quantized.codes, quantized.scale_inv
+        else:  # nothing to send: every rank still takes part in both exchanges
+            codes, scales = np.empty(wide.shape, FORMATS["e4m3"]), np.empty((0, tiles), np.float32)
+        codes = self._exchange(codes, send_rows, recv_rows)
+        scales = self._exchange(np.ascontiguousarray(scales, dtype=np.float32), send_rows, recv_rows)
+        decoded = Quantized(to_host(codes), to_host(scales), (1, DISPATCH_TILE)).dequantize(wide.dtype)
+        decoded = decoded.astype(rows.dtype, copy=False)
+        return decoded if xp is np else xp.asarray(decoded)
 
 
 class Routing:

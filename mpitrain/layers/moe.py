@@ -192,7 +192,7 @@ class MoE:
         mine = self.ep.my_picks(picked["token"], n)  # etp = 1 < tp: this tp rank's share of the tokens
         sent = {key: value[mine] for key, value in picked.items()}
         routing = self.ep.route(np.bincount(sent["expert"], minlength=self.moe.experts))
-        rows = self.ep.dispatch(x2d[sent["token"]], routing)
+        rows = self.ep.dispatch(x2d[sent["token"]], routing, self.moe.dispatch_dtype)  # fp8: e4m3 on the wire
         expert_out, expert_saved = self._experts_forward(params, rows, routing)
         out = self.ep.combine(expert_out, routing)  # (sent picks, C), partial over tp (etp, or the token shares)
         y = xp.zeros_like(x2d)
