@@ -219,6 +219,7 @@ fp8 = run(world, [], ("fp8", "exact"), compute="bfloat16", steps=1)
 out["bf16"] = {"same": bf16["counted"][0], "fp8": fp8["counted"][0], "shards": fp8["shards"]}
 LAYOUTS = {"dp2xtp2 fp8/int8": (["parallel.tp=2"], ("fp8", "int8")),
            "pp2xdp2 fp8/int8": (["parallel.pp=2"], ("fp8", "int8")),
+           "moe ep2 fp8/int4": (["model.moe={experts=4,top_k=2}", "parallel.ep=2"], ("fp8", "int4")),
            "zero1 same/int8": (["parallel.zero=1"], ("same", "int8")),
            "zero2 same/int4": (["parallel.zero=2"], ("same", "int4"))}
 for name, (layout, modes) in LAYOUTS.items():
@@ -248,7 +249,8 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
     """4 ranks, ZeRO-3, float64, 4 steps of each wire format beside the exact run (and one step at bf16): the
     counted bytes equal the formulas; the exact formats match one process to 1e-10; the quantized ones stay inside
     bounds that follow from the codecs (one gather, one reduce-scatter) and from Adam (parameters: each step moves
-    an element by at most about lr, so two runs differ by at most 2 lr per step); dp 2 x tp 2 and pp 2 x dp 2 too."""
+    an element by at most about lr, so two runs differ by at most 2 lr per step); dp 2 x tp 2, pp 2 x dp 2, MoE
+    experts over expert_dp (ep 2), ZeRO-1 and ZeRO-2 too."""
     out = run_python_mpi_results(4, JOB, timeout=300)
     cfg = load_config("configs/tiny.toml", ["optim.warmup_steps=1", "train.steps=4"])
     o = cfg.optim
@@ -278,7 +280,7 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
     assert bf16["fp8"]["all_gather"] == bf16["same"]["all_gather"] / 2 + scales
     assert scales == 3 * 2 * 4 * sum(-(-k // 64) for k in bf16["shards"])
     for name, got in out["layouts"].items():
-        delta = max(WORST_RELATIVE_ERROR.get(codec, 0) for codec in name.split()[1].split("/"))
+        delta = max(WORST_RELATIVE_ERROR.get(codec, 0) for codec in name.split()[-1].split("/"))
         assert got["loss_error"] <= delta and got["param_max_abs"] <= drift, name
         if name.startswith("zero"):  # the whole data-parallel group: its counters are the formula's
             assert all(counted == {**got["expected"], "control": 8.0} for counted in got["counted"]), name
