@@ -4,12 +4,14 @@ against one process with finite-difference gradients and its bytes against cp_by
 process in float64, and the bytes per step of ring, Ulysses and hybrid runs against cp_bytes_per_step."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from mpitrain.config import load_config
-from mpitrain.errors import ConfigError
+from mpitrain.errors import ConfigError, LayoutError
 from mpitrain.layout_checks import groups_split_by_node
-from mpitrain.parallel.context import cp_bytes_per_block, cp_bytes_per_step
+from mpitrain.parallel.context import ContextParallel, check_heads_split, cp_bytes_per_block, cp_bytes_per_step
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_context_parallel import ARCH, assert_same_run, train_run
 
@@ -67,8 +69,14 @@ for inside_size, docs in ((2, False), (2, True), (4, False), (1, True)):  # 2 x 
                 analytic = world.bcast(float(grads[which][where]) if cp.rank == 0 else None)
                 fd.append(abs(numeric - analytic) / max(abs(analytic), 1e-3))
     theory = cp_bytes_per_block("hybrid", B, T, H, Hkv, D, 8, 4, inside=inside_size)
+    from mpitrain.backend import BFLOAT16  # bf16: the ring computes in float32, the results come back in bf16
+    out16, kept16 = hybrid_attention.forward(cp, *[x.astype(BFLOAT16) for x in local], rows)
+    grads16 = hybrid_attention.backward(cp, kept16, dout[:, :, mine].astype(BFLOAT16))
+    errors16 = [float(np.abs(a.astype(np.float64) - b[:, :, mine]).max() / np.abs(b).max())
+                for a, b in zip((out16, *grads16), (ref, *ref_grads))]
     results[f"{inside_size}{'-docs' if docs else ''}"] = {
-        "errors": errors, "fd": fd, "forward": sent_forward, "backward": sent_backward,
+        "errors": errors, "fd": fd, "errors16": errors16, "dtypes16": [str(x.dtype) for x in (out16, *grads16)],
+        "forward": sent_forward, "backward": sent_backward,
         "theory": {kind: theory[kind] for kind in ("all_to_all", "cp_ring")},
         "kept": [list(x.shape) for x in kept[0][:5]], "declared": [list(shape) for shape, _ in declared]}
 everyone = world.gather(results)
@@ -85,6 +93,7 @@ def test_hybrid_layer_equals_one_process_at_every_split_of_cp4():
         for split, got in rank.items():
             assert max(got["errors"]) < 1e-12, (split, got)
             assert max(got["fd"], default=0) < 1e-6, (split, got)
+            assert max(got["errors16"]) < 3e-2 and got["dtypes16"] == ["bfloat16"] * 4, (split, got)
             assert got["kept"] == got["declared"], (split, got)
             for counter in ("all_to_all", "cp_ring"):
                 for direction in ("forward", "backward"):
@@ -109,6 +118,22 @@ def test_bytes_formulas_of_the_three_kinds():
     assert cp_bytes_per_block("hybrid", b, t, h, kv, d, e, 4, inside=1) == ring
     step = cp_bytes_per_step("hybrid", b, t, h, kv, d, e, 4, inside=2, blocks=3, micro_batches=2, recompute="full")
     assert step["cp_ring"] == 3 * 2 * (2 * hybrid["cp_ring"]["forward"] + hybrid["cp_ring"]["backward"])
+
+
+def test_heads_that_do_not_split_over_a_node_and_scattered_nodes_are_refused():
+    hybrid = SimpleNamespace(kind="hybrid", inside=SimpleNamespace(size=8))
+    with pytest.raises(ConfigError, match="the 4 query and 2 key/value heads per tp rank do not split over the 8 cp "
+                                          "ranks per node = 8"):
+        check_heads_split(hybrid, 4, 2)
+    check_heads_split(SimpleNamespace(kind="hybrid", inside=SimpleNamespace(size=4)), 4, 2)  # K/V replicated
+    with pytest.raises(ConfigError, match="do not split over parallel.cp = 4"):
+        check_heads_split(ContextParallel(None, size=4, kind="ulysses"), 4, 3)
+    group = SimpleNamespace(size=4, rank=1)  # cp rank 1 at position 0 of node 1: nodes hold every other cp rank
+    with pytest.raises(LayoutError, match="needs each node's cp ranks consecutive in the cp group: cp rank 1"):
+        ContextParallel(group, kind="hybrid", inside=SimpleNamespace(size=2, rank=0),
+                        across=SimpleNamespace(size=2, rank=1))
+    shapes_only = ContextParallel(None, size=4, kind="hybrid")  # mpitrain memory: no nodes known, all ring
+    assert (shapes_only.inside.size, shapes_only.across.size) == (1, 4)
 
 
 def test_config_splits_the_cp_group_by_node_under_hybrid_only():
