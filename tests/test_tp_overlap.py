@@ -199,11 +199,13 @@ OVERLAP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_over
 
 def test_tp_overlap_trains_at_parity_with_one_process(tmp_path, dataset):
     """float64, every step's loss and gradient norm and the final weights at 1e-10: tp 2 x pp 2 with selective
-    recompute (llama: K/V split, gated MLP), and tp 2 x dp 2 under ZeRO-1 with gpt2 (biases, tied head)."""
-    llama = ["model.arch=llama", "model.n_kv_head=2", "model.vocab_size=257", "model.n_layer=2"]
+    recompute (llama: K/V split, a gated MLP block and an MoE block with experts split over tp, whose gathers stay
+    the plain ones), and tp 2 x dp 2 under ZeRO-1 with gpt2 (biases, tied head)."""
+    llama = ["model.arch=llama", "model.n_kv_head=2", "model.vocab_size=257", "model.n_layer=2",
+             "model.moe={experts = 4, top_k = 2, every = 2}"]
     reference = train_run(1, tmp_path / "ref-llama", dataset, *FAST, *llama)
     run = train_run(4, tmp_path / "tp2-pp2", dataset, *FAST, *llama, *OVERLAP, "parallel.pp=2",
-                    "memory.recompute=selective")
+                    "memory.recompute=selective", "parallel.etp=2")
     assert_exact(reference, run, "tp_overlap tp2 x pp2 selective recompute")
     gpt2 = ["model.vocab_size=258"]
     reference = train_run(1, tmp_path / "ref-gpt2", dataset, *FAST, *gpt2)
