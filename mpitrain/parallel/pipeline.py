@@ -12,8 +12,8 @@ printable and tested without MPI). This module turns one rank's instruction list
                                    delivered, and finished requests are tested away after every instruction, so a
                                    stage's output lives only until it is sent
     backward                       GPT.backward of one chunk
-    backward_input                 zb1p's B: the same with the weight-gradient matmuls deferred...
-    backward_weight                ... which zb1p's W runs (GPT.backward_weight)
+    backward_input                 a split backward's B (zb1p, zbv, dualpipev): the weight-gradient matmuls deferred...
+    backward_weight                ... which its W runs (GPT.backward_weight)
     reduce_grads                   wait for the sends; the state's finish() (DP all-reduce or ZeRO reduce-scatter over
                                    this stage's dp group, started by the state's hooks during the last backwards);
                                    then, for gpt2's tied embedding, the gradient sum between the first and last stage
@@ -28,10 +28,13 @@ each rank did rather than assumed; `activation_peak_bytes` is the most saved sta
 With pp = 1 the 1f1b schedule is the plain accumulation loop (F0 B0 F1 B1 ...) and nothing is sent: the trainer runs
 every degree through this executor.
 
-Which layers: virtual stage s (chunk c of rank r is s = c*pp + r; zbv's V: r and 2pp-1-r) holds
-parallel.stage_layers[s] blocks (default: an
-even split, the remainder on the first stages, since the last also holds the head); stage 0 also holds the embedding
-and the last stage the final norm, head and loss.
+Which layers: virtual stage s (chunk c of rank r is s = c*pp + r; the V of zbv and dualpipev: r and 2pp-1-r) holds
+parallel.stage_layers[s] blocks (default: an even split, the remainder on the first stages, since the last also holds
+the head); stage 0 also holds the embedding and the last stage the final norm, head and loss.
+
+DualPipeV's overlapped pairs need nothing of their own here: their instructions put both halves' receives (posted
+early, as every receive) before the forward and the forward's Isend before the backward, so one half's messages
+move while the other computes.
 """
 from __future__ import annotations
 
@@ -61,8 +64,8 @@ def stage_layer_counts(n_layer: int, stages: int, override=()) -> list[int]:
 def rank_stages(n_layer: int, pp: int, virtual_stages: int, pp_rank: int, override=(),
                 placement: str = "loop") -> list[tuple[int, int]]:
     """[first, end) global unit ranges of the chunks of pipeline rank `pp_rank`, chunk c being virtual stage
-    c*pp + pp_rank (placement "v", zbv's: pp_rank and 2pp-1-pp_rank). Global units: 0 the embedding, 1..n_layer the
-    blocks, n_layer + 1 the head."""
+    c*pp + pp_rank (placement "v", zbv's and dualpipev's: pp_rank and 2pp-1-pp_rank). Global units: 0 the
+    embedding, 1..n_layer the blocks, n_layer + 1 the head."""
     stages = pp * virtual_stages
     bounds = np.cumsum([0] + stage_layer_counts(n_layer, stages, override)).tolist()
     chunks = []

@@ -46,7 +46,7 @@ def messages_per_micro_batch(kind: str, p: int, v: int = 1) -> int:
         V placement (zbv, dualpipev)                              4(p - 1)    the turn on the last rank is in memory
 
     So a V sends twice 1f1b's 2(p-1) per micro-batch (as interleaved with v = 2 does, less its two turn messages)."""
-    check_schedule_args(kind, p, 1 if kind not in ("interleaved",) + V_KINDS else 2 * p, v)
+    check_schedule_args(kind, p, 2 * p, v)  # the count does not depend on m: 2p micro-batches suit every kind
     if kind in V_KINDS:
         return 4 * (p - 1)
     return 2 * (v * p - 1)
