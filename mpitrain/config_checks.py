@@ -185,11 +185,11 @@ def _validate_schedules(cfg) -> None:
 def _validate_quantized_zero(cfg) -> None:
     """ZeRO++'s quantized collectives (state/zero_quantized.py): which ZeRO stage, dtype and device they need."""
     p = cfg.parallel
-    if p.zero_gather_dtype == "same" and p.zero_grad_reduce == "exact":
-        return
     require(p.zero_quant_block >= 2 and p.zero_quant_block % 2 == 0,
             f"config key parallel.zero_quant_block = {p.zero_quant_block} must be an even number >= 2 (int4 packs "
             "two values per byte)")
+    if p.zero_gather_dtype == "same" and p.zero_grad_reduce == "exact":
+        return
     require(p.zero_gather_dtype == "same" or p.zero == 3,
             f"config key parallel.zero_gather_dtype = {p.zero_gather_dtype!r} quantizes ZeRO-3's parameter "
             f"all-gather; it needs parallel.zero = 3, got {p.zero}")
