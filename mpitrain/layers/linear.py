@@ -72,7 +72,7 @@ class ColumnParallelLinear:
 
         if self.fp8 is not None:
             x = self.fp8.inputs([self.weights[0] + ".x"], [x])[0]
-        h, outputs = self.tp.enter_and_apply(x, project)  # tp.overlap: chunk by chunk, under the gather
+        h, outputs = self.tp.enter_and_apply(x, project)  # parallel.tp_overlap: chunk by chunk, under the gather
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(params, h, y)
@@ -92,7 +92,7 @@ class ColumnParallelLinear:
                 dh += adapter_dh
             return dh
 
-        pending = self.tp.start_enter_backward_of(input_grad, h.shape[1])  # tp.overlap: a ring, chunk by chunk
+        pending = self.tp.start_enter_backward_of(input_grad, h.shape[1])  # parallel.tp_overlap: a ring, chunk by chunk
         if self.trainable:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
@@ -139,7 +139,7 @@ class RowParallelLinear:
                 self.adapters[self.weight].add_forward(params, rows, summand)
             return summand
 
-        y = self.tp.exit_of(partial, x.shape[1])  # tp.overlap: a ring, chunk by chunk
+        y = self.tp.exit_of(partial, x.shape[1])  # parallel.tp_overlap: a ring, chunk by chunk
         if self.bias:
             y += params[self.bias]
         return y, x
@@ -149,7 +149,7 @@ class RowParallelLinear:
         from the full dy, so it is complete and identical on every rank."""
         gemm_input, weight = self._operands(params, x)
         gemm_grad = dy if self.fp8 is None else self.fp8.output_grads([self.weight + ".dy"], [dy])[0]
-        gemm_grad, (dx,) = self.tp.exit_backward_and_apply(  # tp.overlap: chunk by chunk, under the gather
+        gemm_grad, (dx,) = self.tp.exit_backward_and_apply(  # parallel.tp_overlap: chunk by chunk, under the gather
             gemm_grad, lambda rows: [ops.linear_input_grad([weight], [rows]).astype(x.dtype, copy=False)])
         # the unquantized full dy where a bias or an adapter needs it (fp8 under SP: a second gather)
         dy = self.tp.exit_backward(dy) if self.fp8 is not None and (self.bias or self.adapters) else gemm_grad
