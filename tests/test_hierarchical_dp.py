@@ -23,7 +23,12 @@ MODES = [(["parallel.zero=0", "parallel.dp_reduce=two_level"], 0, "world"),
          (["parallel.zero=3", "parallel.dp_reduce=two_level"], 3, "world"),
          (["parallel.zero=1", "parallel.zero_shard=node"], 1, "node"),
          (["parallel.zero=2", "parallel.zero_shard=node"], 2, "node"),
-         (["parallel.zero=3", "parallel.zero_shard=node"], 3, "node")]
+         (["parallel.zero=3", "parallel.zero_shard=node"], 3, "node"),
+         (["parallel.zero=3", "parallel.dp_reduce=two_level", "parallel.reshard_after_forward=false"], 3, "world"),
+         # cp 2 x dp 2: the two levels are those of dp_cp, which sums the gradients (the cp pair inside a node)
+         (["parallel.cp=2", "parallel.zero=2", "parallel.dp_reduce=two_level"], 2, "world"),
+         (["parallel.cp=2", "parallel.zero=3", "parallel.zero_shard=node"], 3, "node")]
+SLURM_MODES = [MODES[0], MODES[6]]  # zero 0 two_level, zero 3 node
 
 # Shared with tests/test_slurm.py: runs each layout on the world's ranks and one process (rank 0, COMM_SELF) as the
 # reference; prints RESULTS with each layout's worst relative differences and its cross-node bytes per step.
@@ -103,7 +108,8 @@ for overrides in MODES:
                     "psi": psi_bytes(state, trainer.mesh.inside_node[kind].size),
                     "k": trainer.mesh.inside_node[kind].size, "n": trainer.mesh.across_nodes[kind].size,
                     "micro_batches": trainer.accumulation, "nodes": trainer.mesh.nodes.describe()})
-    if overrides == MODES[-1] and CHECKPOINT != "-":  # hybrid ZeRO-3's checkpoint, restored under flat ZeRO-1
+    # hybrid ZeRO-3's checkpoint, restored under flat ZeRO-1
+    if overrides == ["parallel.zero=3", "parallel.zero_shard=node"] and CHECKPOINT != "-":
         trainer.checkpoint_manager(CHECKPOINT, 2).save(STEPS)
         if world.rank == 0:  # each shard held once per node is written once
             Checkpoint.open(os.path.join(CHECKPOINT, f"step_{STEPS:08d}")).verify_coverage()
@@ -119,8 +125,10 @@ if world.rank == 0:
 """
 
 
-def expected_crossing(result, zero: int, zero_shard: str) -> Fraction:
-    return cross_node_bytes(zero, zero_shard, result["psi"], result["k"], result["n"], result["micro_batches"])
+def expected_crossing(result, overrides, zero: int, zero_shard: str) -> Fraction:
+    reshard = "parallel.reshard_after_forward=false" not in overrides
+    return cross_node_bytes(zero, zero_shard, result["psi"], result["k"], result["n"], result["micro_batches"],
+                            reshard)
 
 
 def check_parity_and_bytes(results, modes) -> None:
@@ -128,7 +136,7 @@ def check_parity_and_bytes(results, modes) -> None:
     for result, (overrides, zero, zero_shard) in zip(results, modes):
         assert result["nodes"].startswith("2 nodes"), result["nodes"]
         assert max(result["errors"].values()) < 1e-10, (overrides, result["errors"])
-        expected = expected_crossing(result, zero, zero_shard)
+        expected = expected_crossing(result, overrides, zero, zero_shard)
         assert expected > 0 and all(Fraction(c) == expected for c in result["crossed"]), \
             (overrides, result["crossed"], expected)
 
@@ -140,7 +148,7 @@ def test_two_level_and_hybrid_sharding_match_one_process_and_cross_nodes_as_the_
         "sys.argv[2]", repr(json.dumps([m[0] for m in MODES]))).replace("sys.argv[3]", repr(str(tmp_path / "ck")))
     results = run_python_mpi_results(4, code, timeout=300, env={"MPITRAIN_FAKE_NODES": "2"})
     check_parity_and_bytes(results, MODES)
-    restored = results[-1]["restored"]
+    restored = results[MODES.index(SLURM_MODES[1])]["restored"]
     assert restored["step"] == steps and restored["restore_error"] == 0, restored
     assert max(restored["next_step"].values()) < 1e-10, restored
 

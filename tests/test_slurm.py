@@ -46,8 +46,8 @@ import pytest
 from mpitrain.data.prepare import prepare_dataset
 from mpitrain.resilience.heartbeat import read_heartbeats
 from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
-from tests.test_hierarchical_dp import MODES as HIERARCHICAL_MODES
 from tests.test_hierarchical_dp import PARITY_JOB as HIERARCHICAL_JOB
+from tests.test_hierarchical_dp import SLURM_MODES as HIERARCHICAL_MODES
 from tests.test_hierarchical_dp import check_parity_and_bytes
 
 SBATCH_SCRIPT = REPO_ROOT / "slurm" / "train.sbatch"
@@ -539,7 +539,7 @@ def test_hierarchical_data_parallelism_on_two_nodes(slurm_env, jobs, tmp_path):
     (parallel.zero_shard = 'node') train as one process does, step by step (1e-10), and the bytes on the across-node
     groups are state/hierarchical.py's formulas (tests/test_hierarchical_dp.py runs the same job on fake nodes)."""
     first, second = two_node_cluster(slurm_env)
-    modes = [HIERARCHICAL_MODES[0], HIERARCHICAL_MODES[-1]]  # zero 0 two_level, zero 3 node
+    modes = HIERARCHICAL_MODES  # zero 0 two_level, zero 3 node
     script = tmp_path / "hierarchical.py"
     script.write_text(textwrap.dedent(HIERARCHICAL_JOB))
     layouts = json.dumps([overrides for overrides, _, _ in modes], separators=(",", ":"))  # no spaces: one word
