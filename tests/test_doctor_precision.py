@@ -38,6 +38,17 @@ def test_low_precision_errors_are_nonzero_and_within_their_bounds(compute, more)
     assert "input gradient" in rows["blocks.0.attention"].errors and "weight gradient" in rows["embed"].errors
 
 
+@pytest.mark.parametrize("recipe,steps", [("tensor", 1), ("delayed", 2), ("block", 1), ("mxfp8", 1)])
+def test_fp8_recipes_are_within_their_bounds_and_coarser_than_bf16(recipe, steps):
+    budget, _ = measure(load_doctor_config(TINY, settings("bfloat16", f"precision.fp8={recipe}")), MPI.COMM_WORLD,
+                        steps)
+    for row in budget.rows.values():
+        assert not row.over(), (row.layer, row.errors, row.bounds)
+    for layer in ("blocks.0.attention.qkv", "blocks.1.mlp.down"):  # fp8 GEMMs: well past bf16's ~2.5e-3
+        assert 2.0**-6 < budget.rows[layer].errors["output"][0] < 2.0**-3
+    assert budget.rows["head.projection"].errors["output"][0] < 2.0**-7  # the head stays bf16
+
+
 def test_an_unscaled_float8_cast_is_flagged_at_its_layer(monkeypatch):
     monkeypatch.setenv(PLANT_ENV, "fp8_unscaled:layer=1")
     lines = []
@@ -52,7 +63,9 @@ def test_bounds_are_roundings_times_the_roundoff():
     u = 2.0**-8
     assert bounds_for("linear out", "bfloat16", "none", True) == (2 * u, 0.0, 7 * u)
     fp8 = bounds_for("linear up", "bfloat16", "block", True)  # e4m3 input and weight; e5m2 output gradient
-    assert fp8[0] == pytest.approx(2 * u + 2 * 2.0**-4) and fp8[2] == pytest.approx(5 * u + 2.0**-4 + 2.0**-3)
+    upstream = 2.0**-4 + 2.0**-3  # the down linear's input gradient (e4m3 weight, e5m2 dy) is up's dy
+    assert fp8[0] == pytest.approx(2 * u + 2 * 2.0**-4)
+    assert fp8[2] == pytest.approx(5 * u + 2.0**-4 + 2.0**-3 + upstream)
     assert bounds_for("linear projection", "bfloat16", "block", False)[0] == 2 * u  # the head stays bf16
     assert len(QUANTITIES) == 3
 

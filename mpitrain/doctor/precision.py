@@ -35,10 +35,11 @@ from mpitrain.train import Trainer
 
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}  # round to nearest: half an ulp at 1
 FP8_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
-# How far each FP8 recipe's quantization sits from the format's own roundoff: one scale per tensor leaves the small
-# values of a wide tensor in e4m3's subnormals (x2); a delayed scale from past steps' amax may clip a new outlier (x2
-# more); one scale per 1x128 tile (block) or per 32 values (mxfp8, power of two) keeps each tile near full range.
-RECIPE_FACTOR = {"tensor": 2.0, "delayed": 4.0, "block": 1.0, "mxfp8": 1.0}
+# How far each FP8 recipe's rounding may sit from the format's own roundoff, in relative norm: one scale per tensor
+# from this call's amax (tensor) or one per 1x128 tile (block) maps the amax to the format's max, so no value clips;
+# a delayed scale from past steps' amax clips a new outlier (x2, a heuristic: an outlier far past the history is
+# unbounded); mxfp8's power-of-two scale puts a block's amax in [256, 512) and clips what lies past 448 (up to 1/8).
+RECIPE_FACTOR = {"tensor": 1.0, "delayed": 2.0, "block": 1.0, "mxfp8": 2.0}
 # Roundings on each kind's path, (output, input gradient, weight gradient): each rounding of a tensor moves it by at
 # most the unit roundoff u in relative norm, and to first order the errors add, so k roundings give k * u (derived
 # for each kind in docs/doctor.md). Inputs come exact from the low-precision run, so they are not counted.
@@ -90,23 +91,33 @@ def fp8_recipe(cfg: Config) -> str:
     return recipe if recipe in RECIPE_FACTOR else "none"
 
 
+# Under an FP8 recipe, a linear's weight gradient also carries the fp8 roundings of the sublayer's other linear on
+# its path: the one whose input gradient is its dy (qkv after out, up after down: e5m2 dy, e4m3 weight) or whose
+# output is its x (out after qkv, down after up: e4m3 input and weight)
+FP8_UPSTREAM = {"linear qkv": ("e4m3", "e5m2"), "linear up": ("e4m3", "e5m2"),
+                "linear out": ("e4m3", "e4m3"), "linear down": ("e4m3", "e4m3")}
+
+
 def bounds_for(kind: str, compute: str, recipe: str, in_block: bool,
                fp8_dispatch: bool = False) -> tuple[float, float, float]:
-    """ROUNDINGS[kind] times the compute dtype's roundoff; a block's linears under an FP8 recipe: the e4m3 input and
-    weight of the forward, the e5m2 output gradient of backward, times the recipe's factor, on top. An MoE layer
-    whose dispatch sends e4m3 (model.moe.dispatch_dtype): its experts read rows rounded to e4m3, and a gated or GELU
-    expert is about quadratic in them near zero, so twice e4m3's roundoff on each quantity."""
-    u = UNIT_ROUNDOFF[compute]
+    """ROUNDINGS[kind] times the compute dtype's roundoff, plus the FP8 roundings of a block's linears under a
+    recipe (times its factor): a linear's output its e4m3 input and weight, a sublayer's both linears', input
+    gradients e5m2 dy and e4m3 weight per linear, weight gradients e4m3 x and e5m2 dy plus FP8_UPSTREAM's. An MoE
+    layer whose dispatch sends e4m3 (model.moe.dispatch_dtype): its experts read rows rounded to e4m3, and a gated or
+    GELU expert is about quadratic in them near zero, so twice e4m3's roundoff on each quantity."""
+    u, e4m3, e5m2 = UNIT_ROUNDOFF[compute], FP8_ROUNDOFF["e4m3"], FP8_ROUNDOFF["e5m2"]
     bounds = [k * u for k in ROUNDINGS[kind]]
     if kind == "moe" and fp8_dispatch:
-        bounds = [bound + 2 * FP8_ROUNDOFF["e4m3"] for bound in bounds]
-    if recipe != "none" and in_block and kind.split(maxsplit=1)[0] in ("linear", "attention", "mlp", "moe"):
-        linears = 1 if kind.startswith("linear") else 2  # a sublayer's error carries both of its linears'
-        factor, e4m3, e5m2 = RECIPE_FACTOR[recipe], FP8_ROUNDOFF["e4m3"], FP8_ROUNDOFF["e5m2"]
-        bounds[0] += linears * factor * 2 * e4m3
-        bounds[1] += linears * factor * (e4m3 + e5m2)
-        bounds[2] += factor * (e4m3 + e5m2)
-    return tuple(bounds)
+        bounds = [bound + 2 * e4m3 for bound in bounds]
+    if recipe == "none" or not in_block or kind == "norm":
+        return tuple(bounds)
+    factor = RECIPE_FACTOR[recipe]
+    if kind.startswith("linear"):
+        upstream = sum(FP8_ROUNDOFF[fmt] for fmt in FP8_UPSTREAM.get(kind, ()))
+        fp8 = (2 * e4m3, 0.0, e4m3 + e5m2 + upstream)
+    else:  # attention, mlp, moe: two linears each
+        fp8 = (4 * e4m3, 2 * (e4m3 + e5m2), 2 * (e4m3 + e5m2))
+    return tuple(bound + factor * extra for bound, extra in zip(bounds, fp8))
 
 
 class Budget:
