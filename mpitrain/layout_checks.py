@@ -144,9 +144,9 @@ def validate_hierarchical_dp(cfg) -> None:
     require(cfg.precision.grad_reduce == "float32",
             f"{key} sums gradients with reduce-scatters and all-reduces in two levels; precision.grad_reduce = "
             f"'bfloat16' (an all-to-all of bf16 blocks) has no two-level form: set precision.grad_reduce = 'float32'")
-    require(cfg.train.collectives == "mpi",
-            f"{key} runs its two levels over MPI groups; train.collectives = 'nccl' is not supported with it yet: "
-            "set train.collectives = 'mpi' or drop the key")
+    require(cfg.train.device == "cpu",
+            f"{key} runs its two levels over MPI groups on host arrays; train.device = {cfg.train.device!r} (GPU "
+            "buffers, NCCL) is not supported with it yet: set train.device = 'cpu' or drop the key")
     require(p.zero_grad_reduce == "exact" and p.zero_gather_dtype == "same",
             f"{key} has no quantized two-level form yet (parallel.zero_grad_reduce = {p.zero_grad_reduce!r}, "
             f"parallel.zero_gather_dtype = {p.zero_gather_dtype!r}): set them to 'exact' and 'same'")
