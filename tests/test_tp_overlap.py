@@ -78,7 +78,6 @@ def check(group):
         dx = up.backward(params, grads, saved_up, [d_hidden])
         results.append([y, dx] + [grads[k] for k in sorted(grads)])
     out["linear_rel"] = max(rel(a, b) for a, b in zip(results[1], results[0]))
-    out["linear_bitwise"] = all(np.array_equal(a, b) for a, b in zip(results[1], results[0]))
     out["forward_bytes"], out["gathered_bytes"] = forward_bytes, x.nbytes * t
     return out
 
@@ -112,7 +111,6 @@ def test_ring_sums_are_bitwise_at_two_ranks_and_within_1e_12_beyond(operator_res
 def test_overlapped_linears_match_the_plain_ones(operator_results):
     for row in operator_results:
         assert row["linear_rel"] < 1e-12, row
-    print("bitwise:", [(row["t"], row["linear_bitwise"]) for row in operator_results])
 
 
 def test_ring_sends_the_bytes_the_formula_says(operator_results):
