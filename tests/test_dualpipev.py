@@ -44,8 +44,8 @@ def simulated_bubble(kind, p, m, v=1) -> Fraction:
 
 
 def test_dualpipev_validates_and_its_bubble_is_its_formula():
-    for p in range(1, 9):
-        for m in range(2 * p, 2 * p + 7):
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in (2 * p, 2 * p + 1, 2 * p + 3):
             validate(make_schedule("dualpipev", p, m, 2), p, m, 2, placement="v")
             assert simulated_bubble("dualpipev", p, m, 2) == bubble_formula("dualpipev", p, m, 2) \
                 == Fraction(p - 1, 3 * m + p - 1), (p, m)
@@ -72,8 +72,8 @@ def test_the_overlapped_pairs_post_each_halfs_messages_before_the_other_computes
 
 def test_cost_formulas_equal_what_the_schedules_give():
     for kind in SCHEDULE_KINDS:
-        for p in (1, 2, 3, 4, 8):
-            for m in range(1, 2 * p + 5):
+        for p in (1, 2, 3, 5):  # p = 5: zbv's cap matters from p = 5 on
+            for m in range(1, 2 * p + 3):
                 for v in {"interleaved": (1, 2, 3), "zbv": (2,), "dualpipev": (2,)}.get(kind, (1,)):
                     if (kind == "dualpipev" and m < 2 * p) or (kind == "interleaved" and v > 1 and m % p):
                         continue

@@ -51,7 +51,7 @@ def held_until_weight_gradient(program) -> int:
 
 def test_zbv_validates_and_its_bubble_is_its_formula_over_a_grid():
     for p in range(1, 9):
-        for m in range(1, 2 * p + 9):
+        for m in range(1, 2 * p + 3):
             schedule = make_schedule("zbv", p, m, 2)
             validate(schedule, p, m, 2, placement="v")
             simulated = exact_bubble(simulate(schedule, placement="v"))
