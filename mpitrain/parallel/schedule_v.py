@@ -1,6 +1,7 @@
 """The V-shaped pipeline schedules: two model chunks per rank, chunk 0 of rank r is stage r and chunk 1 is stage
 2p-1-r, so rank 0 holds the embedding and the head and the last rank turns the micro-batch around in memory. Both
-split the backward into B (input gradient) and W (weight gradients), as zb1p does.
+split backwards into B (input gradient) and W (weight gradients), as zb1p does: zbv all of them, dualpipev those
+whose W fills an idle step.
 
   zbv        Zero Bubble ZB-V (Qi et al. 2024): a list scheduling with unit costs that fills every rank's idle time
              with W's, at most 2p chunks holding saved activations (1F1B's p micro-batches)
@@ -37,11 +38,12 @@ def zbv(p: int, m: int) -> Schedule:
     runs a B whose dy is there (chunk 0 first), else a F whose input is there (chunk 1 first: it brings a micro-batch
     closer to its loss) unless 2p+2 chunks are held from their F to their W, else its oldest pending W. The cap
     counts until W, not B: else B's and F's would push every W to the end of the step and the deferred work would
-    grow with m. It never binds before 2p chunks hold saved activations (1f1b's memory, p whole micro-batches: B's
-    come back in time), so the two chunks above 2p are deferred W work, x and dy of each matmul; with a cap of 2p
-    the ranks idle a step or more for p >= 5. Per chunk, F's, B's and W's go in micro-batch order, so every channel
-    stays FIFO. For m >= 2p every rank idles only its p-1 steps of fill: bubble (p-1)/(6m+p-1), the bound
-    (theoretical_bubble; tests check it for p <= 8); smaller m lose a few steps more (zbv_makespan says how many)."""
+    grow with m. Saved activations (F to B) still never exceed 2p chunks (1f1b's memory, p whole micro-batches; the
+    tests check it): the two chunks above 2p only wait for their W, holding x and dy of each matmul. With a cap of
+    2p, ranks of p >= 5 idle a step or more waiting for a W to free a slot. Per chunk, F's, B's and W's go in
+    micro-batch order, so every channel stays FIFO. For m >= 2p every rank idles only its p-1 steps of fill: bubble
+    (p-1)/(6m+p-1), the bound (bubble_formula; tests check it for p <= 8); smaller m lose a few steps more
+    (zbv_makespan says how many)."""
     check_schedule_args("zbv", p, m, 2)
     schedule = []
     for rank, order in enumerate(_zbv_list_schedule(p, m)[0]):
