@@ -70,11 +70,14 @@ def absmax(x) -> float:
 
 
 def tensor_scale(amax, fmt: str):
-    """(scale, scale_inv), float32, of a per-tensor cast: scale = max / amax, 1 where amax is 0 or not finite.
-    `amax` may be an array (block grids): elementwise."""
+    """(scale, scale_inv), float32, of a per-tensor cast: scale = max / amax, 1 where amax (as float32) is 0 or not
+    finite, float32's max where the division overflows (an amax below 448 / 3.4e38: TE's rule). `amax` may be an
+    array (block grids): elementwise."""
     amax = np.asarray(amax, dtype=np.float32)
     usable = np.isfinite(amax) & (amax > 0)
-    scale = np.where(usable, np.float32(FP8_MAX[fmt]) / np.where(usable, amax, 1), 1).astype(np.float32)
+    with np.errstate(over="ignore"):
+        scale = np.where(usable, np.float32(FP8_MAX[fmt]) / np.where(usable, amax, 1), 1).astype(np.float32)
+    scale = np.minimum(scale, np.finfo(np.float32).max)
     return scale, (np.float32(1) / scale).astype(np.float32)
 
 
@@ -206,7 +209,8 @@ class Fp8Gemms:
     an expert's etp): the amax of a split tensor is that of the whole. Tiles and blocks never cross a shard
     (check_block_alignment), so block and mxfp8 scales need no reduction. Operands are quantized again where the
     backward needs them: the same inputs give the same codes (delayed scales change only between steps).
-    `scales[key]`: (min, max) of the last scale_inv of each operand, for checks and `mpitrain doctor precision`."""
+    `scales[key]`: (min, max) of each operand's scale_inv over every call so far (every micro-batch: the same
+    whatever rank ran which), for checks and reports."""
 
     def __init__(self, recipe: str, group=None, history: int = 16, name: str = ""):
         self.recipe, self.group, self.history, self.name = recipe, group, history, name
@@ -243,10 +247,21 @@ class Fp8Gemms:
             quantized = [quantize_mx(a if weight else as_matrix(a), fmt, axis=-2 if weight else -1) for a in wide]
         out = []
         for key, a, q in zip(keys, wide, quantized):
-            scale_inv = q.scale_inv.astype(np.float64)
-            self.scales[key] = (float(scale_inv.min()), float(scale_inv.max())) if scale_inv.size else (1.0, 1.0)
+            self._record(key, q, a if weight else as_matrix(a))
             out.append(q.dequantize(a.dtype).reshape(a.shape))
         return out
+
+    def _record(self, key: str, q: Quantized, source) -> None:
+        """Widen scales[key] by this call's scale_inv. Blocks of rounding noise (amax below 2^-30 of the operand's
+        largest, or 0: say the gradient of the first token's query, exactly 0 in theory) are left out: their scale
+        follows the noise, which differs between layouts."""
+        scale_inv = np.asarray(q.scale_inv, dtype=np.float64)
+        if q.block is not None and scale_inv.size:
+            amax = block_amax(source, q.block)
+            scale_inv = scale_inv[amax > amax.max() * 2.0 ** -30]
+        if scale_inv.size:
+            low, high = self.scales.get(key, (np.inf, -np.inf))
+            self.scales[key] = (min(low, float(scale_inv.min())), max(high, float(scale_inv.max())))
 
     def _tensor_amaxes(self, keys, arrays) -> list[float]:
         """Each array's amax over the group (one all-reduce for all); under delayed scaling, its history's max."""
@@ -307,6 +322,51 @@ def layer_tp_group(linear):
 
 
 def scale_summary(gemms: list[Fp8Gemms]) -> dict[str, tuple[float, float]]:
-    """'unit.sublayer.part.operand' -> (min, max) of its last scale_inv on this rank (the tp ranks' pieces differ
-    under block scaling: reduce min/max over tp to compare with one process)."""
+    """'unit.sublayer.part.operand' -> (min, max) of its scale_inv over this rank's calls so far (merge min/max over
+    the ranks to compare with one process: tp pieces and dp micro-batches differ)."""
     return {f"{g.name}.{key}": value for g in gemms for key, value in g.scales.items()}
+
+
+# -- memory: what a GPU run of a recipe holds beyond the compute-dtype model (mpitrain memory, plan/memory.py)
+TRANSPOSED_COPY = {"tensor": 2, "delayed": 2, "block": 1, "mxfp8": 2}  # fp8 weight copies a recipe caches
+
+
+def fp8_linears(cfg) -> list[list[tuple[int, int]]]:
+    """The FP8 linears that pipeline rank 0 (the most loaded stage: ceil(layers / pp)) holds on one tp rank, each the
+    (K, N) shapes of the weights that share its input: qkv, out, the MLP's up (gate and up) and down, or per
+    expert of this ep rank the same two."""
+    from mpitrain.config_moe import MoeSettings
+    m, p = cfg.model, cfg.parallel
+    c, t, heads = m.d_model, p.tp, m.n_head * m.head_dim
+    kv = m.kv_heads * m.head_dim // t if m.kv_heads % t == 0 else m.head_dim  # replicated K/V: one head's columns
+    moe, ups = MoeSettings.of(m), 2 if m.arch == "llama" else 1
+    linears = []
+    for index in range(-(-m.n_layer // (p.pp * p.virtual_stages)) * p.virtual_stages):
+        linears += [[(c, heads // t), (c, kv), (c, kv)], [(heads // t, c)]]
+        width = m.ff_dim // ((p.etp or t) if moe.is_moe_block(index) else t)
+        count = moe.experts // p.ep if moe.is_moe_block(index) else 1
+        linears += [[(c, width)] * ups, [(width, c)]] * count
+    return linears
+
+
+def fp8_extra_bytes(cfg) -> dict[str, int]:
+    """Bytes per rank an FP8 recipe adds on a GPU: the weights cached in fp8 (1 byte an element, twice where the
+    recipe keeps a transposed / column-wise copy for the backward GEMMs), their scales (float32 per tensor or per
+    128x128 block, e8m0 per 32 elements; activations' and gradients' scales live and die with their GEMM, only the
+    per-tensor recipes keep theirs) and the amax history (delayed: float32 x history per operand: each linear's
+    input, and each weight and its output gradient). Zeros for precision.fp8 = "none"."""
+    recipe = cfg.precision.fp8
+    if recipe == "none":
+        return {"fp8_weights": 0, "fp8_scales": 0, "amax_history": 0}
+    linears = fp8_linears(cfg)
+    shapes = [shape for linear in linears for shape in linear]
+    operands = sum(1 + 2 * len(linear) for linear in linears)
+    if recipe == "block":
+        scales = sum(-(-k // TILE) * -(-n // TILE) * 4 for k, n in shapes)
+    elif recipe == "mxfp8":
+        scales = sum(-(-k // MX_BLOCK) * n + k * -(-n // MX_BLOCK) for k, n in shapes)  # both copies' scales
+    else:
+        scales = operands * 4
+    history = operands * 4 * cfg.precision.fp8_history if recipe == "delayed" else 0
+    return {"fp8_weights": sum(k * n for k, n in shapes) * TRANSPOSED_COPY[recipe], "fp8_scales": scales,
+            "amax_history": history}

@@ -37,6 +37,7 @@ from mpitrain.backend import COMPUTE_DTYPES, make_backend
 from mpitrain.comm.mesh import Degrees
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
+from mpitrain.layers.fp8 import fp8_extra_bytes
 from mpitrain.layers.moe import rank_experts
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.ring_attention import lse_dtype
@@ -343,5 +344,10 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
         rows["state"] -= moved
         rows["offloaded"], formulas["offloaded"] = moved, where
         formulas["state"] += ", less the offloaded row"
+    fp8 = fp8_extra_bytes(cfg)  # precision.fp8: its cached fp8 weights, scales and amax history
+    if any(fp8.values()):
+        rows["fp8"] = sum(fp8.values())
+        formulas["fp8"] = f"precision.fp8 = {cfg.precision.fp8!r}: " + ", ".join(
+            f"{kind.replace('_', ' ')} {value:,} B" for kind, value in fp8.items())
     return {"psi": n_params, "N": p.dp * p.cp, "e": itemsize, "zero": p.zero, "bytes": rows, "formulas": formulas,
-            "total": rows["state"] + activations}
+            "total": rows["state"] + activations + rows.get("fp8", 0)}

@@ -1,0 +1,233 @@
+"""FP8 recipes (mpitrain/layers/fp8.py): each quantizer against a reference written here (round to nearest even on
+the format's value table, bit patterns compared), the linears' backward against its formula on the same quantized
+operands in float64, and one launch that trains every recipe under tp 2 + sequence parallel, pp 2 and dp 2 ZeRO-3
+beside one process: the same scales and the same losses."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mpitrain.config import load_config
+from mpitrain.errors import ConfigError
+from mpitrain.layers import fp8
+from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpitrain.layers.tensor_parallel import TensorParallel
+from tests.mpi_helpers import run_python_mpi_results
+
+DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def value_table(fmt):
+    """(finite values, their codes) of an fp8 format, from its 256 bit patterns."""
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(DTYPES[fmt]).astype(np.float64)
+    finite = np.isfinite(values)
+    return values[finite], codes[finite]
+
+
+def reference_cast(x, fmt):
+    """Saturating round-to-nearest-even onto the format's values, as bytes: clip to +-max, pick the nearest value, a
+    tie going to the code with an even last mantissa bit (-0 and +0 both read as 0)."""
+    values, codes = value_table(fmt)
+    top = values.max()
+    out = np.empty(x.size, np.uint8)
+    for i, v in enumerate(np.clip(np.asarray(x, np.float64).ravel(), -top, top)):
+        distance = np.abs(values - v)
+        best = np.flatnonzero(distance == distance.min())
+        if len(best) > 1:
+            best = best[codes[best] % 2 == 0]
+        pick = codes[best[0]]
+        out[i] = 0 if v == 0 else pick
+    return out.reshape(np.shape(x))
+
+
+def nonzero_bits(codes):
+    """Bit patterns with -0 read as +0 (0x80 in both formats)."""
+    bits = codes.view(np.uint8).copy()
+    bits[bits == 0x80] = 0
+    return bits
+
+
+def random_tensor(shape, seed=0, spread=3.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * np.exp(spread * rng.standard_normal(shape))).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, top", [("e4m3", 448.0), ("e5m2", 57344.0)])
+def test_per_tensor_scaling_matches_the_reference_and_clips_before_casting(fmt, top):
+    x = random_tensor((37, 50))
+    q = fp8.quantize_tensor(x, fmt)
+    amax = np.abs(x).max()
+    scale = np.float32(top) / np.float32(amax)
+    assert q.scale_inv == np.float32(1) / scale
+    assert np.array_equal(nonzero_bits(q.codes), reference_cast(x * scale, fmt))
+    assert np.abs(q.dequantize(np.float64)).max() == pytest.approx(amax, rel=2 ** -3)
+    # a scale from a smaller amax (a delayed one): out-of-range values saturate to the max, never NaN
+    clipped = fp8.quantize_tensor(x, fmt, amax=amax / 10)
+    values = clipped.codes.astype(np.float64)
+    assert not np.isnan(values).any() and np.abs(values).max() == top
+    assert np.isnan(np.float32(top * 2).astype(DTYPES["e4m3"])) or fmt == "e5m2"  # why the clip is needed
+    zero = fp8.quantize_tensor(np.zeros((4, 4), np.float32), fmt)
+    assert zero.scale_inv == 1 and not zero.codes.view(np.uint8).any()
+
+
+def test_block_scaling_tiles_rows_by_128_and_weights_by_128x128():
+    x = random_tensor((5, 300), seed=1)
+    q = fp8.quantize_blocks(x, "e4m3", (1, 128))
+    assert q.scale_inv.shape == (5, 3)  # 128 + 128 + 44: the edge tile is cut short
+    for row in range(5):
+        for tile in range(3):
+            piece = x[row, tile * 128:(tile + 1) * 128]
+            scale_inv = np.float32(1) / (np.float32(448) / np.float32(np.abs(piece).max()))
+            assert q.scale_inv[row, tile] == scale_inv
+            expected = reference_cast(piece * (np.float32(448) / np.float32(np.abs(piece).max())), "e4m3")
+            assert np.array_equal(nonzero_bits(q.codes[row, tile * 128:(tile + 1) * 128]), expected)
+    w = random_tensor((200, 130), seed=2)
+    w[:128, :128] = 0.0  # an all-zero block: scale 1, codes 0
+    qw = fp8.quantize_blocks(w, "e4m3", (128, 128))
+    assert qw.scale_inv.shape == (2, 2) and qw.scale_inv[0, 0] == 1
+    assert qw.scale_inv[1, 1] == np.float32(1) / (np.float32(448) / np.float32(np.abs(w[128:, 128:]).max()))
+    assert not qw.codes[:128, :128].view(np.uint8).any()
+    assert np.abs(qw.dequantize(np.float64) - w).max() <= np.abs(w).max() * 2 ** -4
+
+
+def test_mxfp8_scales_are_ocp_powers_of_two_and_elements_clip():
+    x = random_tensor((3, 96), seed=3)
+    x[0, :32] = np.linspace(-500, 500, 32)  # amax 500: floor(log2) = 8, scale 2^0, so 500 -> 448 (the spec's clip)
+    x[1, 32:64] = 0.0
+    x[2, 64:96] *= 2.0 ** -130  # tiny amax: the exponent stops at e8m0's -127
+    q = fp8.quantize_mx(x, "e4m3")
+    assert q.scale_inv.dtype == np.dtype(ml_dtypes.float8_e8m0fnu) and q.scale_inv.shape == (3, 3)
+    for row in range(3):
+        for block in range(3):
+            piece = x[row, block * 32:(block + 1) * 32].astype(np.float64)
+            amax = np.abs(piece).max()
+            power = 0 if amax == 0 else min(127, max(-127, math.floor(math.log2(amax)) - 8))
+            assert q.scale_inv.view(np.uint8)[row, block] == power + 127  # e8m0: the biased exponent, no mantissa
+            expected = reference_cast(piece / 2.0 ** power, "e4m3")
+            assert np.array_equal(nonzero_bits(q.codes[row, block * 32:(block + 1) * 32]), expected)
+    assert q.codes[0, :32].astype(np.float64).max() == 448.0
+    down = fp8.quantize_mx(x.T.copy(), "e4m3", axis=0)  # a weight's blocks run down its rows (the reduction axis)
+    assert np.array_equal(down.codes.view(np.uint8), q.codes.T.view(np.uint8))
+
+
+def test_delayed_scaling_uses_the_max_of_the_previous_steps():
+    history = fp8.DelayedScaling(2)
+    assert history.amax_for(3.0) == 3.0  # empty history: this step's own amax
+    history.roll()
+    assert history.amax_for(1.0) == 3.0 and history.amax_for(5.0) == 3.0  # records 5 for this step
+    history.roll()
+    assert history.amax_for(0.5) == 5.0
+    history.roll()  # the window of 2 now holds 0.5 and 5
+    history.roll(0.25)
+    assert history.amax_for(1.0) == 0.5  # 5 dropped out
+    x = random_tensor((8, 8), seed=4)
+    q = fp8.quantize_tensor(x, "e4m3", amax=history.amax_for(0.0))
+    assert q.scale_inv == np.float32(1) / (np.float32(448) / np.float32(0.5))
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_fp8_linears_backward_is_the_formula_on_the_quantized_operands(recipe):
+    """Column then row linear, float64, one rank: outputs, input gradients and weight gradients against
+    x_q @ W_q, dy_q @ W_q^T and x_q^T @ dy_q with each operand quantized here by the recipe's function."""
+    rng = np.random.default_rng(5)
+    b, t, c, f = 2, 3, 64, 160
+    params = {"w1": rng.standard_normal((c, f)), "b1": rng.standard_normal(f), "w2": rng.standard_normal((f, c))}
+    grads = {name: np.zeros_like(value) for name, value in params.items()}
+    tp = TensorParallel()
+    up, down = ColumnParallelLinear(tp, c, ["w1"], ["b1"]), RowParallelLinear(tp, f, "w2")
+    up.fp8, down.fp8 = fp8.Fp8Gemms(recipe), fp8.Fp8Gemms(recipe)
+    x, dy = rng.standard_normal((b, t, c)), rng.standard_normal((b, t, c)) * 1e-3
+
+    def q(a, fmt, weight=False):  # the recipe's quantizer, called directly
+        if recipe in ("tensor", "delayed"):
+            return fp8.quantize_tensor(a, fmt).dequantize(np.float64)
+        if recipe == "block":
+            return fp8.quantize_blocks(a, fmt, (128, 128) if weight else (1, 128)).dequantize(np.float64)
+        return fp8.quantize_mx(a, fmt, axis=0 if weight else -1).dequantize(np.float64)
+
+    (h,), saved_up = up.forward(params, x)
+    y, saved_down = down.forward(params, h)
+    x2, h2 = x.reshape(-1, c), h.reshape(-1, f)
+    w1q, w2q = q(params["w1"], "e4m3", True), q(params["w2"], "e4m3", True)
+    assert np.allclose(h2, q(x2, "e4m3") @ w1q + params["b1"], rtol=1e-13, atol=0)
+    assert np.allclose(y.reshape(-1, c), q(h2, "e4m3") @ w2q, rtol=1e-13, atol=0)
+    assert not np.allclose(y.reshape(-1, c), h2 @ params["w2"], rtol=1e-6)  # the quantization is really there
+    dh = down.backward(params, grads, saved_down, dy)
+    dyq = q(dy.reshape(-1, c), "e5m2")
+    assert np.allclose(dh.reshape(-1, f), dyq @ w2q.T, rtol=1e-13, atol=0)
+    assert np.allclose(grads["w2"], q(h2, "e4m3").T @ dyq, rtol=1e-13, atol=0)
+    dx = up.backward(params, grads, saved_up, [dh])
+    dhq = q(dh.reshape(-1, f), "e5m2")
+    assert np.allclose(dx.reshape(-1, c), dhq @ w1q.T, rtol=1e-13, atol=0)
+    assert np.allclose(grads["w1"], q(x2, "e4m3").T @ dhq, rtol=1e-13, atol=0)
+    assert np.allclose(grads["b1"], dh.reshape(-1, f).sum(axis=0), rtol=1e-13, atol=0)  # the unquantized dy
+
+
+def test_bad_fp8_settings_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="precision.fp8"):
+        load_config("configs/tiny.toml", ["precision.fp8=fp4"])
+    with pytest.raises(ConfigError, match="precision.fp8_history"):
+        load_config("configs/tiny.toml", ["precision.fp8=delayed", "precision.fp8_history=0"])
+    with pytest.raises(ConfigError, match="precision.fp8.*lora.rank"):
+        load_config("configs/tiny.toml", ["precision.fp8=tensor", "lora.rank=4"])
+    with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2"):
+        fp8.check_block_alignment("block", 96, 2, "blocks.0.mlp.up.w_fc")
+
+
+PARITY_JOB = """
+    import json
+    from mpi4py import MPI
+    from mpitrain.config import load_config
+    from mpitrain.train import Trainer
+    from mpitrain.layers.fp8 import scale_summary
+
+    world = MPI.COMM_WORLD
+    BASE = ["data.synthetic=true", "precision.compute=float64", "train.steps=2", "train.global_batch=4",
+            "train.micro_batch=2", "model.d_model=256", "model.n_head=4", "model.seq_len=8", "model.n_layer=2",
+            "train.thread_replicas=1", "logging.peak_flops=1e9", "optim.warmup_steps=1", "optim.lr=1e-2"]
+    LAYOUTS = {"one": [], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2": ["parallel.pp=2"],
+               "dp2_zero3": ["parallel.zero=3"]}
+
+    def run(recipe, layout):
+        comm = world.Split(world.rank if layout == "one" else 0, world.rank)
+        cfg = load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] + LAYOUTS[layout])
+        trainer = Trainer(cfg, comm)
+        losses = [trainer.train_step(step).loss for step in range(cfg.train.steps)]
+        merged = {}
+        for summary in world.allgather(scale_summary(trainer.fp8_gemms)):
+            for key, (low, high) in summary.items():  # tp pieces: the whole tensor's smallest and largest scales
+                old = merged.get(key, (low, high))
+                merged[key] = (min(old[0], low), max(old[1], high))
+        comm.Free()
+        return {"losses": losses, "scales": merged}
+
+    results = {recipe: {layout: run(recipe, layout) for layout in LAYOUTS}
+               for recipe in ["tensor", "delayed", "block", "mxfp8"]}
+    results["none"] = {"one": run("none", "one")}
+    if world.rank == 0:
+        print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return run_python_mpi_results(2, PARITY_JOB, timeout=400)
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_every_layout_computes_the_one_process_scales_and_losses(parity, recipe):
+    runs = parity[recipe]
+    reference = runs["one"]
+    assert len(reference["scales"]) == 2 * 16  # 2 blocks: x, w and dy of 4 linears, qkv with 3 weights (7 keys)
+    for layout in ("tp2_sp", "pp2", "dp2_zero3"):
+        run = runs[layout]
+        assert run["scales"].keys() == reference["scales"].keys(), layout
+        for key, (low, high) in reference["scales"].items():
+            assert run["scales"][key] == pytest.approx([low, high], rel=1e-9), f"{layout} {key}"
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0), layout
+    assert reference["losses"] != parity["none"]["one"]["losses"]  # FP8 changed the run
+    assert reference["losses"][0] == pytest.approx(parity["none"]["one"]["losses"][0], rel=1e-2)  # before updates
