@@ -133,9 +133,8 @@ class PrecisionConfig:
     master: str = "float32"  # master weights and Adam moments when compute is lower (float64 runs keep float64)
     grad_reduce: str = "float32"  # bfloat16: gradients travel in bf16 (half the bytes), summed in fp32
     loss_scale_window: int = 1000  # float16: double the loss scale after this many steps without overflow
-    # FP8 GEMMs of the attention projections and MLP/expert linears, emulated exactly (docs/fp8.md):
-    # none | tensor (current scaling) | delayed (amax history) | block (1x128 / 128x128) | mxfp8 (1x32, e8m0)
-    fp8: str = "none"
+    # FP8 GEMMs of the attention projections and MLP/expert linears, emulated exactly (docs/fp8.md)
+    fp8: str = "none"  # none | tensor | delayed (amax history) | block (1x128, 128x128) | mxfp8 (1x32, e8m0 scales)
     fp8_history: int = 16  # precision.fp8 = "delayed": steps of amax history whose max sets each tensor's scale
 
 
