@@ -158,6 +158,7 @@ from mpi4py import MPI
 from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.comm.mesh import Mesh
 from mpitrain.config import ModelConfig
+from mpitrain.data.documents import documents_of
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.model.gpt import GPT
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, split_sequence
@@ -167,17 +168,20 @@ mesh = Mesh(MPI.COMM_WORLD, cp=4, split_by_node=("cp",))  # MPITRAIN_FAKE_NODES=
 cfg = ModelConfig(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16, arch="llama", n_kv_head=2)
 tokens = np.random.default_rng(5).integers(0, 64, (2, 16))
 out = {}
-for mode in ("none", "selective", "full"):
+for mode, packed in (("none", False), ("selective", False), ("full", False), ("none", True), ("selective", True)):
     backend = make_backend("cpu", "float64")
     model = GPT(cfg, backend)
     cp = ContextParallel.of_mesh(mesh, "hybrid")
     apply_context_parallel(model, cp)
     apply_recompute(model, mode)
+    model.document_mask = packed  # the whole rows' document ids and positions, kept by the ring's core
     state = ReplicatedState(model.layouts, backend, 0)
     local = split_sequence(tokens, 4, cp.rank)
-    loss, saved = model.forward(state, local, split_sequence(np.roll(tokens, -1, axis=1), 4, cp.rank))
+    loss, saved = model.forward(state, local, split_sequence(np.roll(tokens, -1, axis=1), 4, cp.rank),
+                                documents=documents_of(tokens, 0) if packed else None)
     per_micro_batch, shared = model.saved_bytes(2, backend.dtype)
-    out[mode] = {"measured": nbytes_of(saved), "declared": per_micro_batch + shared, "inside": cp.inside.size}
+    out[mode + (" packed" if packed else "")] = {"measured": nbytes_of(saved), "declared": per_micro_batch + shared,
+                                                 "inside": cp.inside.size}
 if MPI.COMM_WORLD.rank == 0:
     print("RESULTS " + json.dumps(out))
 """
@@ -185,9 +189,9 @@ if MPI.COMM_WORLD.rank == 0:
 
 def test_hybrid_saved_state_counted_equals_declared():
     """cp 4 as 2 x 2: the arrays one micro-batch's saved state keeps, counted, equal what `mpitrain memory` declares,
-    without, with selective and with full recomputation."""
+    without, with selective and with full recomputation, and with packed documents."""
     out = run_python_mpi_results(4, MEMORY_JOB, timeout=120, env={"MPITRAIN_FAKE_NODES": "2"})
-    assert {mode: got["inside"] for mode, got in out.items()} == {"none": 2, "selective": 2, "full": 2}
+    assert {got["inside"] for got in out.values()} == {2} and len(out) == 5
     for mode, got in out.items():
         assert got["measured"] == got["declared"], (mode, out)
     assert out["full"]["measured"] < out["selective"]["measured"] < out["none"]["measured"]

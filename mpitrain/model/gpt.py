@@ -197,7 +197,7 @@ class GPT:
         if self.cfg.arch == "llama" and blocks:
             arrays += [((batch, seq_len, self.cfg.head_dim // 2), rope_table_dtype(dtype))] * 2
         ring = self.context_parallel is not None and self.context_parallel.kind in ("ring", "hybrid")  # not Ulysses
-        if ring and any(block.recompute == "none" for block in blocks):
+        if ring and any(block.recompute != "full" for block in blocks):  # selective keeps the ring's core too
             arrays += [((batch, self.cfg.seq_len), int64)] * 2
         if self.context_parallel is None and any(block.recompute != "none" for block in blocks):
             arrays.append(((batch, seq_len, seq_len), dtype))
