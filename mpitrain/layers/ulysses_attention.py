@@ -19,7 +19,9 @@ backward (dO, dQKV). Each sends (c-1)/c of its local buffer, counted under "all_
     forward = backward = (c-1)/c (Q + 2 K' + O)     Q = O = B H (T/c) D e, K' = B Hkv' (T/c) D e
 
 with Hkv' = Hkv when split, c when replicated (one head to each rank); `bytes_per_block` computes it. `cp` is the
-rank's ContextParallel (size, rank, chunks_of, exchange): this module does the math, it moves the buffers.
+rank's ContextParallel (size, rank, chunks_of, exchange): this module does the math, it moves the buffers. The two
+exchanges are functions of their own (`heads_for_tokens`, `tokens_for_heads` and backward's `queries_for_tokens`,
+`grads_for_tokens`): hybrid cp (layers/hybrid_attention.py) runs them over a node's cp ranks around ring attention.
 """
 from __future__ import annotations
 
