@@ -49,6 +49,7 @@ from tests.mpi_helpers import REPO_ROOT, describe, run_mpi
 from tests.test_hierarchical_dp import PARITY_JOB as HIERARCHICAL_JOB
 from tests.test_hierarchical_dp import SLURM_MODES as HIERARCHICAL_MODES
 from tests.test_hierarchical_dp import check_parity_and_bytes
+from tests.test_hybrid_cp import tiny_bytes_per_step
 
 SBATCH_SCRIPT = REPO_ROOT / "slurm" / "train.sbatch"
 CI_CLUSTER_DIR = Path(os.environ.get("SLURM_CI_DIR", "/tmp/mpitrain-slurm"))
@@ -553,3 +554,35 @@ def test_hierarchical_data_parallelism_on_two_nodes(slurm_env, jobs, tmp_path):
     results = json.loads(lines[0][len("RESULTS "):])
     assert all(result["nodes"] == f"2 nodes: {first} ranks 0-1, {second} ranks 2-3" for result in results), results
     check_parity_and_bytes(results, modes)
+
+
+HYBRID_CP_SETTINGS = ["data.synthetic=true", "precision.compute=float64", "train.steps=4", "train.log_every=1",
+                      "model.arch=llama", "model.n_kv_head=2", "logging.peak_flops=1e9"]
+
+
+def test_hybrid_context_parallelism_on_two_nodes(slurm_env, jobs, tmp_path):
+    """cp 4 as 2 nodes x 2 ranks (parallel.cp_kind = 'hybrid': Ulysses' all-to-all inside each node, the ring across
+    them), llama with grouped-query attention in float64: the losses of every step at 1e-10 against one process, and
+    each level's bytes per step equal to cp_bytes_per_step (tests/test_hybrid_cp.py runs the same on fake nodes)."""
+    first, second = two_node_cluster(slurm_env)
+    settings = [word for setting in HYBRID_CP_SETTINGS for word in ("--set", setting)]
+    run_dir = tmp_path / "run"
+    hybrid = ["--set", "parallel.cp=4", "--set", "parallel.cp_kind=hybrid"]
+    job = Job(slurm_env, tmp_path, ["configs/tiny.toml", "--out", str(run_dir), *settings, *hybrid],
+              {"MPITRAIN_LAUNCHER": "srun", "MPITRAIN_PYTHON": sys.executable},
+              shape=("--nodes=2", "--ntasks-per-node=2"))
+    jobs.append(job)
+    one_dir = tmp_path / "one"
+    alone = run_mpi(1, ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(one_dir), *settings], timeout=300)
+    assert alone.returncode == 0, describe(alone)
+    job.wait_until_completed(300)
+    log = job.log()
+    assert f"placement: 2 nodes: {first} ranks 0-1, {second} ranks 2-3" in log, log
+    expected, losses = losses_by_step(one_dir), losses_by_step(run_dir)
+    assert sorted(losses) == sorted(expected) == list(range(1, 5)), log
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-10, abs=0), f"step {step}\n{log}"
+    sent = tiny_bytes_per_step("hybrid", inside=2, tp=1, blocks=2, recompute="none")
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert {kind: record["comm_bytes"][kind] for kind in sent} == sent, record
