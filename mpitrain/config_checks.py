@@ -7,7 +7,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from mpitrain.config_moe import validate_moe
+from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.config_rules import (
     DECAY_SHAPES,
     LR_SCHEDULES,
@@ -160,6 +160,24 @@ def _validate_fp8(cfg) -> None:
             f"train.device = 'cpu', got {cfg.train.device!r}")
     require(cfg.lora.rank == 0, f"config key precision.fp8 = {fp8!r} excludes lora.rank = {cfg.lora.rank}: the "
             "adapters would read the fp8-quantized input of their linear")
+    if fp8 in ("block", "mxfp8"):
+        _validate_fp8_blocks(cfg, 128 if fp8 == "block" else 32)
+
+
+def _validate_fp8_blocks(cfg, block: int) -> None:
+    """Block scales must not cross a tp shard (docs/fp8.md): every split width of an FP8 linear a whole number of
+    blocks, checked before any collective (the linears check again at their first call)."""
+    m, p = cfg.model, cfg.parallel
+    t, head = p.tp, m.head_dim
+    widths = {"the query heads (model.n_head x head_dim)": m.n_head * head // t,
+              "the key/value heads": m.kv_heads * head // t if m.kv_heads % t == 0 else head,
+              "the MLP (model.d_ff)": m.ff_dim // t}
+    if MoeSettings.of(m).experts:
+        widths["the experts (model.d_ff over parallel.etp)"] = m.ff_dim // (p.etp or t)
+    split = [f"{what} {width} wide" for what, width in widths.items() if width % block]
+    require(t == 1 or not split, f"config key precision.fp8 = {cfg.precision.fp8!r}: over parallel.tp = {t} each "
+            f"rank holds {', '.join(split)}, not a whole number of {block}-element scaling blocks; choose a tp that "
+            f"keeps shards whole blocks, or precision.fp8 = 'tensor'")
 
 
 def _validate_schedules(cfg) -> None:

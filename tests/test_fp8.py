@@ -174,7 +174,10 @@ def test_bad_fp8_settings_are_refused_naming_the_key():
         load_config("configs/tiny.toml", ["precision.fp8=delayed", "precision.fp8_history=0"])
     with pytest.raises(ConfigError, match="precision.fp8.*lora.rank"):
         load_config("configs/tiny.toml", ["precision.fp8=tensor", "lora.rank=4"])
-    with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2"):
+    with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2.*MLP"):  # shards of 64 < 128
+        load_config("configs/tiny.toml", ["precision.fp8=block", "parallel.tp=2"])
+    load_config("configs/tiny.toml", ["precision.fp8=mxfp8", "parallel.tp=2", "model.d_model=64", "model.n_head=2"])
+    with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2"):  # the linears' own check
         fp8.check_block_alignment("block", 96, 2, "blocks.0.mlp.up.w_fc")
 
 
