@@ -28,7 +28,7 @@ from mpitrain.data.documents import documents_from_starts
 from mpitrain.errors import MpitrainError
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
-from mpitrain.layers.fp8 import apply_fp8, end_delayed_step
+from mpitrain.layers.fp8 import apply_fp8, delayed_state, end_delayed_step, load_delayed_state
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.layout_checks import groups_split_by_node
@@ -340,8 +340,17 @@ class Trainer:
         """What saves and restores this trainer's state; the bad-step guard's counters are saved beside it."""
         return CheckpointManager(directory, keep, cfg=self.cfg, mesh=self.mesh, state=self.state,
                                  optimizer=self.optimizer, tied_copies=self.model.tied_copies,
-                                 tokenizer=self.tokenizer_description, save_extra=self.guard.state,
-                                 load_extra=self.guard.load_state, echo=echo, faults=self.faults)
+                                 tokenizer=self.tokenizer_description, save_extra=self._extra_state,
+                                 load_extra=self._load_extra_state, echo=echo, faults=self.faults)
+
+    def _extra_state(self) -> dict:
+        """What a checkpoint keeps beside the tensors: the bad-step guard's counters and delayed scaling's amax
+        histories (precision.fp8 = "delayed": gathered over pp, a collective of every save)."""
+        return {**self.guard.state(), **delayed_state(self.fp8_gemms, self.cfg.precision.fp8, self.mesh.pp)}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self.guard.load_state(extra)
+        load_delayed_state(self.fp8_gemms, extra)
 
     def banner(self, run_dir: Path) -> list[str]:
         """The lines printed before the first step: the model and layout, MFU's reference, placement, pipeline."""

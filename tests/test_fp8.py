@@ -234,3 +234,33 @@ def test_every_layout_computes_the_one_process_scales_and_losses(parity, recipe)
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0), layout
     assert reference["losses"] != parity["none"]["one"]["losses"]  # FP8 changed the run
     assert reference["losses"][0] == pytest.approx(parity["none"]["one"]["losses"][0], rel=1e-2)  # before updates
+
+
+def test_delayed_histories_survive_a_checkpoint_under_pp(tmp_path):
+    """pp 2, delayed scaling: a run resumed from its step-2 checkpoint trains steps 3 and 4 exactly as the
+    uninterrupted run (the restored windows give the same scales; an empty window would not), and the index that rank
+    0 writes holds both stages' histories."""
+    import json
+
+    from tests.mpi_helpers import describe, run_mpi
+
+    settings = ["data.synthetic=true", "precision.compute=float64", "precision.fp8=delayed", "precision.fp8_history=3",
+                "parallel.pp=2", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0", "logging.peak_flops=1e9",
+                "optim.lr=1e-2"]
+
+    def train(run_dir, *extra):
+        args = ["-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(run_dir), *extra]
+        for setting in settings:
+            args += ["--set", setting]
+        result = run_mpi(2, args, timeout=180)
+        assert result.returncode == 0, describe(result)
+        return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+    whole = train(tmp_path / "whole")
+    step2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    index = json.loads(next(step2.glob("*.json")).read_text())
+    histories = index["extra_state"]["fp8_amax_history"]
+    assert {name.split(".")[1] for name in histories} == {"0", "1"}  # both pipeline stages' blocks
+    assert all(len(values) == 2 for values in histories.values())  # two steps recorded
+    resumed = train(tmp_path / "resumed", "--resume", str(step2))
+    assert [resumed[step] for step in (3, 4)] == [whole[step] for step in (3, 4)]

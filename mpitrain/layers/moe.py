@@ -253,8 +253,9 @@ class MoE:
         if self.fp8 is None:
             return x, w
         shared = self.ups[0] if weight in self.ups else weight  # gate and up share their input and its scale
-        return (self.fp8.inputs([f"{shared}.{e}.x"], [x])[0],
-                self.fp8.weights([f"{weight}.{e}"], [w], -1 if weight in self.ups else -2)[0])
+        expert = self.ep.first + e
+        return (self.fp8.inputs([f"{shared}.{expert}.x"], [x])[0],
+                self.fp8.weights([f"{weight}.{expert}"], [w], -1 if weight in self.ups else -2)[0])
 
     def _expert_linear_backward(self, params, grads, weights: list[str], e: int, x, d_ys):
         """The input gradient of expert e's linears `weights` (one input x, outputs' gradients d_ys); their weight
@@ -262,10 +263,11 @@ class MoE:
         gemm_input, gemm_weights = x, [params[w][e] for w in weights]
         gemm_grads = list(d_ys)
         if self.fp8 is not None:
-            gemm_input = self.fp8.inputs([f"{weights[0]}.{e}.x"], [x])[0]
-            gemm_weights = self.fp8.weights([f"{w}.{e}" for w in weights], gemm_weights,
+            expert = self.ep.first + e  # operands named by the global expert: layout-independent checkpoints
+            gemm_input = self.fp8.inputs([f"{weights[0]}.{expert}.x"], [x])[0]
+            gemm_weights = self.fp8.weights([f"{w}.{expert}" for w in weights], gemm_weights,
                                             -1 if weights[0] in self.ups else -2)
-            gemm_grads = self.fp8.output_grads([f"{w}.{e}.dy" for w in weights], gemm_grads)
+            gemm_grads = self.fp8.output_grads([f"{w}.{expert}.dy" for w in weights], gemm_grads)
         dx = ops.linear_input_grad(gemm_weights, gemm_grads).astype(x.dtype, copy=False)
         for w, dy, gemm_grad in zip(weights, d_ys, gemm_grads):
             if not self.frozen_experts:
