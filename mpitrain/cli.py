@@ -263,8 +263,11 @@ def ckpt_import(hf_dir, out):
 @click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
               help="Attention to count: fused (cuDNN SDPA, no T x T matrix) or unfused. Default: fused for "
                    "train.device = cuda in bf16/fp16.")
+@click.option("--dry-run", "shapes_only", is_flag=True,
+              help="Also build this rank's state and optimizer through the training code with arrays that hold no "
+                   "memory, and print their bytes beside the formulas' (any model size).")
 @_user_errors
-def memory(config, overrides, world_size, attention):
+def memory(config, overrides, world_size, attention, shapes_only):
     """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
     from mpitrain.config import load_config, resolve_layout
     from mpitrain.plan.memory import default_attention, memory_report, rank_param_count
@@ -284,6 +287,9 @@ def memory(config, overrides, world_size, attention):
     for kind, value in report["bytes"].items():
         click.echo(f"  {kind:<12} {value / 2**20:>10.2f} MiB   {report['formulas'][kind]}")
     click.echo(f"  {'total':<12} {report['total'] / 2**20:>10.2f} MiB")
+    if shapes_only:
+        from mpitrain.plan.dryrun import dry_run, format_dry_run
+        click.echo(format_dry_run(dry_run(cfg)))
 
 
 main.add_command(plan_command)  # mpitrain plan MODEL CLUSTER, mpitrain plan calibrate (mpitrain/plan/command.py)

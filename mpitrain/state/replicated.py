@@ -75,7 +75,8 @@ class ReplicatedState(StateStrategy):
         self.params = self.master  # one copy when the compute dtype is the optimizer's
         if backend.mixed:
             self.params = FlatBuffer.allocate(layouts, xp, dtype)
-            self.after_restore()
+            if seed is not None:  # else zero like the master until a checkpoint fills both
+                self.after_restore()
         self.unit_views = with_frozen(self.params.views, self.frozen)
         self.grads = FlatBuffer.allocate(layouts, xp, dtype)
         self.reducer = GradReducer(group, dtype, grad_reduce) if group is not None else None

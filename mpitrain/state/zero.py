@@ -304,7 +304,7 @@ def split_by_reduction(layouts, others) -> tuple[list[UnitLayout], list[str | No
 class ZeroState(StateStrategy):
     sharded = True
 
-    def __init__(self, layouts, backend, seed: int, group, stage: int, overlap: bool = True,
+    def __init__(self, layouts, backend, seed: int | None, group, stage: int, overlap: bool = True,
                  reshard_after_forward: bool = True, grad_reduce: str = "float32", placement=None,
                  other_groups=None, quantized: QuantizedComm | None = None):
         """placement: where the master shard lives when it is separate (mpitrain/state/offload.py; None: device).
@@ -340,6 +340,8 @@ class ZeroState(StateStrategy):
         if backend.mixed:
             self.master = self.placement.zeros("master", self.shard_offsets[-1], backend.optimizer_dtype)
         for part, (layout, size) in enumerate(zip(self.parts, self.shard_sizes)):
+            if seed is None:  # left at zero: a checkpoint fills them (plan/dryrun.py only counts their bytes)
+                break
             # in the optimizer's dtype, rounded from there to the compute dtype (as after every step)
             full = backend.from_host(initial_unit_flat(layout, seed, size * self.group_of(part).size),
                                      backend.optimizer_dtype)
