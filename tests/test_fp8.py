@@ -181,6 +181,11 @@ def test_bad_fp8_settings_are_refused_naming_the_key():
         fp8.check_block_alignment("block", 96, 2, "blocks.0.mlp.up.w_fc")
 
 
+BASE = ["data.synthetic=true", "precision.compute=float64", "train.steps=2", "train.global_batch=4",
+        "train.micro_batch=2", "model.d_model=256", "model.n_head=4", "model.seq_len=8", "model.n_layer=2",
+        "train.thread_replicas=1", "logging.peak_flops=1e9", "optim.warmup_steps=1", "optim.lr=1e-2"]
+LAYOUTS = {"one": [], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2": ["parallel.pp=2"],
+           "dp2_zero3": ["parallel.zero=3"]}
 PARITY_JOB = """
     import json
     from mpi4py import MPI
@@ -189,11 +194,7 @@ PARITY_JOB = """
     from mpitrain.layers.fp8 import scale_summary
 
     world = MPI.COMM_WORLD
-    BASE = ["data.synthetic=true", "precision.compute=float64", "train.steps=2", "train.global_batch=4",
-            "train.micro_batch=2", "model.d_model=256", "model.n_head=4", "model.seq_len=8", "model.n_layer=2",
-            "train.thread_replicas=1", "logging.peak_flops=1e9", "optim.warmup_steps=1", "optim.lr=1e-2"]
-    LAYOUTS = {"one": [], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2": ["parallel.pp=2"],
-               "dp2_zero3": ["parallel.zero=3"]}
+    BASE, LAYOUTS = __SETTINGS__
 
     def run(recipe, layout):
         comm = world.Split(world.rank if layout == "one" else 0, world.rank)
@@ -205,8 +206,10 @@ PARITY_JOB = """
             for key, (low, high) in summary.items():  # tp pieces: the whole tensor's smallest and largest scales
                 old = merged.get(key, (low, high))
                 merged[key] = (min(old[0], low), max(old[1], high))
+        held = {"history_bytes": sum(h.history.nbytes for g in trainer.fp8_gemms for h in g.delayed.values()),
+                "weight_elements": sum(n for g in trainer.fp8_gemms for n in g.weight_elements.values())}
         comm.Free()
-        return {"losses": losses, "scales": merged}
+        return {"losses": losses, "scales": merged, "rank0_holds": world.bcast(held)}
 
     results = {recipe: {layout: run(recipe, layout) for layout in LAYOUTS}
                for recipe in ["tensor", "delayed", "block", "mxfp8"]}
@@ -218,7 +221,7 @@ PARITY_JOB = """
 
 @pytest.fixture(scope="module")
 def parity():
-    return run_python_mpi_results(2, PARITY_JOB, timeout=400)
+    return run_python_mpi_results(2, PARITY_JOB.replace("__SETTINGS__", repr((BASE, LAYOUTS))), timeout=400)
 
 
 @pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
@@ -233,6 +236,12 @@ def test_every_layout_computes_the_one_process_scales_and_losses(parity, recipe)
             assert run["scales"][key] == pytest.approx([low, high], rel=1e-9), f"{layout} {key}"
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0), layout
     assert reference["losses"] != parity["none"]["one"]["losses"]  # FP8 changed the run
+    for layout, run in runs.items():  # mpitrain memory's formula against what world rank 0 held
+        planned = fp8.fp8_extra_bytes(load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] +
+                                                  LAYOUTS[layout]))
+        copies = fp8.TRANSPOSED_COPY[recipe]
+        assert run["rank0_holds"]["weight_elements"] * copies == planned["fp8_weights"], layout
+        assert run["rank0_holds"]["history_bytes"] == planned["amax_history"], layout
     assert reference["losses"][0] == pytest.approx(parity["none"]["one"]["losses"][0], rel=1e-2)  # before updates
 
 

@@ -216,6 +216,7 @@ class Fp8Gemms:
         self.recipe, self.group, self.history, self.name = recipe, group, history, name
         self.delayed: dict[str, DelayedScaling] = {}
         self.scales: dict[str, tuple[float, float]] = {}
+        self.weight_elements: dict[str, int] = {}  # per weight: what a GPU run caches in fp8 (fp8_extra_bytes)
 
     @property
     def group_size(self) -> int:
@@ -231,8 +232,9 @@ class Fp8Gemms:
     def weights(self, keys, arrays, split_axis: int) -> list:
         """Weights (K, N), e4m3, in 128x128 blocks / 32x1 MX blocks along K; `split_axis`: the axis split over the
         group (-1: output columns, column-parallel; -2: input rows, row-parallel)."""
-        if self.recipe in ("block", "mxfp8"):
-            for key, w in zip(keys, arrays):
+        for key, w in zip(keys, arrays):
+            self.weight_elements[key] = w.size
+            if self.recipe in ("block", "mxfp8"):
                 check_block_alignment(self.recipe, w.shape[split_axis], self.group_size, key)
         return self._operands(keys, arrays, "e4m3", weight=True)
 
