@@ -37,7 +37,6 @@ def assert_rows_equal(cfg, pp_rank: int = 0):
 @pytest.mark.parametrize("settings", [
     {"tp": 8, "zero": 0}, {"tp": 8, "zero": 1}, {"tp": 8, "zero": 2}, {"tp": 8, "zero": 3},
     {"tp": 8, "pp": 4, "zero": 1}, {"tp": 4, "pp": 2, "zero": 3},
-    {"tp": 8, "pp": 2, "zero": 1, "optim__name": "adam8bit"},
 ], ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_llama3_70b_on_64_gpus(settings):
     assert_rows_equal(layout("llama3-70b", 64, **settings))
@@ -53,7 +52,9 @@ def test_llama3_405b_on_1024_gpus(settings):
 def test_last_pipeline_stage_experts_lora_and_lean_optimizers():
     assert_rows_equal(layout("llama3-405b", 1024, tp=8, pp=16, zero=1), pp_rank=15)  # the head's stage
     assert_rows_equal(layout("mixtral-8x7b", 16, tp=2, ep=8, zero=3))  # experts sharded over expert_dp
-    assert_rows_equal(layout("llama3-8b", 8, tp=2, zero=3, optim__name="adafactor"))
+    # the lean optimizers' rows (per-tensor statistics and blocks: slow to lay out in Python for a 70B model)
+    assert_rows_equal(layout("gpt3-350m", 8, tp=2, zero=3, optim__name="adafactor"))
+    assert_rows_equal(layout("gpt3-350m", 8, tp=2, pp=2, zero=1, optim__name="adam8bit"))
     cfg = layout("llama3-8b", 8, tp=2, zero=3)
     cfg.lora.rank = 8  # frozen base sharded like the parameters, adapters trained
     assert_rows_equal(cfg)
