@@ -154,7 +154,8 @@ def test_70b_on_64_h100_is_deterministic_and_keeps_tp_inside_a_node(monkeypatch)
     build = memory._build_rank_model
     monkeypatch.setattr(memory, "_build_rank_model", lambda cfg, pp_rank: builds.append(pp_rank) or build(cfg, pp_rank))
     _cfg, _name, cluster, found, _gpus = plan("llama3-70b", "h100", 64, None, None)
-    assert len(found["fits"]) + len(found["too_big"]) <= 2500 and len(builds) <= 256, (len(found["fits"]), len(builds))
+    # interleaving 2, 4 and 8 deep and zbv doubled the space; layouts the step's lower bound rules out are skipped
+    assert len(found["fits"]) + len(found["too_big"]) <= 4000 and len(builds) <= 640, (len(found["fits"]), len(builds))
     best = found["fits"][0]
     assert best["layout"]["tp"] <= cluster.gpus_per_node and not best["crosses"]["tp"]
     assert 0.2 < best["mfu"] < 0.7  # the range published 70B runs on H100 report (MFU 38-55%)
@@ -202,13 +203,17 @@ def test_calibrate_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert found["fits"]
 
 
-def test_cluster_keys_for_shared_hosts_default_to_the_gpu_model():
-    """A cluster file without the optional keys (h100.toml) gets the GPU defaults; each key moves exactly the part of
+def test_cluster_keys_for_shared_hosts_default_to_the_gpu_model(tmp_path):
+    """A cluster file without the optional keys (h100.toml less its fitted comm_overlap) gets the GPU defaults; each
+    key moves exactly the part of
     the step it describes: per-unit overhead adds units x micro-batches x seconds, comm_overlap = 0 exposes the
     whole gradient all-reduce, contention shortens only the pipeline's fill and drain."""
     from mpitrain.plan.clusters import OPTIONAL
     from mpitrain.plan.cost import ring
-    h100 = dataclasses.replace(load_cluster("h100"), compute="float64")
+    plain_file = tmp_path / "h100-plain.toml"
+    plain_file.write_text("\n".join(line for line in (REPO_ROOT / "configs/clusters/h100.toml").read_text().splitlines()
+                                    if not line.startswith(("comm_overlap", " "))))
+    h100 = dataclasses.replace(load_cluster(str(plain_file)), compute="float64")
     assert {key: getattr(h100, key) for key in OPTIONAL} == OPTIONAL
     base = load_config("configs/tiny.toml", BASE)
     dp = Layout(dp=2, tp=1, pp=1, zero=0)
@@ -238,7 +243,7 @@ def test_bad_optional_cluster_key_is_one_line(tmp_path):
     from mpitrain.plan.clusters import CLUSTER_DIR
     text = (CLUSTER_DIR / "h100.toml").read_text()
     bad = tmp_path / "bad.toml"
-    bad.write_text("comm_overlap = 2\n" + text)
+    bad.write_text(text.replace("comm_overlap = 0.5", "comm_overlap = 2"))
     with pytest.raises(ConfigError, match="comm_overlap"):
         load_cluster(str(bad))
     bad.write_text("efficiency_rows = [512, 2048]\nefficiency_at_rows = [0.5]\n" + text)

@@ -42,6 +42,7 @@ Q K^T in backward (profile/flops.py, fused_attention_discount). Ring attention (
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ from mpitrain.config import (
     validate_tensor_parallel,
 )
 from mpitrain.config_moe import MoeSettings, validate_moe
+from mpitrain.errors import ConfigError
 from mpitrain.layers.ulysses_attention import bytes_per_block
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.parallel.schedule import theoretical_bubble
@@ -144,6 +146,41 @@ def _model_numbers(cfg: Config, model) -> dict:
     return _NUMBERS[key]
 
 
+_MODEL_FLOPS: dict = {}  # model shape -> training FLOPs per token of the whole model (the same on every layout)
+
+
+def step_lower_bound(base: Config, layout: Layout, cluster: Cluster, attention: str | None = None) -> float:
+    """Seconds the step of `layout` takes at least: its matmuls without recomputation at the GEMM shape it runs,
+    stretched by its pipeline bubble (estimate's pipeline term); every other part only adds. Cheap (no rank model
+    is built), so the search skips layouts this already puts behind the best one found."""
+    m_cfg = base.model
+    key = repr((m_cfg, base.lora))
+    if key not in _MODEL_FLOPS:
+        _MODEL_FLOPS[key] = _model_numbers(base, rank_model(base))["flops_per_token"]
+    world = layout.dp * layout.tp * layout.pp * layout.cp
+    flops = _MODEL_FLOPS[key]
+    if cluster_attention(cluster, attention) == "fused" and layout.cp == 1:
+        flops -= fused_attention_discount(m_cfg, m_cfg.n_layer, False)
+    rows = layout.micro_batch * m_cfg.seq_len // layout.cp
+    speed = cluster.peak_flops * cluster.matmul_efficiency_at(rows) * \
+        gemm_shape_factor(rows, m_cfg.d_model / layout.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
+    matmul = flops * base.train.global_batch * m_cfg.seq_len / world / speed
+    micro_batches = base.train.global_batch // (layout.dp * layout.micro_batch)
+    if layout.pp == 1 or micro_batches < 1:
+        return matmul
+    try:
+        bubble = schedule_bubble(layout.schedule, layout.pp, micro_batches, layout.virtual_stages)
+    except (ValueError, ConfigError):  # a schedule this layout cannot run: estimate refuses it
+        return matmul
+    return matmul * (1 + bubble / (1 - bubble) / cluster.contention)
+
+
+@functools.lru_cache(maxsize=4096)  # zbv's is a list schedule built and timed: the search asks thousands of times
+def schedule_bubble(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> float:
+    """parallel/schedule.py's bubble fraction of the schedule as built."""
+    return theoretical_bubble(kind, pp, micro_batches, virtual_stages)
+
+
 def group_link(cluster: Cluster, size: int, stride: int) -> tuple[Link, bool]:
     """The link a group of `size` ranks `stride` apart runs on, and whether it crosses nodes."""
     crosses = size > 1 and size * stride > cluster.gpus_per_node
@@ -211,7 +248,7 @@ def estimate(base: Config, layout: Layout, cluster: Cluster, attention: str | No
 
     m = work.micro_batches
     micro = compute["micro"] + comm["tp"] + comm["cp_ring"] + comm["ep_all_to_all"] + comm["pp_send"] + zero_micro
-    bubble = theoretical_bubble(p.schedule, p.pp, m, p.virtual_stages) if p.pp > 1 else 0.0
+    bubble = schedule_bubble(p.schedule, p.pp, m, p.virtual_stages) if p.pp > 1 else 0.0
     # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
     pipeline = m * micro * (1 + bubble / (1 - bubble) / cluster.contention)
     step = pipeline + reduce_exposed + gather_params + optimizer + skew + cluster.step_overhead_s

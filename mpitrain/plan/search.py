@@ -3,8 +3,9 @@ and say why the obvious alternatives lost.
 
 The space: dp x tp x pp x cp = the GPUs, ep (from dp x cp, and the tp ranks' token shares at etp = 1) and
 etp (1 or tp) for MoE; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
-interleaved with 2 chunks per rank, zb1p; gpipe has 1f1b's bubble with m instead of p micro-batches in flight, so
-it never wins); optimizer offload (tried only where the layout does not fit without it). Layouts mpitrain itself
+interleaved with 2, 4 or 8 chunks per rank, zb1p, zbv; gpipe has 1f1b's bubble with m instead of p
+micro-batches in flight, so it never wins); optimizer offload (tried only where the layout does not fit without
+it). Layouts mpitrain itself
 refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so that the table can say what it costs.
 """
 from __future__ import annotations
@@ -17,12 +18,15 @@ from mpitrain.config import Config, to_toml, validate
 from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
 from mpitrain.plan.clusters import Cluster, load_cluster
-from mpitrain.plan.cost import Layout, cluster_attention, estimate, layout_config
+from mpitrain.plan.cost import Layout, cluster_attention, estimate, layout_config, step_lower_bound
 from mpitrain.plan.presets import model_config
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_PP = 16  # deeper pipelines leave a stage only a few blocks at the sizes we plan
+# chunks per rank of the interleaved schedule: its bubble shrinks v times, and at pp 16 with 32 micro-batches (Llama 3
+# 405B on 8,192 GPUs) v = 2 still idles 19% of the step where v = 8 idles 5% (docs/planning.md, the 405B finding)
+INTERLEAVING = (2, 4, 8)
 
 
 def divisors(n: int) -> list[int]:
@@ -61,7 +65,8 @@ def _expert_meshes(experts: int, holders: int, tp: int):
 
 def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [("1f1b", 1), ("zb1p", 1)] + \
-        ([("interleaved", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
+        [("interleaved", v) for v in INTERLEAVING if cfg.model.n_layer >= v * mesh.pp] + \
+        ([("zbv", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
     zeros = [0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2]  # ZeRO-3 under pp: regathers
     recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
     for micro_batch in MICRO_BATCHES:
@@ -73,11 +78,24 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
                               etp=mesh.etp) for recompute in recomputes]
 
 
-def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None) -> dict:
-    """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count}};
-    attention: "fused", "unfused" or None, the cluster's default (plan/cost.py, cluster_attention)."""
+def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None, prune: bool = True) -> dict:
+    """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count},
+    'pruned': count}; attention: "fused", "unfused" or None, the cluster's default (plan/cost.py,
+    cluster_attention). prune: skip the layouts whose step_lower_bound is already slower than the best layout that
+    fits so far (they cannot win; benchmarks/bench_plan.py --search times the search with and without)."""
     fits, too_big, refused = [], [], {}
-    for by_recompute in candidate_layouts(cfg, gpus, cluster):
+    best_step, pruned = float("inf"), 0
+    groups = list(candidate_layouts(cfg, gpus, cluster))
+    if prune:  # the most promising first, so that the best step found early rules out the most
+        bounds = [step_lower_bound(cfg, group[0], cluster, attention) for group in groups]
+        order = sorted(range(len(groups)), key=lambda i: bounds[i])
+        groups = [(bounds[i], groups[i]) for i in order]
+    else:
+        groups = [(0.0, group) for group in groups]
+    for bound, by_recompute in groups:
+        if bound > best_step:
+            pruned += len(by_recompute)  # its matmuls and bubble alone are slower than a layout that fits
+            continue
         for layout in by_recompute:
             try:
                 result = estimate(cfg, layout, cluster, attention)
@@ -90,10 +108,11 @@ def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = Non
                 continue
             (fits if result["fits"] else too_big).append(result)
             if result["fits"]:
+                best_step = min(best_step, result["step_s"])
                 break
     fits.sort(key=lambda r: (r["step_s"], r["memory"]["total"], r["name"]))
     too_big.sort(key=lambda r: (-r["memory"]["headroom"], r["name"]))
-    return {"fits": fits, "too_big": too_big, "refused": refused}
+    return {"fits": fits, "too_big": too_big, "refused": refused, "pruned": pruned}
 
 
 def _with(layout: Layout, **changes) -> Layout:
@@ -199,6 +218,9 @@ def _findings(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus:
         return "\n".join(lines)
     lines += [format_table(found, cluster, top), "", "why not:"]
     lines += [f"  {line}" for line in alternatives(found, cluster)]
+    if found.get("pruned"):
+        lines.append(f"  not evaluated: {found['pruned']} layouts whose matmuls and pipeline bubble alone are slower "
+                     "than the best")
     if found["refused"]:
         lines.append(f"  refused by mpitrain's config checks: {sum(found['refused'].values())} layouts, e.g. "
                      f"{next(iter(found['refused']))}")
