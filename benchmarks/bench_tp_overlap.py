@@ -4,7 +4,7 @@
 
 One MLP pair under sequence parallelism (a column-parallel up projection, a row-parallel down projection; forward and
 backward) is run for --steps steps in each mode, alternating, on the tp group of all ranks. The tp group's operations
-get a deterministic transfer time (MPITRAIN_COMM_LATENCY, comm/group.py), which compute can hide; on one host the
+get a deterministic transfer time (MPITRAIN_COMM_LATENCY, comm/latency.py), which compute can hide; on one host the
 transfers themselves are memory copies. Exposed tp time is what the step breakdown (profile/breakdown.py) charges to
 waits on the tp group. Prints per-mode means (step: the slowest rank; exposed tp: the most and the least over the
 ranks), the ratios, and the model of

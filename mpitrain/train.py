@@ -16,9 +16,9 @@ from mpitrain import tiles
 from mpitrain.backend import make_backend
 from mpitrain.checkpoint.manager import STORAGE_FAILED_EXIT_CODE, CheckpointManager
 from mpitrain.checkpoint.store import CheckpointWriteFailed
+from mpitrain.comm.counters import merge_counters
 from mpitrain.comm.failure import agree_on_user_errors
 from mpitrain.comm.flight import FlightRecorder, flight_signals
-from mpitrain.comm.group import merge_counters
 from mpitrain.comm.mesh import Mesh
 from mpitrain.comm.nccl import make_group_factory
 from mpitrain.comm.nodes import discover_nodes

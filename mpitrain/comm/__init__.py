@@ -1,8 +1,9 @@
 """Communication: process groups with byte counters, the parallel mesh, abort-on-error and the hang watchdog.
 The only MPI users."""
 
+from mpitrain.comm.counters import COUNTER_KINDS, merge_counters, ring_bytes
 from mpitrain.comm.failure import abort_on_error, run_or_abort
-from mpitrain.comm.group import COUNTER_KINDS, Group, GroupBase, merge_counters, ring_bytes
+from mpitrain.comm.group import Group, GroupBase
 from mpitrain.comm.mesh import (
     GROUP_KINDS,
     Coordinates,

@@ -4,102 +4,29 @@
 `HostStagedGroup` in comm/nccl.py on GPU arrays, with the same methods). All buffer methods work in place on
 contiguous arrays, counted in elements of the buffers' dtype, with ranks local to the group.
 
-Byte counters (`group.bytes_sent[kind]`) hold what THIS rank sends under the bandwidth-optimal (ring) algorithm of
-each operation, whatever algorithm MPI really picks, so that tests and reports can be checked against theory:
-
-    kind            bytes this rank sends for a B-byte buffer on N ranks
-    all_reduce      2(N-1)/N * B
-    reduce_scatter  (N-1)/N * B     B = the whole input (N blocks)
-    all_gather      (N-1)/N * B     B = the whole output (N blocks)
-    broadcast       B on the root, 0 elsewhere (the root sends the whole buffer once; relays are not counted)
-    send            B               (recv counts nothing: bytes are counted by the sender)
-    all_to_all      (N-1)/N * B     B = the send buffer; all_to_allv counts exactly what goes to other ranks
-    control         B               small control messages (all_reduce_scalar, _bits), kept apart so that the gradient
-                                    traffic counters above stay exact
-    cp_ring         B               isend(..., kind="cp_ring"): context parallelism's K/V ring (parallel/context.py)
-
-Totals are kept as exact fractions and rounded to the nearest integer when read. A group of size 1 sends nothing
-(every counter stays 0) and makes no MPI call: collectives become local copies or no-ops. Non-blocking operations
-are counted when issued.
+Byte counters (`group.bytes_sent[kind]`) hold what this rank sends under the ring algorithm of each operation
+(comm/counters.py has the table), so that tests and reports can be checked against theory.
 
 Every operation is entered in the rank's progress record (operations.py), which the watchdog reads to find a
 hang and who caused it; blocking calls and `Handle.wait` record what the rank waits on.
 
-A test and benchmark hook gives the MPI operations of some groups a deterministic transfer time, e.g.
-MPITRAIN_COMM_LATENCY="tp=0.02" (seconds; several groups separated by commas): each operation of a tp group then
-completes no earlier than 0.02 s after it was started, as on a slow link. A blocking call waits that long; a
-non-blocking one is not done (Test) before then, and its wait sleeps what is left, so compute issued in between hides
-it (profile/breakdown.py's MPITRAIN_COMM_DELAY instead adds its delay to every wait, hidden or not).
+A test hook gives the operations of some groups a deterministic transfer time (comm/latency.py).
 """
 
 from __future__ import annotations
 
 import abc
-import os
 import pickle
 import time
 from fractions import Fraction
 
 import numpy as np
 
+from mpitrain.comm.counters import COUNTER_KINDS, ring_bytes
+from mpitrain.comm.latency import LateRequest, latency_of
 from mpitrain.comm.operations import Handle, Operation, ProgressRecord
-from mpitrain.errors import ConfigError
 
-COUNTER_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "all_to_all", "control",
-                 "cp_ring")
 REDUCE_OPS = ("sum", "max", "min")
-LATENCY_ENV = "MPITRAIN_COMM_LATENCY"
-
-
-def latency_of(group_kind: str) -> float:
-    """Seconds every operation of a `group_kind` group takes at least, from MPITRAIN_COMM_LATENCY (0: none)."""
-    latencies = {}
-    for item in filter(None, (part.strip() for part in os.environ.get(LATENCY_ENV, "").split(","))):
-        kind, _, value = item.partition("=")
-        try:
-            latencies[kind.strip()] = float(value)
-        except ValueError:
-            raise ConfigError(f"{LATENCY_ENV}: {item!r} is not GROUP=SECONDS (e.g. tp=0.02)") from None
-    return latencies.get(group_kind, 0.0)
-
-
-class _Late:
-    """An MPI request that completes no earlier than `ready` (time.monotonic()): the latency hook."""
-
-    def __init__(self, request, ready: float):
-        self._request, self._ready = request, ready
-
-    def Test(self) -> bool:
-        return bool(self._request.Test()) and time.monotonic() >= self._ready
-
-    def Wait(self) -> None:
-        time.sleep(max(0.0, self._ready - time.monotonic()))
-        self._request.Wait()
-
-
-def ring_bytes(kind: str, nbytes: int, size: int, is_root: bool = False) -> Fraction:
-    """Bytes one rank sends for operation `kind` on an `nbytes` buffer across `size` ranks (see the module table)."""
-    if size == 1:
-        return Fraction(0)
-    share = Fraction(size - 1, size) * nbytes
-    if kind == "all_reduce":
-        return 2 * share
-    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
-        return share
-    if kind == "broadcast":
-        return Fraction(nbytes if is_root else 0)
-    if kind in ("send", "control", "cp_ring"):
-        return Fraction(nbytes)
-    raise ValueError(f"unknown communication kind {kind!r}; expected one of {', '.join(COUNTER_KINDS)}")
-
-
-def merge_counters(groups) -> dict[str, int]:
-    """Sum the byte counters of several groups per kind (exactly, rounded once at the end)."""
-    total = {kind: Fraction(0) for kind in COUNTER_KINDS}
-    for group in groups:
-        for kind, value in group.counters(exact=True).items():
-            total[kind] += value
-    return {kind: round(value) for kind, value in total.items()}
 
 
 class GroupBase(abc.ABC):
@@ -313,11 +240,11 @@ class Group(GroupBase):
         def late_run():
             time.sleep(self.latency_s)
             run()
-        return late_run, None if start is None else (lambda: _Late(start(), ready))
+        return late_run, None if start is None else (lambda: LateRequest(start(), ready))
 
     def _handle(self, operation: Operation, request, buffers) -> Handle:
         if self.latency_s:
-            request = _Late(request, time.monotonic() + self.latency_s)
+            request = LateRequest(request, time.monotonic() + self.latency_s)
         return Handle(request, buffers, operation, self.progress)
 
     # ---- collectives ---------------------------------------------------------------------------------------------

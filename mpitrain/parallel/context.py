@@ -15,7 +15,7 @@ micro-batch for one block (2 B Hkv T D e on this tp rank), each rank sends per b
     forward   (c-1)/c F               K/V, c-1 hops of F/c
     backward  2 (c-1)/c F             K/V again, c-1 hops, and dK/dV, c-1 hops (same size)
 
-counted on the cp group under the kind "cp_ring" (comm/group.py). Full recomputation repeats the forward's.
+counted on the cp group under the kind "cp_ring" (comm/counters.py). Full recomputation repeats the forward's.
 `cp_bytes_per_block` and `cp_bytes_per_step` give these bytes for every parallel.cp_kind (ring, Ulysses' all-to-alls,
 hybrid's both), by counter, for the planner; `hybrid_levels` why hybrid's two levels keep the zig-zag.
 

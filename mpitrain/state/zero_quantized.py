@@ -13,7 +13,7 @@ all-to-all quantizes each rank's own contribution exactly once; the owner of a b
 them in fp32 (or float64) in rank order, the same on every rank, so the error is at most the sum of N single
 quantization errors. Both send (N-1)/N of the message per rank.
 
-Bytes this rank sends, k elements per shard, N ranks, e bytes per element on the wire (`comm/group.py` counts the
+Bytes this rank sends, k elements per shard, N ranks, e bytes per element on the wire (`comm/counters.py` counts the
 same), per gather or reduce-scatter of one part:
 
     exact         (N-1) k e
