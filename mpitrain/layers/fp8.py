@@ -15,7 +15,9 @@ an out-of-range value into NaN, not the max. A tensor, tile or block whose amax 
 
 Scale conventions: per-tensor and block scales are float32 dequantization multipliers `scale_inv` (TE keeps both the
 quantizing `scale = max / amax` and its inverse; codes = cast(clip(x * scale)), values = codes * scale_inv);
-MX scales are powers of two stored as float8_e8m0fnu. `Quantized.dequantize` gives exactly codes * scale_inv.
+MX scales are powers of two stored as float8_e8m0fnu. `Quantized.dequantize` gives codes * scale_inv: exact in
+float64 (and for MX's powers of two); in float32 a non-power-of-two scale rounds each product once (2^-24 relative,
+where a tensor core applies the scales to the fp32 sum instead), far below fp8's own 2^-4.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class Quantized:
     block: tuple | None = None
 
     def dequantize(self, dtype=np.float32):
-        """codes * scale_inv in `dtype` (float32 or float64: both hold every fp8 value times its scale exactly)."""
+        """codes * scale_inv in `dtype` (float64: exact; float32: rounded once, see the module's docstring)."""
         values = self.codes.astype(dtype)
         if self.block is None:
             return values * self.scale_inv.astype(dtype)
