@@ -201,7 +201,7 @@ def _validate_schedules(cfg) -> None:
 
 
 def _validate_quantized_zero(cfg) -> None:
-    """ZeRO++'s quantized collectives (state/zero_quantized.py): which ZeRO stage, dtype and device they need."""
+    """ZeRO++'s quantized collectives (state/zero_quantized.py): which ZeRO stage and dtype they need."""
     p = cfg.parallel
     require(p.zero_quant_block >= 2 and p.zero_quant_block % 2 == 0,
             f"config key parallel.zero_quant_block = {p.zero_quant_block} must be an even number >= 2 (int4 packs "
@@ -217,9 +217,7 @@ def _validate_quantized_zero(cfg) -> None:
     require(p.zero_grad_reduce == "exact" or cfg.precision.grad_reduce == "float32",
             f"config key parallel.zero_grad_reduce = {p.zero_grad_reduce!r} excludes precision.grad_reduce = "
             f"{cfg.precision.grad_reduce!r}: the gradients have one wire format")
-    require(cfg.train.device == "cpu",
-            f"config keys parallel.zero_gather_dtype / zero_grad_reduce need train.device = 'cpu', got "
-            f"{cfg.train.device!r}: the block codecs (comm/quantized.py) run on numpy arrays")
+    # train.device = 'cuda' is allowed: the block codecs (comm/quantized.py) run on the arrays' own module
 
 
 def _require_finite_floats(cfg) -> None:

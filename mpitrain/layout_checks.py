@@ -25,9 +25,7 @@ def validate_tensor_parallel(cfg) -> None:
             f"matmuls, chunk by chunk along the sequence: it needs parallel.tp > 1 (is {t}) and "
             f"parallel.sequence_parallel = true (without it a region ends in an all-reduce of the whole sequence, "
             f"which has no sequence chunks to pipeline)")
-    require(not cfg.parallel.tp_overlap or cfg.train.collectives == "mpi",
-            "parallel.tp_overlap runs its ring over MPI point-to-point; train.collectives = 'nccl' has no lanes "
-            "for it yet: set train.collectives = 'mpi' or parallel.tp_overlap = false")
+    # train.collectives = 'nccl' is allowed: the ring's tag has NCCL lanes on the tp group (comm/nccl.py P2P_TAGS)
 
 
 def validate_context_parallel(cfg) -> None:
@@ -144,9 +142,8 @@ def validate_hierarchical_dp(cfg) -> None:
     require(cfg.precision.grad_reduce == "float32",
             f"{key} sums gradients with reduce-scatters and all-reduces in two levels; precision.grad_reduce = "
             f"'bfloat16' (an all-to-all of bf16 blocks) has no two-level form: set precision.grad_reduce = 'float32'")
-    require(cfg.train.device == "cpu",
-            f"{key} runs its two levels over MPI groups on host arrays; train.device = {cfg.train.device!r} (GPU "
-            "buffers, NCCL) is not supported with it yet: set train.device = 'cpu' or drop the key")
+    # train.device = 'cuda' is allowed: the two levels' buffers are made on the gradients' array module
+    # (comm/two_level.py) and each level is a group of the run's collectives (NCCL, or host-staged MPI)
     require(p.zero_grad_reduce == "exact" and p.zero_gather_dtype == "same",
             f"{key} has no quantized two-level form yet (parallel.zero_grad_reduce = {p.zero_grad_reduce!r}, "
             f"parallel.zero_gather_dtype = {p.zero_gather_dtype!r}): set them to 'exact' and 'same'")

@@ -47,8 +47,17 @@ from mpitrain.errors import ConfigError
 
 STANDIN_ENV = "MPITRAIN_NCCL_STANDIN"
 # Tags that get NCCL point-to-point lanes, per group kind: the pipeline's (parallel/pipeline.py TAGS: forward,
-# backward, tied) and the context-parallel ring's (parallel/context.py KV_TAG, GRAD_TAG).
-P2P_TAGS = {"pp": (0, 1, 2), "cp": (71, 72)}
+# backward, tied), the context-parallel ring's (parallel/context.py KV_TAG, GRAD_TAG) and the tp ring of
+# parallel.tp_overlap (layers/tp_overlap.py RING_TAG: one tag, its two directions on separate lanes).
+P2P_TAGS = {"pp": (0, 1, 2), "cp": (71, 72), "tp": (61,)}
+ACROSS_NODES = "_across"  # comm/mesh.py names a node-split group's levels f"{kind}_inside" / f"{kind}_across"
+
+
+def p2p_tags(kind: str) -> tuple[int, ...]:
+    """The tags with NCCL lanes on a group of `kind`. A group's level across nodes carries its kind's ring (hybrid
+    cp runs the cp ring on "cp_across"); the level inside a node only all-to-alls, so it gets none (lanes are
+    communicators, made collectively at start-up)."""
+    return P2P_TAGS.get(kind.removesuffix(ACROSS_NODES), ())
 
 
 # ---- runtimes ----------------------------------------------------------------------------------------------------
@@ -177,7 +186,7 @@ def make_group_factory(collectives: str, device: str, say=None):
             if say is not None:
                 say(f"collectives: ranks of group {kind} share a GPU; that group is host-staged through MPI")
             return HostStagedGroup(comm, kind, progress, runtime)
-        return NcclGroup(comm, kind, progress, runtime, p2p_tags=P2P_TAGS.get(kind, ()))
+        return NcclGroup(comm, kind, progress, runtime, p2p_tags=p2p_tags(kind))
     return make_group
 
 

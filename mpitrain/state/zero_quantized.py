@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpitrain.backend import array_module
 from mpitrain.comm.operations import Handle
 from mpitrain.comm.quantized import block_count, decode, encode, payload_nbytes, wire_nbytes
 from mpitrain.state.params import FlatBuffer, UnitLayout
@@ -46,7 +47,7 @@ class QuantizedComm:
 def pack(x, block: int, codec: str) -> np.ndarray:
     """One uint8 message: the codes of `x`, then its fp32 scales' bytes."""
     payload, scales = encode(x, block, codec)
-    return np.concatenate([payload, scales.view(np.uint8)])
+    return array_module(payload).concatenate([payload, scales.view(np.uint8)])
 
 
 def unpack(message, n: int, block: int, codec: str) -> np.ndarray:
@@ -66,7 +67,7 @@ def quantized_gather(layout: UnitLayout, shard, group, zero, codec: str, block: 
     state/zero.gather returns for an exact gather)."""
     buffer = FlatBuffer.allocate([layout], zero.backend.xp, zero.backend.dtype, align=zero.align)
     message = pack(shard, block, codec)
-    received = np.empty(group.size * message.size, np.uint8)
+    received = array_module(message).empty(group.size * message.size, np.uint8)  # where the shard lives
     k = shard.size
 
     def decode_all():
@@ -88,11 +89,11 @@ class QuantizedGradReducer:
         group interface has no non-blocking all_to_all."""
         n = self.group.size
         k = send.size // n
-        pieces = send.reshape(n, k)
-        outgoing = np.concatenate([pack(pieces[rank], self.block, self.codec) for rank in range(n)])
-        received = np.empty_like(outgoing)
+        pieces, xp = send.reshape(n, k), array_module(send)
+        outgoing = xp.concatenate([pack(pieces[rank], self.block, self.codec) for rank in range(n)])
+        received = xp.empty_like(outgoing)
         self.group.all_to_all(outgoing, received)
-        total = np.zeros(k, self.sum_dtype)
+        total = xp.zeros(k, self.sum_dtype)
         for piece in split_messages(received, n):  # rank order: the same sum on every rank
             total += unpack(piece, k, self.block, self.codec)
         return Handle.completed(total)
