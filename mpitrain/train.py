@@ -221,7 +221,7 @@ class Trainer:
             if MoeSettings.of(cfg.model).balance == "bias":  # the routing biases follow the step's expert loads
                 self.model.update_routing_biases(state, step_expert_loads(aux, self.mesh.dp_cp))
         state.after_step()
-        end_delayed_step(self.fp8_gemms, self.mesh.dp_cp)  # precision.fp8 = "delayed": the step's amaxes enter
+        end_delayed_step(self.fp8_gemms, {"dp_cp": self.mesh.dp_cp, "expert_dp": self.mesh.expert_dp})  # fp8 delayed
         self.breakdown.pop()
         if self.guard.strikes("flip", step + 1):
             flip_one_bit(self.optimizer.segments)

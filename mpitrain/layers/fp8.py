@@ -219,6 +219,7 @@ class Fp8Gemms:
         self.delayed: dict[str, DelayedScaling] = {}
         self.scales: dict[str, tuple[float, float]] = {}
         self.weight_elements: dict[str, int] = {}  # per weight: what a GPU run caches in fp8 (fp8_extra_bytes)
+        self.data_group = "dp_cp"  # the mesh group of the ranks holding the same weights (experts: "expert_dp")
 
     @property
     def group_size(self) -> int:
@@ -282,17 +283,20 @@ class Fp8Gemms:
         return self.delayed[key]
 
 
-def end_delayed_step(gemms: list[Fp8Gemms], group=None) -> None:
-    """End of a training step under delayed scaling: each tensor role's step amax, the max over `group` (the ranks
-    holding the same layers: data and context parallel; tp was reduced call by call), enters its history."""
-    histories = [g.delayed[key] for g in gemms for key in sorted(g.delayed)]
-    if not histories:
-        return
-    amaxes = np.array([h.current for h in histories], dtype=np.float64)
-    if group is not None and group.size > 1:
-        group.all_reduce(amaxes, "max")
-    for history, amax in zip(histories, amaxes):
-        history.roll(float(amax))
+def end_delayed_step(gemms: list[Fp8Gemms], groups: dict) -> None:
+    """End of a training step under delayed scaling: each operand's step amax, the max over the ranks holding the
+    same weights (`groups[g.data_group]`: data and context parallel, for experts the expert data-parallel group; tp
+    was reduced call by call), enters its history. One all-reduce per group kind, in a fixed order."""
+    for kind in ("dp_cp", "expert_dp"):
+        histories = [g.delayed[key] for g in gemms if g.data_group == kind for key in sorted(g.delayed)]
+        if not histories:
+            continue
+        amaxes = np.array([h.current for h in histories], dtype=np.float64)
+        group = groups.get(kind)
+        if group is not None and group.size > 1:
+            group.all_reduce(amaxes, "max")
+        for history, amax in zip(histories, amaxes):
+            history.roll(float(amax))
 
 
 def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
@@ -316,6 +320,8 @@ def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
                            for part in pair]
             for target, name, group in targets:
                 target.fp8 = Fp8Gemms(recipe, group, history, name)
+                if target is layer:  # experts: the same expert's copies lie across expert data parallelism
+                    target.fp8.data_group = "expert_dp"
                 gemms.append(target.fp8)
     return gemms
 
