@@ -14,6 +14,12 @@ prediction for the same layout is printed beside it with the ratio predicted / m
 bytes (the fuller pipeline stage). The layouts cover data parallelism at ZeRO 0-3, tensor parallelism, each
 pipeline schedule, context and expert parallelism, full recomputation and optimizer offload.
 Nothing is asserted (clock readings belong here, not in tests); the last line counts the layouts within 15%.
+
+    python benchmarks/bench_plan.py --search [--before REV]
+
+times the search itself instead, side by side: `mpitrain plan` of a few models as of git revision REV (default
+c76a0c1, before the search was profiled: a rank's MoE note built the whole model once per evaluated layout) and as
+now, and now without pruning (search(prune=False)); CPU seconds of one process each, the fastest of two runs.
 """
 from __future__ import annotations
 
@@ -60,14 +66,59 @@ def overrides(layout: Layout) -> list[str]:
         f"memory.offload=\"{layout.offload}\""]
 
 
+SEARCHES = (("mixtral-8x7b", "h100", 16), ("llama3-70b", "h100", 64), ("llama3-405b", "h100", 8192))
+PRUNE_OFF = ("import sys; from mpitrain.plan import search as s; f = s.search; "
+             "s.search = lambda *a, **k: f(*a, **{**k, 'prune': False}); sys.argv[1:] = {argv!r}; "
+             "from mpitrain.cli import main; main()")
+
+
+def search_seconds(argv: list[str], pythonpath: str, prune: bool = True) -> tuple[float, str]:
+    """CPU seconds (user + system, this process's child) of one `mpitrain plan` and its first line."""
+    import resource
+    import subprocess
+    import sys
+    command = [sys.executable, "-m", "mpitrain.cli", *argv] if prune else \
+        [sys.executable, "-c", PRUNE_OFF.format(argv=argv)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": pythonpath},
+                          cwd=pythonpath, timeout=1800)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        return float("nan"), done.stderr.strip().splitlines()[-1]
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return cpu, done.stdout.splitlines()[0]
+
+
+def bench_search(before: str) -> None:
+    """The search's time as of `before` and now, side by side (module docstring)."""
+    import subprocess
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as old_tree:
+        archive = subprocess.run(["git", "archive", before], capture_output=True, cwd=repo, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+        print(f"{'search':<32} {'before s':>9} {'now s':>8} {'no prune s':>10} {'speed-up':>8}  evaluated (now)")
+        for model, cluster, gpus in SEARCHES:
+            argv = ["plan", model, cluster, "--gpus", str(gpus), "--top", "1"]
+            old = min(search_seconds(argv, old_tree)[0] for _ in range(2))
+            now, line = min((search_seconds(argv, str(repo)) for _ in range(2)), key=lambda pair: pair[0])
+            unpruned = search_seconds(argv, str(repo), prune=False)[0]
+            evaluated = line.split(": ", 1)[-1].split(" evaluated")[0]
+            print(f"{model} x {gpus:<18} {old:>9.1f} {now:>8.1f} {unpruned:>10.1f} {old / now:>7.1f}x  {evaluated}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--search", action="store_true", help="time the search, before and now (docstring)")
+    parser.add_argument("--before", default="c76a0c1", help="--search: the git revision to compare with")
     parser.add_argument("--config", default="configs/bench-small.toml")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     parser.add_argument("--no-calibrate", action="store_true", help="reuse configs/clusters/this-machine.toml")
     args = parser.parse_args()
+    if args.search:
+        bench_search(args.before)
+        return
     calibrate_each_round = args.no_calibrate is False or not (CLUSTER_DIR / "this-machine.toml").is_file()
     names = args.only.split(",") if args.only else list(LAYOUTS)
     measured: dict[str, list[float]] = {name: [] for name in names}

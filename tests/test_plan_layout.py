@@ -74,3 +74,22 @@ def test_nearest_faster_layout_changes_fewest_fields_and_names_the_shrinking_par
     better = nearest_better(slow, [r for r in candidates if r["step_s"] < slow["step_s"]])
     assert better["layout"]["schedule"] == "interleaved"
     assert shrinking_parts(slow, better).startswith("pipeline bubble -")
+
+
+def test_the_search_lower_bound_never_exceeds_the_estimate():
+    """The search skips layouts by step_lower_bound: it must stay below the step estimate() gives each layout."""
+    from mpitrain.plan.cost import step_lower_bound
+    from mpitrain.plan.search import candidate_layouts
+    for model, gpus in (("llama3-8b", 16), ("mixtral-8x7b", 16)):
+        cfg, _ = model_config(model)
+        cluster = load_cluster("h100")
+        checked = 0
+        for group in list(candidate_layouts(cfg, gpus, cluster))[::61]:
+            for layout in group:
+                try:
+                    result = estimate(cfg, layout, cluster)
+                except ConfigError:
+                    continue
+                assert step_lower_bound(cfg, layout, cluster) <= result["step_s"] * (1 + 1e-9), layout
+                checked += 1
+        assert checked > 8

@@ -10,6 +10,7 @@ refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so tha
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -69,13 +70,15 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
         ([("zbv", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
     zeros = [0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2]  # ZeRO-3 under pp: regathers
     recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
-    for micro_batch in MICRO_BATCHES:
+    # Ulysses where the heads split over tp x cp (its all-to-alls against the ring's K/V passes; config refuses the
+    # rest)
+    cp_kinds = ["ring"] + ["ulysses"] * (mesh.cp > 1 and cfg.model.n_head % (mesh.tp * mesh.cp) == 0)
+    for micro_batch, (schedule, v), zero, cp_kind in itertools.product(MICRO_BATCHES, schedules, zeros, cp_kinds):
         if cfg.train.global_batch % (mesh.dp * micro_batch):
             continue
-        for schedule, v in schedules:
-            for zero in zeros:  # recomputation only adds FLOPs: the search stops at the first mode that fits
-                yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
-                              etp=mesh.etp) for recompute in recomputes]
+        # recomputation only adds FLOPs: the search stops at the first mode that fits
+        yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
+                      etp=mesh.etp, cp_kind=cp_kind) for recompute in recomputes]
 
 
 def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None, prune: bool = True) -> dict:
