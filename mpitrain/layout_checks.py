@@ -144,9 +144,8 @@ def validate_hierarchical_dp(cfg) -> None:
             f"'bfloat16' (an all-to-all of bf16 blocks) has no two-level form: set precision.grad_reduce = 'float32'")
     # train.device = 'cuda' is allowed: the two levels' buffers are made on the gradients' array module
     # (comm/two_level.py) and each level is a group of the run's collectives (NCCL, or host-staged MPI)
-    require(p.zero_grad_reduce == "exact" and p.zero_gather_dtype == "same",
-            f"{key} has no quantized two-level form yet (parallel.zero_grad_reduce = {p.zero_grad_reduce!r}, "
-            f"parallel.zero_gather_dtype = {p.zero_gather_dtype!r}): set them to 'exact' and 'same'")
+    # quantized parallel.zero_grad_reduce / zero_gather_dtype are allowed: each level quantizes and sums in full
+    # precision (state/hierarchical_quantized.py)
 
 
 def groups_split_by_node(cfg) -> tuple[str, ...]:

@@ -32,11 +32,12 @@ import numpy as np
 
 from mpitrain.backend import wire_view
 from mpitrain.state.frozen import frozen_nbytes, hold_frozen, split_frozen, with_frozen
+from mpitrain.state.hierarchical_quantized import make_grad_reducer
 from mpitrain.state.offload import OnDevice
 from mpitrain.state.params import FlatBuffer, UnitLayout, initial_unit_flat, intersect
 from mpitrain.state.reduce import add_into
 from mpitrain.state.strategy import Segment, ShardLayout, StateStrategy, add_up, norm_ranges, squared_sum
-from mpitrain.state.zero_quantized import QuantizedComm, make_grad_reducer, quantized_gather
+from mpitrain.state.zero_quantized import QuantizedComm, quantized_gather
 
 
 class FullParams:
