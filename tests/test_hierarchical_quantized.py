@@ -51,7 +51,9 @@ def run(layout, modes):
     expected = cross_node_step_bytes(p.zero, p.zero_shard, state.shard_sizes, across.size, 8, 8, state.quantized,
                                      trainer.accumulation, p.reshard_after_forward)
     params = np.concatenate([s.params for s in state.optimizer_segments()]).astype(np.float64)
-    return {"losses": losses, "crossed": crossed, "params": params, "state": state,
+    held = world.allgather((state.group.rank, params))  # under node: each copy of a shard bit for bit the same
+    copies_equal = all(np.array_equal(a, b) for place, a in held for other, b in held if other == place)
+    return {"losses": losses, "crossed": crossed, "params": params, "state": state, "copies_equal": copies_equal,
             "expected": {k: str(v) for k, v in expected.items() if v},
             "geometry": {"psi": state.geometry.size * 8, "k": state.group.inside.size, "n": across.size,
                          "micro_batches": trainer.accumulation}}
@@ -94,16 +96,18 @@ for name, (layout, modes) in LAYOUTS.items():
     exact, got = run(layout, ("same", "exact")), run(layout, modes)
     out[name] = {**compare(got, exact), "crossed": got["crossed"], "expected": got["expected"],
                  "exact_crossed": exact["crossed"], "exact_expected": exact["expected"],
-                 "geometry": exact["geometry"], "reducer_ratio": reducer_check(got["state"].group, modes[1])}
+                 "geometry": exact["geometry"], "copies_equal": got["copies_equal"],
+                 "reducer_ratio": reducer_check(got["state"].group, modes[1])}
 if world.rank == 0:
     print("RESULTS " + json.dumps(out))
 """
 
 
 def test_quantized_hierarchical_zero_crosses_nodes_as_the_formula_says_within_codec_bounds():
-    """Per layout: every step's cross-node bytes are the formula's, quantized and exact; the exact ones are also
-    state/hierarchical.cross_node_bytes'; one reduction within its bound; the run within test_zero_quantized's
-    bounds (loss: the codec's relative bound; parameters: Adam's drift of 2 lr per step)."""
+    """Per layout: the copies of each shard stay bit for bit the same; every step's cross-node bytes are the
+    formula's, quantized and exact, the exact ones also state/hierarchical.cross_node_bytes'; one reduction within
+    its bound; the run within test_zero_quantized's bounds (loss: the codec's relative bound; parameters: Adam's
+    drift of 2 lr per step)."""
     out = run_python_mpi_results(4, JOB, timeout=300, env={"MPITRAIN_FAKE_NODES": "2"})
     o = load_config("configs/tiny.toml", ["optim.warmup_steps=1", "train.steps=4"]).optim
     drift = sum(2 * adam_step_bound(t + 1) * lr_at(t, o.lr, o.min_lr, o.warmup_steps, 4, o.schedule)
@@ -112,6 +116,7 @@ def test_quantized_hierarchical_zero_crosses_nodes_as_the_formula_says_within_co
     for name, got in out.items():
         zero, zero_shard = int(name.split()[1][-1]), "node" if name.startswith("node") else "world"
         assert all(step == got["expected"] for step in got["crossed"]), name
+        assert got["copies_equal"], name
         assert all(step == got["exact_expected"] for step in got["exact_crossed"]), name
         g = got["geometry"]
         exact_total = sum(Fraction(v) for v in got["exact_expected"].values())
