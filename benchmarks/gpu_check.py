@@ -18,10 +18,15 @@ Stages (`--stages a,b`; default: all; `--sizes` picks the bench models, default 
                  TFLOP/s per path (the 1.3b one with the fused path must reach 40%), the time breakdown, CuPy's pool
                  high-water mark against what `mpitrain memory` plans (gpu_check_bench.py);
   dp2-staged     2 ranks sharing the GPU (NCCL refuses that: host-staged groups), dp 2, the same parity as gpu-parity;
-  cp2-staged     2 ranks sharing the GPU, cp 2 (ring attention's K/V ring on device arrays), the same parity.
+  cp2-staged     2 ranks sharing the GPU, cp 2 (ring attention's K/V ring on device arrays), the same parity;
+  features       4 ranks sharing the GPU on two fake nodes, the newer features on device arrays, each run at the
+                 same parity: tp_overlap's ring under tp 2 with hybrid cp 2 (Ulysses inside a node, the ring across),
+                 then ZeRO-3 over dp 4 with the two-level reduction (FEATURE_RUNS). Quantized ZeRO's codecs are
+                 checked in gpu-tests (bit for bit numpy's on device arrays).
 A stage starts only if its whole limit fits in what is left of the budget, else it is "not reached" (not a failure):
 run those in a second call with `--stages`. In the default plan every stage through dp2-staged fits even if each
-earlier one runs to its limit; cp2-staged runs when they leave it its 40 s (print_plan says so).
+earlier one runs to its limit; cp2-staged and features run when they leave them their limits (print_plan
+says so).
 The end of the output: SUMMARY (one line per stage: verdict, seconds, its numbers), then "GPU CHECK PASSED",
 "GPU CHECK FAILED: ..." (exit 1) or "GPU CHECK INCOMPLETE: ..." with the command that finishes it (exit 2), then
 one JSON object with everything.
@@ -60,7 +65,8 @@ from gpu_check_process import (  # noqa: E402
 BUDGET_S = 450  # the whole call ends well inside one device command (600 s at most)
 DEFAULT_SIZES = ("1.3b",)  # the MFU verdict; the smaller ones in a second call
 GPU_TESTS = ("tests/test_gpu_kernels.py", "tests/test_gpu_attention_glue.py", "tests/test_cudnn_graphs.py",
-             "tests/test_gpu_paths.py")
+             "tests/test_gpu_paths.py",  # then single tests of files whose other tests are for CPUs (MPI, stand-in)
+             "tests/test_gpu_new_features.py::test_codecs_on_the_gpu_give_numpys_bytes")
 __all__ = ["NCCL_CHECKS", "NCCL_DTYPES", "PARITY_LIMIT", "nccl_inner", "run", "subprocess_env"]  # for the tests
 
 
@@ -83,6 +89,8 @@ STAGES = (
     Stage("dp2-staged", 40, "dp 2 on ranks sharing the GPU (host-staged) trains as the CPU does", ("cpu-reference",)),
     Stage("cp2-staged", 40, "cp 2 ring attention on ranks sharing the GPU trains as the CPU does",
           ("cpu-reference",)),
+    Stage("features", 60, "tp_overlap x hybrid cp, and two-level ZeRO-3, on 4 ranks sharing the GPU train as "
+                                 "the CPU does", ("cpu-reference",)),
 )
 BENCH_BEFORE = "dp2-staged"  # the bench stages go before it: the MFU verdict does not wait on host-staged ranks
 STAGE_KEYS = (*(stage.key for stage in STAGES), "bench")
@@ -166,7 +174,7 @@ def environment(limit_s: float) -> dict:
 
 # ---- gpu tests ---------------------------------------------------------------------------------------------------
 def gpu_tests(limit_s: float) -> dict:
-    files = [name for name in GPU_TESTS if (ROOT / name).exists()]
+    files = [name for name in GPU_TESTS if (ROOT / name.split("::")[0]).exists()]
     status, output = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files], limit_s)
     last = output.strip().splitlines()[-1] if output.strip() else ""
     skipped = unexpected_skips(output)
@@ -183,14 +191,15 @@ def unexpected_skips(pytest_output: str) -> list[str]:
 
 
 # ---- float64 parity against the CPU path -------------------------------------------------------------------------
-def train(out: Path, ranks: int, overrides: tuple[str, ...], limit_s: float) -> tuple[int, str]:
+def train(out: Path, ranks: int, overrides: tuple[str, ...], limit_s: float, env: dict | None = None
+          ) -> tuple[int, str]:
     args = [sys.executable, "-m", "mpitrain", "train", "configs/tiny.toml", "--out", str(out),
             "--set", "data.synthetic=true", "--set", "precision.compute=float64", "--set", "train.steps=10"]
     for setting in overrides:
         args += ["--set", setting]
     if ranks > 1:
         args = [find_mpiexec() or "mpiexec", "-n", str(ranks), *args]
-    return run(args, limit_s)
+    return run(args, limit_s, env)
 
 
 def compare_runs(reference: Path, other: Path) -> dict:
@@ -213,6 +222,30 @@ PARITY_RUNS = {  # stage -> (ranks, settings over the CPU reference's)
     "dp2-staged": (2, ("train.device=cuda", "train.collectives=nccl", "parallel.dp=2")),
     "cp2-staged": (2, ("train.device=cuda", "train.collectives=nccl", "parallel.cp=2")),
 }
+
+
+# features: 4 ranks on two fake nodes (comm/nodes.py MPITRAIN_FAKE_NODES; all share the one GPU, so every
+# group is host-staged), one run per layout, each at parity with the CPU reference
+FEATURE_RUNS = {
+    "tp_overlap-hybrid-cp": ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
+                             "parallel.cp=2", "parallel.cp_kind=hybrid"),
+    "two_level-zero3": ("parallel.zero=3", "parallel.dp_reduce=two_level", "train.micro_batch=1"),
+}
+FEATURE_NODES = {"MPITRAIN_FAKE_NODES": "2"}
+
+
+def features(work: Path, limit_s: float, clock=time.monotonic) -> dict:
+    """Each FEATURE_RUNS layout on the GPU against the CPU reference, in the time the stage has left."""
+    start, runs = clock(), {}
+    for name, settings in FEATURE_RUNS.items():
+        left = limit_s - (clock() - start)
+        status, output = train(work / name, 4, ("train.device=cuda", "train.collectives=nccl", *settings), left,
+                               FEATURE_NODES)
+        if status:
+            return {"passed": False, "failed_run": name, "status": status, "runs": runs,
+                    **failed_output(status, output)}
+        runs[name] = {**compare_runs(work / "cpu-reference", work / name), "host_staged": "share a GPU" in output}
+    return {"passed": all(run["parity_1e-10"] for run in runs.values()), "runs": runs}
 
 
 def cpu_reference(work: Path, limit_s: float) -> dict:
@@ -246,6 +279,8 @@ def body_of(stage: Stage, work: Path):
         return lambda limit_s: cpu_reference(work, limit_s)
     if stage.key in PARITY_RUNS:
         return lambda limit_s: parity(stage.key, work, limit_s)
+    if stage.key == "features":
+        return lambda limit_s: features(work, limit_s)
     return lambda limit_s: bench(stage.key.removeprefix("bench-"), limit_s)
 
 
@@ -301,7 +336,7 @@ SUMMARY_KEYS = ("seconds", "limit_s", "summary", "checks_passed", "checks", "los
                 "planned_bytes", "pool/planned", "breakdown", "mfu_cublas", "tokens_per_s_cublas", "step_time_s_cublas",
                 "fused_step_speedup", "worst_error", "parity_limit", "per_shape", "failed_shapes", "error",
                 "error_cublas", "switch_error", "gpu", "cupy", "nccl_version", "cudnn", "mpi", "mpiexec",
-                "cupy_error", "cudnn_error", "mpi_error", "needs", "budget_left_s")
+                "cupy_error", "cudnn_error", "mpi_error", "needs", "budget_left_s", "runs", "failed_run")
 
 
 def summary(results: dict[str, dict]) -> str:

@@ -43,10 +43,10 @@ def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 def test_the_default_plan_fits_its_budget_and_settles_the_most_first():
     stages = gpu_check.plan()
     assert keys(stages) == ["environment", "gpu-tests", "attention", "nccl", "cpu-reference", "gpu-parity",
-                            "bench-1.3b", "dp2-staged", "cp2-staged"]
+                            "bench-1.3b", "dp2-staged", "cp2-staged", "features"]
     # the MFU verdict and everything before it start even if every earlier stage runs to its limit
     sure = gpu_check.sure_to_start(stages)
-    assert sure == keys(stages)[:-1]
+    assert sure == keys(stages)[:-2]
     assert sum(stage.limit_s for stage in stages if stage.key in sure) <= gpu_check.BUDGET_S
     assert set(gpu_check.BENCH_LIMIT_S) == set(gpu_check.MODELS)
     assert gpu_check.MFU_GOAL == 0.40
@@ -83,8 +83,8 @@ def test_dry_run_prints_the_selected_plan_and_runs_nothing(tmp_path):
     assert listed == keys(gpu_check.plan())
     assert "  attention        45 s  fused attention = cuBLAS's in bf16 (within 0.02 of the largest value)" in (
         default.stdout)
-    assert ("limits add up to 480 s of a 450 s budget; cp2-staged: started only if the stages before leave the time, "
-            "else not reached\n") in default.stdout
+    assert ("limits add up to 540 s of a 450 s budget; cp2-staged, features: started only if the stages before leave "
+            "the time, else not reached\n") in default.stdout
     assert keys(gpu_check.plan(["attention"])) == ["environment", "attention"]
     assert run_script("--dry-run", "--stages", "gpu").returncode == 2  # argparse's error: unknown stage
 

@@ -25,6 +25,7 @@ import pytest
 from mpitrain.comm.nccl import STANDIN_ENV, p2p_tags
 from mpitrain.comm.quantized import decode, e4m3fn_codes, e4m3fn_values, encode
 from mpitrain.config import load_config
+from mpitrain.kernels import cupy_status
 from mpitrain.layers.tp_overlap import RING_TAG
 from mpitrain.parallel.context import GRAD_TAG, KV_TAG
 from tests.fake_device import device_work_error, fake_cupy, fake_device_array
@@ -32,6 +33,9 @@ from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
 from tests.test_context_parallel import ARCH, assert_same_run
 from tests.test_context_parallel import train_run as one_process_run
 from tests.test_train_parity import PARITY_STEPS, final_params
+
+GPU_USABLE, GPU_REASON = cupy_status()
+needs_gpu = pytest.mark.skipif(not GPU_USABLE, reason=f"needs a CUDA GPU: {GPU_REASON}")
 
 
 # ---- lanes and refusals (no MPI) ----------------------------------------------------------------------------------
@@ -79,6 +83,27 @@ def test_fp8_codes_by_arithmetic_are_ml_dtypes_cast_bit_for_bit():
     codes = np.arange(256, dtype=np.uint8)
     np.testing.assert_array_equal(e4m3fn_values(np, codes),
                                   codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_codecs_on_the_gpu_give_numpys_bytes(codec):
+    """On a GPU (benchmarks/gpu_check.py runs this): payload, scales and decoded values of CuPy arrays are the numpy
+    path's bit for bit, and the fp8 codes of every probe value (NaN included) are ml_dtypes' cast."""
+    import cupy
+    rng = np.random.default_rng(3)
+    values = np.concatenate([np.nan_to_num(fp8_probe_values()), rng.standard_normal(1000) * np.exp(rng.uniform(
+        -20, 20, 1000))]).astype(np.float32)
+    payload, scales = encode(values, 64, codec)
+    on_device = encode(cupy.asarray(values), 64, codec)
+    assert all(isinstance(part, cupy.ndarray) for part in on_device)
+    np.testing.assert_array_equal(cupy.asnumpy(on_device[0]), payload)
+    np.testing.assert_array_equal(cupy.asnumpy(on_device[1]), scales)
+    np.testing.assert_array_equal(cupy.asnumpy(decode(*on_device, values.size, 64, codec)),
+                                  decode(payload, scales, values.size, 64, codec))
+    probes = fp8_probe_values()
+    np.testing.assert_array_equal(cupy.asnumpy(e4m3fn_codes(cupy, cupy.asarray(probes))),
+                                  probes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
@@ -250,3 +275,16 @@ def single_llama(tmp_path_factory):
 ], ids=["tp_overlap-tp2-x-hybrid-cp2", "two_level-zero3-dp4"])
 def test_new_features_through_nccl_groups_match_one_process(tmp_path, single_llama, overrides):
     assert_same_run(single_llama, standin_run(tmp_path / "run", *overrides), " ".join(overrides))
+
+
+# ---- what the device check runs of these features (benchmarks/gpu_check.py) ---------------------------------------
+def test_the_device_check_runs_these_features():
+    """The layouts of gpu_check's features stage are valid on cuda with 4 ranks, and the device tests it names here
+    exist, so the next machine with a GPU runs them instead of failing on a stale name."""
+    from tests.test_gpu_check import gpu_check
+    for settings in gpu_check.FEATURE_RUNS.values():
+        cfg = load_config("configs/tiny.toml", ["train.device=cuda", "train.collectives=nccl", *settings])
+        assert cfg.train.device == "cuda"
+    named = [name.split("::")[1] for name in gpu_check.GPU_TESTS if name.startswith("tests/test_gpu_new_features.py")]
+    assert named and all(name in globals() for name in named)
+    assert gpu_check.plan(["features"])[-1].key == "features"
