@@ -7,7 +7,7 @@
   (hybrid) through the stand-in matches one process at 1e-10;
 - hierarchical data parallelism (comm/two_level.py) over NCCL groups: the same job runs TwoLevelGroup's and
   NodeShardGroup's operations on NCCL groups against the MPI ones; a dp 4 ZeRO-3 two_level run through the stand-in
-  on two fake nodes matches one process at 1e-10;
+  on two fake nodes matches one process at 1e-10; on fake CuPy arrays its scratch buffers are device arrays;
 - quantized ZeRO (comm/quantized.py, state/zero_quantized.py): the codecs' device route for fp8 (arithmetic, since
   CuPy has no float8 dtype) is ml_dtypes' cast bit for bit; the quantized gather and reduce-scatter on NCCL groups
   give the MPI groups' bytes; on fake CuPy arrays (tests/fake_device.py) encode and decode get past every
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -24,11 +25,12 @@ import pytest
 
 from mpitrain.comm.nccl import STANDIN_ENV, p2p_tags
 from mpitrain.comm.quantized import decode, e4m3fn_codes, e4m3fn_values, encode
+from mpitrain.comm.two_level import TwoLevelGroup
 from mpitrain.config import load_config
 from mpitrain.kernels import cupy_status
 from mpitrain.layers.tp_overlap import RING_TAG
 from mpitrain.parallel.context import GRAD_TAG, KV_TAG
-from tests.fake_device import device_work_error, fake_cupy, fake_device_array
+from tests.fake_device import device_work_error, fake_cupy, fake_device_array, host_allocator
 from tests.mpi_helpers import describe, run_mpi, run_python_mpi_results
 from tests.test_context_parallel import ARCH, assert_same_run
 from tests.test_context_parallel import train_run as one_process_run
@@ -118,6 +120,48 @@ def test_codecs_on_fake_device_arrays_reach_device_work(codec):
     with pytest.raises(device_work_error(cupy)):
         decode(fake_device_array(cupy, payload), fake_device_array(cupy, scales), 100, 32, codec)
 
+
+
+# ---- two-level collectives on fake device arrays ------------------------------------------------------------------
+class PendingLevel:
+    """One level of a two-level group that records the arrays it is handed; its operations never land, so a
+    two-level operation stops after its first stage (fake device arrays can do no device work)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank, self.handed = size, rank, []
+
+    def _record(self, *arrays):
+        self.handed += arrays
+        return SimpleNamespace(test=lambda: False, wait=lambda: None)
+
+    def ireduce_scatter(self, send, recv, op="sum"):
+        return self._record(send, recv)
+
+    def iall_gather(self, send, recv):
+        return self._record(send, recv)
+
+
+def test_two_level_scratch_buffers_are_made_on_the_device():
+    """TwoLevelGroup's pieces and padding are made where the gradients live: each level is handed device arrays
+    (np.empty there would hand it host buffers), and the reduce-scatter's node-major reorder is device work."""
+    cupy = fake_cupy()
+    flat = SimpleNamespace(name="dp", rank=1, size=4, world_ranks=[0, 1, 2, 3])
+    levels = []
+    with host_allocator(cupy):
+        for operation in ("iall_reduce", "iall_gather"):
+            inside, across = PendingLevel(2, 1), PendingLevel(2, 0)
+            group = TwoLevelGroup(flat, inside, across, [0, 2, 1, 3])
+            send = fake_device_array(cupy, np.arange(8, dtype=np.float32))
+            if operation == "iall_reduce":
+                group.iall_reduce(send)
+            else:
+                group.iall_gather(send, fake_device_array(cupy, np.zeros(32, np.float32)))
+            levels += [inside, across]
+        with pytest.raises(device_work_error(cupy)):
+            TwoLevelGroup(flat, PendingLevel(2, 1), PendingLevel(2, 0), [0, 2, 1, 3]).ireduce_scatter(
+                send, fake_device_array(cupy, np.zeros(2, np.float32)))
+    handed = [array for level in levels for array in level.handed]
+    assert len(handed) == 4 and all(type(array) is cupy.ndarray for array in handed), [type(a) for a in handed]
 
 # ---- the groups through the NCCL stand-in (one 4-rank job on two fake nodes) ------------------------------------
 GROUPS_JOB = r"""
