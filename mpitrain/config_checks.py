@@ -149,8 +149,8 @@ def validate(cfg) -> None:
 
 
 def _validate_fp8(cfg) -> None:
-    """precision.fp8 is a numpy emulation (mpitrain/layers/fp8.py): CPU only, and not under LoRA's adapters (they
-    would read the quantized input). Any compute dtype is allowed: the fp8 values are multiplied in fp32 (float64
+    """precision.fp8 is a numpy emulation (mpitrain/layers/fp8.py): CPU only (LoRA's adapters run in the compute
+    dtype on the unquantized input). Any compute dtype is allowed: the fp8 values are multiplied in fp32 (float64
     under float64) and only the GEMM outputs are stored in the compute dtype; with float16 the loss scale is absorbed
     by the output gradients' own fp8 scale, so it changes no fp8 code."""
     fp8 = cfg.precision.fp8
@@ -158,8 +158,6 @@ def _validate_fp8(cfg) -> None:
         return
     require(cfg.train.device == "cpu", f"config key precision.fp8 = {fp8!r} is emulated in numpy: it needs "
             f"train.device = 'cpu', got {cfg.train.device!r}")
-    require(cfg.lora.rank == 0, f"config key precision.fp8 = {fp8!r} excludes lora.rank = {cfg.lora.rank}: the "
-            "adapters would read the fp8-quantized input of their linear")
     if fp8 in ("block", "mxfp8"):
         _validate_fp8_blocks(cfg, 128 if fp8 == "block" else 32)
 

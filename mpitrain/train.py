@@ -28,7 +28,7 @@ from mpitrain.data.documents import documents_from_starts
 from mpitrain.errors import MpitrainError
 from mpitrain.kernels.attention import describe_attention_path
 from mpitrain.layers.expert_parallel import ExpertParallel
-from mpitrain.layers.fp8 import apply_fp8, delayed_state, end_delayed_step, load_delayed_state
+from mpitrain.layers.fp8 import apply_fp8, delayed_state, end_delayed_step, load_delayed_state, scales_only
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.layout_checks import groups_split_by_node
@@ -274,8 +274,9 @@ class Trainer:
         """The loss sum of data-parallel rank `peer`'s micro-batches of data batch `batch`, forward only from this
         rank's parameters (the same as the peer's): a replay's check of the peer's own result."""
         micro_batches = global_batch // (self.cfg.parallel.dp * self.cfg.train.micro_batch)
-        loss_sum = self.pipeline.forward_only(
-            lambda micro: self._micro_batch(self.train_data, batch, micro, global_batch, peer), micro_batches)
+        with scales_only(self.fp8_gemms):  # precision.fp8: a check, not a training forward
+            loss_sum = self.pipeline.forward_only(
+                lambda micro: self._micro_batch(self.train_data, batch, micro, global_batch, peer), micro_batches)
         self.model.pop_aux_losses()  # model.moe: not part of the compared sum
         return loss_sum
 
@@ -300,12 +301,13 @@ class Trainer:
         return self.mesh.pp.all_reduce_scalar(self.mesh.dp_cp.all_reduce_scalar(loss_sum))
 
     def evaluate(self) -> float:
-        """Mean validation loss over train.eval_batches global batches, forward-only through the pipeline."""
+        """Mean validation loss over train.eval_batches global batches, forward-only through the pipeline (FP8
+        delayed scaling: at the current scales, its amaxes not recorded)."""
         loss_sum = 0.0
         for batch in range(self.cfg.train.eval_batches):
-            loss_sum += self.pipeline.forward_only(
-                lambda micro, batch=batch: self._micro_batch(self.val_data, batch, micro, self.cfg.train.global_batch),
-                self.accumulation)
+            with scales_only(self.fp8_gemms):
+                loss_sum += self.pipeline.forward_only(lambda micro, batch=batch: self._micro_batch(
+                    self.val_data, batch, micro, self.cfg.train.global_batch), self.accumulation)
         return self._total(loss_sum) / (self.tokens_per_step * self.cfg.train.eval_batches)
 
     def metrics(self, result: StepResult) -> dict:

@@ -142,12 +142,7 @@ def test_fp8_linears_backward_is_the_formula_on_the_quantized_operands(recipe):
     up.fp8, down.fp8 = fp8.Fp8Gemms(recipe), fp8.Fp8Gemms(recipe)
     x, dy = rng.standard_normal((b, t, c)), rng.standard_normal((b, t, c)) * 1e-3
 
-    def q(a, fmt, weight=False):  # the recipe's quantizer, called directly
-        if recipe in ("tensor", "delayed"):
-            return fp8.quantize_tensor(a, fmt).dequantize(np.float64)
-        if recipe == "block":
-            return fp8.quantize_blocks(a, fmt, (128, 128) if weight else (1, 128)).dequantize(np.float64)
-        return fp8.quantize_mx(a, fmt, axis=0 if weight else -1).dequantize(np.float64)
+    q = recipe_quantizer(recipe)
 
     (h,), saved_up = up.forward(params, x)
     y, saved_down = down.forward(params, h)
@@ -167,13 +162,64 @@ def test_fp8_linears_backward_is_the_formula_on_the_quantized_operands(recipe):
     assert np.allclose(grads["b1"], dh.reshape(-1, f).sum(axis=0), rtol=1e-13, atol=0)  # the unquantized dy
 
 
+def recipe_quantizer(recipe):
+    """The recipe's quantizer, called directly: (array, format, is a weight) -> its dequantized fp8 values."""
+    def q(a, fmt, weight=False):
+        if recipe in ("tensor", "delayed"):
+            return fp8.quantize_tensor(a, fmt).dequantize(np.float64)
+        if recipe == "block":
+            return fp8.quantize_blocks(a, fmt, (128, 128) if weight else (1, 128)).dequantize(np.float64)
+        return fp8.quantize_mx(a, fmt, axis=0 if weight else -1).dequantize(np.float64)
+    return q
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_lora_adapters_read_the_unquantized_input_beside_the_fp8_base(recipe):
+    """LoRA on a frozen column and row linear, float64, one rank: y = x_q W_q + s (x a) b with x, a, b unquantized;
+    the input gradient dy_q W_q^T + s dy b^T a^T; a's and b's gradients exact (x^T (s dy b^T), s (x a)^T dy)."""
+    from mpitrain.layers.lora import Adapter
+
+    rng = np.random.default_rng(6)
+    b, t, c, f, r, s = 2, 3, 64, 160, 4, 2.0
+    tp = TensorParallel()
+    up, down = ColumnParallelLinear(tp, c, ["w1"], trainable=False), RowParallelLinear(tp, f, "w2", trainable=False)
+    up.adapters["w1"] = Adapter("w1", "column", (c, f), r, s * r, tp)
+    down.adapters["w2"] = Adapter("w2", "row", (f, c), r, s * r, tp)
+    params = {"w1": rng.standard_normal((c, f)), "w2": rng.standard_normal((f, c)),
+              "w1_lora_a": rng.standard_normal((c, r)), "w1_lora_b": rng.standard_normal((r, f)),
+              "w2_lora_a": rng.standard_normal((f, r)), "w2_lora_b": rng.standard_normal((r, c))}
+    grads = {name: np.zeros_like(value) for name, value in params.items() if "lora" in name}
+    for linear in (up, down):
+        linear.fp8 = fp8.Fp8Gemms(recipe)
+        linear.fp8.cache_weights = recipe in ("block", "mxfp8")  # as apply_fp8 sets it for a frozen base
+    q = recipe_quantizer(recipe)
+    x, dy = rng.standard_normal((b, t, c)), rng.standard_normal((b, t, c)) * 1e-3
+    x2, dy2 = x.reshape(-1, c), dy.reshape(-1, c)
+    for _ in range(2):  # the second pass: block / mxfp8 multiply the cached base
+        (h,), saved_up = up.forward(params, x)
+        y, saved_down = down.forward(params, h)
+    h2, w1q, w2q = h.reshape(-1, f), q(params["w1"], "e4m3", True), q(params["w2"], "e4m3", True)
+    a1, b1, a2, b2 = (params[n] for n in ("w1_lora_a", "w1_lora_b", "w2_lora_a", "w2_lora_b"))
+    assert np.allclose(h2, q(x2, "e4m3") @ w1q + s * (x2 @ a1) @ b1, rtol=1e-13, atol=1e-13)
+    assert np.allclose(y.reshape(-1, c), q(h2, "e4m3") @ w2q + s * (h2 @ a2) @ b2, rtol=1e-13, atol=1e-13)
+    assert not np.allclose(h2, q(x2, "e4m3") @ w1q + s * (q(x2, "e4m3") @ a1) @ b1, rtol=1e-6)  # x really unquantized
+    dh = down.backward(params, grads, saved_down, dy)
+    assert np.allclose(dh.reshape(-1, f), q(dy2, "e5m2") @ w2q.T + s * dy2 @ b2.T @ a2.T, rtol=1e-13, atol=1e-13)
+    assert np.allclose(grads["w2_lora_b"], s * (h2 @ a2).T @ dy2, rtol=1e-13, atol=0)
+    assert np.allclose(grads["w2_lora_a"], h2.T @ (s * dy2 @ b2.T), rtol=1e-13, atol=0)
+    dx = up.backward(params, grads, saved_up, [dh])
+    dh2 = dh.reshape(-1, f)
+    assert np.allclose(dx.reshape(-1, c), q(dh2, "e5m2") @ w1q.T + s * dh2 @ b1.T @ a1.T, rtol=1e-13, atol=1e-13)
+    assert np.allclose(grads["w1_lora_b"], s * (x2 @ a1).T @ dh2, rtol=1e-13, atol=0)
+    assert np.allclose(grads["w1_lora_a"], x2.T @ (s * dh2 @ b1.T), rtol=1e-13, atol=0)
+    assert set(up.fp8.cached) == ({"w1"} if recipe in ("block", "mxfp8") else set())
+
+
 def test_bad_fp8_settings_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match="precision.fp8"):
         load_config("configs/tiny.toml", ["precision.fp8=fp4"])
     with pytest.raises(ConfigError, match="precision.fp8_history"):
         load_config("configs/tiny.toml", ["precision.fp8=delayed", "precision.fp8_history=0"])
-    with pytest.raises(ConfigError, match="precision.fp8.*lora.rank"):
-        load_config("configs/tiny.toml", ["precision.fp8=tensor", "lora.rank=4"])
     with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2.*MLP"):  # shards of 64 < 128
         load_config("configs/tiny.toml", ["precision.fp8=block", "parallel.tp=2"])
     load_config("configs/tiny.toml", ["precision.fp8=mxfp8", "parallel.tp=2", "model.d_model=64", "model.n_head=2"])

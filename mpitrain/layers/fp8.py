@@ -21,6 +21,7 @@ where a tensor core applies the scales to the fp32 sum instead), far below fp8's
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -168,9 +169,11 @@ class DelayedScaling:
         self.filled = 0
         self.current = 0.0  # this step's amax so far
 
-    def amax_for(self, x_amax: float) -> float:
-        """The amax whose scale quantizes a tensor of amax x_amax in this step (recording x_amax)."""
-        self.current = max(self.current, x_amax)
+    def amax_for(self, x_amax: float, record: bool = True) -> float:
+        """The amax whose scale quantizes a tensor of amax x_amax in this step (recording x_amax unless `record` is
+        False: a forward outside training reads the scales and leaves the history alone)."""
+        if record:
+            self.current = max(self.current, x_amax)
         return float(self.history[:self.filled].max()) if self.filled else x_amax
 
     def roll(self, step_amax: float | None = None) -> None:
@@ -212,7 +215,11 @@ class Fp8Gemms:
     (check_block_alignment), so block and mxfp8 scales need no reduction. Operands are quantized again where the
     backward needs them: the same inputs give the same codes (delayed scales change only between steps).
     `scales[key]`: (min, max) of each operand's scale_inv over every call so far (every micro-batch: the same
-    whatever rank ran which), for checks and reports."""
+    whatever rank ran which), for checks and reports.
+    `recording` False (scales_only: validation, a replay's peer check): calls use the current scales and record
+    neither amaxes nor scales, so a run's training does not depend on how often it evaluates.
+    `cache_weights` (set by apply_fp8 on frozen block / mxfp8 weights, LoRA's base): a weight is quantized once and
+    its fp8 values kept, as a GPU run would keep the frozen base's fp8 copy; its scales depend on it alone."""
 
     def __init__(self, recipe: str, group=None, history: int = 16, name: str = ""):
         self.recipe, self.group, self.history, self.name = recipe, group, history, name
@@ -220,6 +227,9 @@ class Fp8Gemms:
         self.scales: dict[str, tuple[float, float]] = {}
         self.weight_elements: dict[str, int] = {}  # per weight: what a GPU run caches in fp8 (fp8_extra_bytes)
         self.data_group = "dp_cp"  # the mesh group of the ranks holding the same weights (experts: "expert_dp")
+        self.recording = True  # training forwards record amaxes (delayed) and scales; scales_only turns it off
+        self.cache_weights = False
+        self.cached: dict[str, np.ndarray] = {}  # weight key -> its dequantized fp8 values (cache_weights)
 
     @property
     def group_size(self) -> int:
@@ -239,7 +249,13 @@ class Fp8Gemms:
             self.weight_elements[key] = w.size
             if self.recipe in ("block", "mxfp8"):
                 check_block_alignment(self.recipe, w.shape[split_axis], self.group_size, key)
-        return self._operands(keys, arrays, "e4m3", weight=True)
+        if not self.cache_weights:
+            return self._operands(keys, arrays, "e4m3", weight=True)
+        missing = [(key, w) for key, w in zip(keys, arrays) if key not in self.cached]
+        if missing:  # a frozen weight's block scales come from itself alone: no collective, no history
+            fresh = self._operands([key for key, _ in missing], [w for _, w in missing], "e4m3", weight=True)
+            self.cached.update(zip([key for key, _ in missing], fresh))
+        return [self.cached[key] for key in keys]
 
     def _operands(self, keys, arrays, fmt: str, weight: bool) -> list:
         wide = [a.astype(operand_dtype(a), copy=False) for a in arrays]
@@ -252,7 +268,8 @@ class Fp8Gemms:
             quantized = [quantize_mx(a if weight else as_matrix(a), fmt, axis=-2 if weight else -1) for a in wide]
         out = []
         for key, a, q in zip(keys, wide, quantized):
-            self._record(key, q, a if weight else as_matrix(a))
+            if self.recording:
+                self._record(key, q, a if weight else as_matrix(a))
             out.append(q.dequantize(a.dtype).reshape(a.shape))
         return out
 
@@ -275,12 +292,26 @@ class Fp8Gemms:
             self.group.all_reduce(amaxes, "max")
         if self.recipe == "tensor":
             return list(amaxes)
-        return [self._history(key).amax_for(float(amax)) for key, amax in zip(keys, amaxes)]
+        return [self._history(key).amax_for(float(amax), self.recording) for key, amax in zip(keys, amaxes)]
 
     def _history(self, key: str) -> DelayedScaling:
         if key not in self.delayed:
             self.delayed[key] = DelayedScaling(self.history)
         return self.delayed[key]
+
+
+@contextmanager
+def scales_only(gemms: list[Fp8Gemms]):
+    """Forwards that are not training steps (validation, generation, a replay's check of a peer): they quantize with
+    the current scales and record nothing, as Transformer Engine updates its amax histories in training forwards
+    only. Otherwise a delayed run's training would depend on how often it evaluates."""
+    for g in gemms:
+        g.recording = False
+    try:
+        yield
+    finally:
+        for g in gemms:
+            g.recording = True
 
 
 def end_delayed_step(gemms: list[Fp8Gemms], groups: dict) -> None:
@@ -320,6 +351,8 @@ def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
                            for part in pair]
             for target, name, group in targets:
                 target.fp8 = Fp8Gemms(recipe, group, history, name)
+                frozen = getattr(target, "frozen_experts", not getattr(target, "trainable", True))  # LoRA's base
+                target.fp8.cache_weights = frozen and recipe in ("block", "mxfp8")
                 if target is layer:  # experts: the same expert's copies lie across expert data parallelism
                     target.fp8.data_group = "expert_dp"
                 gemms.append(target.fp8)

@@ -17,7 +17,8 @@ reduction, so that the communication overlaps the matmuls); with one (zero-bubbl
 fresh buffer after each reduce-scatter). Bias gradients are cheap and always taken at once.
 
 Frozen (`trainable=False`, LoRA's base weights): no weight or bias gradient at all, the input gradient as usual.
-`adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms.
+`adapters` (weight name -> mpitrain/layers/lora.py Adapter, set by apply_lora) add their low-rank terms; under FP8
+they multiply the unquantized input in the compute dtype (only the base GEMM runs in fp8).
 
 FP8 (`fp8`: a mpitrain/layers/fp8.py Fp8Gemms, set by apply_fp8): the matmuls multiply the recipe's fp8 values of
 their operands (inputs and weights e4m3, output gradients e5m2), outputs stored in the compute dtype. An input or
@@ -70,9 +71,10 @@ class ColumnParallelLinear:
             return [ops.linear_forward(rows, w, params[b] if b else None)[0].astype(dtype, copy=False)
                     for w, b in zip(weights, self.biases)]
 
-        if self.fp8 is not None:
-            x = self.fp8.inputs([self.weights[0] + ".x"], [x])[0]
-        h, outputs = self.tp.enter_and_apply(x, project)  # parallel.tp_overlap: chunk by chunk, under the gather
+        gemm_input = x if self.fp8 is None else self.fp8.inputs([self.weights[0] + ".x"], [x])[0]
+        h, outputs = self.tp.enter_and_apply(gemm_input, project)  # parallel.tp_overlap: chunk by chunk
+        if self.adapters and self.fp8 is not None:  # adapters read the unquantized input (under SP: a second gather)
+            h = self.tp.enter(x)
         for w, y in zip(self.weights, outputs):
             if w in self.adapters:
                 self.adapters[w].add_forward(params, h, y)
@@ -97,9 +99,12 @@ class ColumnParallelLinear:
             for bias, dy in zip(self.biases, output_grads):
                 if bias:
                     ops.add_bias_grad(grads[bias], dy)
+            gemm_input = h  # the saved input: quantized, or (adapters under fp8) quantized again, to the same codes
+            if self.adapters and self.fp8 is not None:
+                gemm_input = self.fp8.inputs([self.weights[0] + ".x"], [h])[0]
             # Q/K/V's gradients from the attention core share one buffer: one work item, one product in the W pass
-            work = ([(tuple(self.weights), h, list(gemm_grads))] if ops.share_one_buffer(gemm_grads)
-                    else [(w, h, dy) for w, dy in zip(self.weights, gemm_grads)])
+            work = ([(tuple(self.weights), gemm_input, list(gemm_grads))] if ops.share_one_buffer(gemm_grads)
+                    else [(w, gemm_input, dy) for w, dy in zip(self.weights, gemm_grads)])
             weight_grads(work, grads, deferred, self.tp)
         return pending.wait()
 
@@ -136,7 +141,7 @@ class RowParallelLinear:
             rows = gemm_input if positions is None else gemm_input[:, positions]
             summand = ops.linear_forward(rows, weight)[0].astype(x.dtype, copy=False)
             if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
-                self.adapters[self.weight].add_forward(params, rows, summand)
+                self.adapters[self.weight].add_forward(params, _at([x], positions)[0], summand)  # unquantized
             return summand
 
         y = self.tp.exit_of(partial, x.shape[1])  # parallel.tp_overlap: a ring, chunk by chunk
