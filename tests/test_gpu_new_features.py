@@ -211,6 +211,19 @@ for dtype in (np.float64, ml_dtypes.bfloat16):
         np.array_equal(h, gathered) and np.array_equal(y, gathered * 3) and np.array_equal(got, want))
 out["tp_lane_messages"] = lane_messages(tp, 61) - before
 
+# tp 4: the ring wraps around (rank 3 -> 0 and 0 -> 3 share lanes with the neighbours' traffic), twice in a row
+tp4 = Mesh(world, tp=4, group_factory=nccl, allow_cross_node_tp=True).tp
+plain4, over4 = TensorParallel(Group(world.Dup(), "tp"), True), TensorParallel(tp4, True, overlap=True)
+worst = 0.0
+for _ in range(2):
+    x, full = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 12, 4))
+    h, (y,) = over4.enter_and_apply(x, lambda chunk: [chunk * 3])
+    want = plain4.exit(full.copy())
+    got = over4.exit_of(lambda positions: full[:, positions].copy(), 12)
+    worst = max(worst, float(np.max(np.abs(got - want)) / np.max(np.abs(want))))
+    out["tp4_gather_bitwise"] = bool(np.array_equal(h, plain4.enter(x)) and np.array_equal(y, h * 3))
+out["tp4_ring_rel"] = worst
+
 ring_mpi = mpi_twin(across)
 peer = 1 - across.rank
 before = [lane_messages(across, KV_TAG), lane_messages(across, GRAD_TAG)]
@@ -282,6 +295,7 @@ def test_rings_of_tp_overlap_and_hybrid_cp_travel_on_nccl_lanes(group_results):
         assert row["tp_overlap_bitwise_float64"] and row["tp_overlap_bitwise_bfloat16"]
         assert row["tp_lane_messages"] == 8, row  # 2 dtypes x (a gather and a reduce) x (one send, one receive)
         assert row["cp_ring_equal"] and row["cp_lane_messages"] == [2, 2], row
+        assert row["tp4_gather_bitwise"] and row["tp4_ring_rel"] < 1e-12, row
 
 
 def test_two_level_groups_and_quantized_messages_over_nccl_groups(group_results):
