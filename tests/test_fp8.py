@@ -227,6 +227,27 @@ def test_bad_fp8_settings_are_refused_naming_the_key():
         fp8.check_block_alignment("block", 96, 2, "blocks.0.mlp.up.w_fc")
 
 
+def test_delayed_training_does_not_depend_on_how_often_it_evaluates():
+    """Two delayed runs differing only in train.eval_every train bitwise alike: validation forwards quantize at the
+    current scales and record no amax (Trainer.evaluate under scales_only)."""
+    from mpi4py import MPI
+
+    from mpitrain.train import Trainer
+
+    def losses(eval_every):
+        cfg = load_config("configs/tiny.toml", ["data.synthetic=true", "precision.compute=float64", "train.steps=4",
+                                                "precision.fp8=delayed", f"train.eval_every={eval_every}",
+                                                "logging.peak_flops=1e9", "optim.lr=1e-2"])
+        trainer, out = Trainer(cfg, MPI.COMM_SELF), []
+        for step in range(cfg.train.steps):
+            out.append(trainer.train_step(step).loss)
+            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+                assert math.isfinite(trainer.evaluate())
+        return out
+
+    assert losses(1) == losses(0)
+
+
 BASE = ["data.synthetic=true", "precision.compute=float64", "train.steps=2", "train.global_batch=4",
         "train.micro_batch=2", "model.d_model=256", "model.n_head=4", "model.seq_len=8", "model.n_layer=2",
         "train.thread_replicas=1", "logging.peak_flops=1e9", "optim.warmup_steps=1", "optim.lr=1e-2"]
