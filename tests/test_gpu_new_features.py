@@ -6,8 +6,9 @@
   the overlapped operators equal the plain MPI ones bit for bit; a float64 training run of tp 2 (tp_overlap) x cp 2
   (hybrid) through the stand-in matches one process at 1e-10;
 - hierarchical data parallelism (comm/two_level.py) over NCCL groups: the same job runs TwoLevelGroup's and
-  NodeShardGroup's operations on NCCL groups against the MPI ones; a dp 4 ZeRO-3 two_level run through the stand-in
-  on two fake nodes matches one process at 1e-10; on fake CuPy arrays its scratch buffers are device arrays;
+  NodeShardGroup's operations on NCCL groups against the MPI ones; dp 4 runs through the stand-in on two fake nodes
+  (ZeRO-3 two_level, ZeRO-2 sharded by node) match one process at 1e-10; on fake CuPy arrays its scratch buffers
+  are device arrays;
 - quantized ZeRO (comm/quantized.py, state/zero_quantized.py): the codecs' device route for fp8 (arithmetic, since
   CuPy has no float8 dtype) is ml_dtypes' cast bit for bit; the quantized gather and reduce-scatter on NCCL groups
   give the MPI groups' bytes; on fake CuPy arrays (tests/fake_device.py) encode and decode get past every
@@ -330,7 +331,8 @@ def single_llama(tmp_path_factory):
     ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true", "parallel.cp=2",
      "parallel.cp_kind=hybrid"],
     ["parallel.zero=3", "parallel.dp_reduce=two_level", "train.micro_batch=1"],
-], ids=["tp_overlap-tp2-x-hybrid-cp2", "two_level-zero3-dp4"])
+    ["parallel.zero=2", "parallel.zero_shard=node", "train.micro_batch=1"],
+], ids=["tp_overlap-tp2-x-hybrid-cp2", "two_level-zero3-dp4", "node-sharded-zero2-dp4"])
 def test_new_features_through_nccl_groups_match_one_process(tmp_path, single_llama, overrides):
     assert_same_run(single_llama, standin_run(tmp_path / "run", *overrides), " ".join(overrides))
 
