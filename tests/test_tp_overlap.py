@@ -7,9 +7,9 @@ One 4-rank job checks the operators against the plain ones on a tp group of 2 (r
   - the linears' forward and backward (column and row parallel, LoRA adapter included): 1e-12 relative, the chunked
     matmuls being row-wise equal to the unchunked ones up to BLAS's row kernels (the module docstring);
   - bytes sent: the ring moves what ring_bytes_sent says.
-One 2-rank job measures exposed tp time under a deterministic latency (MPITRAIN_COMM_LATENCY) with and without the
-overlap, in the same job. Training runs compare with one process at 1e-10 in float64, and bfloat16 runs with and
-without the overlap bit for bit.
+Training runs compare with one process at 1e-10 in float64, and bfloat16 runs with and without the overlap bit for
+bit. How much tp time the overlap hides is a measurement, not a test: benchmarks/bench_tp_overlap.py prints it under
+a deterministic latency (MPITRAIN_COMM_LATENCY); here exposed_seconds, the planner's model of it, is checked by hand.
 """
 from __future__ import annotations
 
@@ -116,60 +116,6 @@ def test_overlapped_linears_match_the_plain_ones(operator_results):
 def test_ring_sends_the_bytes_the_formula_says(operator_results):
     for row in operator_results:
         assert row["forward_bytes"] == ring_bytes_sent(row["gathered_bytes"], row["t"]), row
-
-
-LATENCY_S, STEPS = 0.02, 4
-LATENCY_JOB = f"""
-import json, os
-import numpy as np
-from mpi4py import MPI
-os.environ["MPITRAIN_COMM_LATENCY"] = "tp={LATENCY_S}"
-STEPS = {STEPS}
-from mpitrain.comm.group import Group
-from mpitrain.comm.operations import ProgressRecord
-from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
-from mpitrain.layers.tensor_parallel import TensorParallel
-from mpitrain.profile.breakdown import Breakdown, exposed_of_group
-
-world = MPI.COMM_WORLD
-progress = ProgressRecord(world.Get_rank())
-breakdown = Breakdown(delays={{}})
-progress.listener = breakdown
-group = Group(world, "tp", progress)
-T, C, F = 512, 512, 2048  # each chunk's matmul ~ the latency or more, under load more
-rng = np.random.default_rng(world.Get_rank())
-params = {{"w_up": rng.standard_normal((C, F // 2)) * 0.01, "w_down": rng.standard_normal((F // 2, C)) * 0.01}}
-x, dy = rng.standard_normal((1, T // 2, C)), rng.standard_normal((1, T // 2, C))
-exposed = {{False: [], True: []}}
-for step in range(2 * STEPS):  # alternating, so that a burst of load falls on both
-    overlap = bool(step % 2)
-    tp = TensorParallel(group, True, overlap=overlap)
-    up, down = ColumnParallelLinear(tp, C, ["w_up"]), RowParallelLinear(tp, F // 2, "w_down")
-    grads = {{k: np.zeros_like(v) for k, v in params.items()}}
-    group.comm.Barrier()
-    breakdown.start_step()
-    (h,), saved_up = up.forward(params, x)
-    _, saved_down = down.forward(params, h)
-    up.backward(params, grads, saved_up, [down.backward(params, grads, saved_down, dy)])
-    parts = breakdown.finish_step()
-    exposed[overlap].append(exposed_of_group(parts, "tp"))
-every = world.gather(exposed)
-if world.Get_rank() == 0:  # per step the least over the ranks: a rank that waits for a late peer is not the overlap's
-    print("RESULTS " + json.dumps([{{str(mode): sum(min(rank[mode][i] for rank in every) for i in range(STEPS))
-                                     for mode in (False, True)}}]))
-"""
-
-
-def test_overlap_hides_tp_latency_behind_the_matmuls():
-    """Each tp operation takes LATENCY_S (the hook): the plain linears wait for at least three of them per step
-    (forward gather and reduce-scatter, backward gather; the backward reduce-scatter is already under dW); the
-    overlapped ones run a chunk's matmul under each. Both measured in one job, alternating steps."""
-    for rank in run_python_mpi_results(2, LATENCY_JOB, timeout=120):  # one row: the least over the ranks
-        plain, overlapped = rank["False"], rank["True"]
-        floor = STEPS * 3 * exposed_seconds(0, 2, 1.0, 0.0, overlap=False, latency_s=LATENCY_S)  # 3 waits a step
-        assert plain >= floor, rank
-        assert overlapped < plain, rank
-        print(f"exposed tp over {STEPS} steps: plain {plain:.3f} s, overlapped {overlapped:.3f} s")
 
 
 def test_exposed_seconds_formula():
