@@ -75,7 +75,7 @@ def e4m3fn_codes(xp, values):
     3 mantissa bits, a spacing of 2^(e-4); subnormals (below 2^-6) a spacing of 2^-9. Dividing by the spacing is
     exact (a power of two), so rint rounds the mantissa to nearest even; the rounded value is representable."""
     one = xp.ones_like(values)
-    magnitude = xp.where(xp.isnan(values), 0, xp.abs(values))  # NaN's code is set below
+    magnitude = xp.where(xp.isnan(values), np.float32(0), xp.abs(values))  # NaN's code is set below
     _, exponent = xp.frexp(magnitude)
     spacing = xp.ldexp(one, xp.maximum(exponent - 4, -9))
     rounded = xp.rint(magnitude / spacing) * spacing
