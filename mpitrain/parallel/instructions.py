@@ -144,7 +144,7 @@ def forward_only_program(rank: int, p: int, v: int, m: int, placement: str = "lo
 
 
 def backward_steps(rank: int, micro: int, p: int, v: int = 1, chunk: int = 0, op: str = "backward",
-              placement: str = "loop") -> list[Instruction]:
+                   placement: str = "loop") -> list[Instruction]:
     """Full backward, or with op="backward_input" the B of zb1p: both receive dy and send dx."""
     stage = stage_of(rank, chunk, p, placement)
     before, after = (message_peer(rank, stage + step, p, v, placement) for step in (-1, 1))
@@ -171,8 +171,9 @@ def check_schedule_args(kind: str, p: int, m: int, v: int) -> None:
         raise ScheduleArgumentError(f"parallel.schedule = {kind!r} runs two model chunks per rank in a V; set "
                                     f"parallel.virtual_stages = 2 (got {v})")
     if v > 1 and kind not in ("interleaved",) + V_KINDS:
-        raise ScheduleArgumentError(f"parallel.virtual_stages = {v} needs parallel.schedule = 'interleaved' "
-                                    f"(got {kind!r}); set parallel.virtual_stages = 1 or change the schedule")
+        raise ScheduleArgumentError(f"parallel.virtual_stages = {v} needs parallel.schedule = 'interleaved', "
+                                    f"'zbv' or 'dualpipev' (got {kind!r}); set parallel.virtual_stages = 1 or "
+                                    f"change the schedule")
     if kind == "interleaved" and v > 1 and m % p:
         raise ScheduleArgumentError(
             f"interleaved schedule needs parallel.microbatches ({m}) divisible by parallel.pp ({p}); "
