@@ -1,8 +1,8 @@
-"""The latency hook, for tests and benchmarks: it gives the MPI operations of some groups a deterministic transfer time, e.g.
-MPITRAIN_COMM_LATENCY="tp=0.02" (seconds; several groups separated by commas): each operation of a tp group then
-completes no earlier than 0.02 s after it was started, as on a slow link. A blocking call waits that long; a
-non-blocking one is not done (Test) before then, and its wait sleeps what is left, so compute issued in between hides
-it (profile/breakdown.py's MPITRAIN_COMM_DELAY instead adds its delay to every wait, hidden or not).
+"""The latency hook, for tests and benchmarks: it gives the MPI operations of some groups a deterministic transfer
+time, e.g. MPITRAIN_COMM_LATENCY="tp=0.02" (seconds; several groups separated by commas): each operation of a tp
+group then completes no earlier than 0.02 s after it was started, as on a slow link. A blocking call waits that long;
+a non-blocking one is not done (Test) before then, and its wait sleeps what is left, so compute issued in between
+hides it (profile/breakdown.py's MPITRAIN_COMM_DELAY instead adds its delay to every wait, hidden or not).
 """
 from __future__ import annotations
 
