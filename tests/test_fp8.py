@@ -253,6 +253,7 @@ BASE = ["data.synthetic=true", "precision.compute=float64", "train.steps=2", "tr
         "train.thread_replicas=1", "logging.peak_flops=1e9", "optim.warmup_steps=1", "optim.lr=1e-2"]
 LAYOUTS = {"one": [], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2": ["parallel.pp=2"],
            "dp2_zero3": ["parallel.zero=3"]}
+LORA = ["lora.rank=4", 'lora.targets=["wq", "wv", "wo", "w_fc", "w_proj"]', "train.steps=3"]  # column and row
 PARITY_JOB = """
     import json
     from mpi4py import MPI
@@ -261,11 +262,11 @@ PARITY_JOB = """
     from mpitrain.layers.fp8 import scale_summary
 
     world = MPI.COMM_WORLD
-    BASE, LAYOUTS = __SETTINGS__
+    BASE, LAYOUTS, LORA = __SETTINGS__
 
-    def run(recipe, layout):
+    def run(recipe, layout, extra=()):
         comm = world.Split(world.rank if layout == "one" else 0, world.rank)
-        cfg = load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] + LAYOUTS[layout])
+        cfg = load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] + LAYOUTS[layout] + list(extra))
         trainer = Trainer(cfg, comm)
         losses = [trainer.train_step(step).loss for step in range(cfg.train.steps)]
         merged = {}
@@ -274,13 +275,16 @@ PARITY_JOB = """
                 old = merged.get(key, (low, high))
                 merged[key] = (min(old[0], low), max(old[1], high))
         held = {"history_bytes": sum(h.history.nbytes for g in trainer.fp8_gemms for h in g.delayed.values()),
-                "weight_elements": sum(n for g in trainer.fp8_gemms for n in g.weight_elements.values())}
+                "weight_elements": sum(n for g in trainer.fp8_gemms for n in g.weight_elements.values()),
+                "cached_elements": sum(w.size for g in trainer.fp8_gemms for w in g.cached.values())}
         comm.Free()
         return {"losses": losses, "scales": merged, "rank0_holds": world.bcast(held)}
 
     results = {recipe: {layout: run(recipe, layout) for layout in LAYOUTS}
                for recipe in ["tensor", "delayed", "block", "mxfp8"]}
     results["none"] = {"one": run("none", "one")}
+    results["lora"] = {recipe: {layout: run(recipe, layout, LORA) for layout in ("one", "tp2_sp")}
+                       for recipe in ["tensor", "delayed", "block", "mxfp8"]}
     if world.rank == 0:
         print("RESULTS " + json.dumps(results))
 """
@@ -288,7 +292,7 @@ PARITY_JOB = """
 
 @pytest.fixture(scope="module")
 def parity():
-    return run_python_mpi_results(2, PARITY_JOB.replace("__SETTINGS__", repr((BASE, LAYOUTS))), timeout=400)
+    return run_python_mpi_results(2, PARITY_JOB.replace("__SETTINGS__", repr((BASE, LAYOUTS, LORA))), timeout=400)
 
 
 @pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
@@ -310,6 +314,24 @@ def test_every_layout_computes_the_one_process_scales_and_losses(parity, recipe)
         assert run["rank0_holds"]["weight_elements"] * copies == planned["fp8_weights"], layout
         assert run["rank0_holds"]["history_bytes"] == planned["amax_history"], layout
     assert reference["losses"][0] == pytest.approx(parity["none"]["one"]["losses"][0], rel=1e-2)  # before updates
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_lora_under_fp8_computes_the_one_process_losses_under_tp(parity, recipe):
+    """LoRA (adapters on column and row linears) beside the fp8 base: tp 2 + sequence parallel trains 3 steps at the
+    one-process losses and scales; frozen block / mxfp8 bases are cached, and mpitrain memory's fp8 weights count
+    exactly that cache."""
+    one, tp2 = parity["lora"][recipe]["one"], parity["lora"][recipe]["tp2_sp"]
+    assert tp2["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=0)
+    assert tp2["scales"].keys() == one["scales"].keys()
+    for key, (low, high) in one["scales"].items():
+        assert tp2["scales"][key] == pytest.approx([low, high], rel=1e-9), key
+    for layout, run in (("one", one), ("tp2_sp", tp2)):
+        planned = fp8.fp8_extra_bytes(load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] +
+                                                  LAYOUTS[layout] + LORA))
+        held = run["rank0_holds"]
+        assert held["weight_elements"] * fp8.TRANSPOSED_COPY[recipe] == planned["fp8_weights"], layout
+        assert held["cached_elements"] == (held["weight_elements"] if recipe in ("block", "mxfp8") else 0), layout
 
 
 def test_delayed_histories_survive_a_checkpoint_under_pp(tmp_path):
