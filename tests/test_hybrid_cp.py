@@ -8,10 +8,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from mpitrain.comm.mesh import Degrees
+from mpitrain.comm.nodes import NodeLayout
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError, LayoutError
 from mpitrain.layout_checks import groups_split_by_node
-from mpitrain.parallel.context import ContextParallel, check_heads_split, cp_bytes_per_block, cp_bytes_per_step
+from mpitrain.parallel.context import (
+    ContextParallel,
+    check_cp_blocks_on_nodes,
+    check_heads_split,
+    cp_bytes_per_block,
+    cp_bytes_per_step,
+)
 from tests.mpi_helpers import run_python_mpi_results
 from tests.test_context_parallel import ARCH, assert_same_run, train_run
 
@@ -132,6 +140,10 @@ def test_heads_that_do_not_split_over_a_node_and_scattered_nodes_are_refused():
     with pytest.raises(LayoutError, match="needs each node's cp ranks consecutive in the cp group: cp rank 1"):
         ContextParallel(group, kind="hybrid", inside=SimpleNamespace(size=2, rank=0),
                         across=SimpleNamespace(size=2, rank=1))
+    interleaved = NodeLayout.from_leaders(0, [0, 1, 0, 1], ["a", "b", "a", "b"])  # every rank sees every group
+    with pytest.raises(LayoutError, match=r"cp group \[0, 1, 2, 3\] runs on nodes \[0, 1, 0, 1\]"):
+        check_cp_blocks_on_nodes(SimpleNamespace(degrees=Degrees(cp=4), nodes=interleaved))
+    check_cp_blocks_on_nodes(SimpleNamespace(degrees=Degrees(cp=4), nodes=NodeLayout.blocks(4, 0, 2)))
     shapes_only = ContextParallel(None, size=4, kind="hybrid")  # mpitrain memory: no nodes known, all ring
     assert (shapes_only.inside.size, shapes_only.across.size) == (1, 4)
 

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from mpitrain.comm.mesh import Degrees, all_groups_of, check_fast_groups_in_node, group_members, groups_crossing_nodes
+from mpitrain.comm.mesh import (
+    Degrees,
+    all_groups_of,
+    check_fast_groups_in_node,
+    check_node_splits,
+    group_members,
+    groups_crossing_nodes,
+)
 from mpitrain.comm.nodes import NodeLayout, fake_node_count, split_by_node
 from mpitrain.errors import LayoutError
 from mpitrain.resilience.restart import restart_banner
@@ -113,6 +120,15 @@ def test_split_by_node_gives_both_levels_of_a_group():
     assert fake_node_count(8, {}) == 0 and fake_node_count(8, {"MPITRAIN_FAKE_NODES": "2"}) == 2
     with pytest.raises(LayoutError, match="MPITRAIN_FAKE_NODES='3' must be a node count that divides the 8 ranks"):
         fake_node_count(8, {"MPITRAIN_FAKE_NODES": "3"})
+
+
+def test_every_rank_refuses_an_unbalanced_node_split_even_of_a_group_it_is_not_in():
+    """dp 3 x tp 2 with rank 5 alone on a node: dp group [1, 3, 5] has 2 + 1 ranks per node; rank 0, whose group
+    [0, 2, 4] is on one node, refuses too (else it would wait in the next Split for ranks that stopped)."""
+    nodes = NodeLayout.from_leaders(0, [0, 0, 0, 0, 0, 5], ["a"] * 5 + ["b"])
+    with pytest.raises(LayoutError, match=r"group \[1, 3, 5\] has a different number of ranks on each node"):
+        check_node_splits(("tp", "dp"), Degrees(dp=3, tp=2), nodes)
+    check_node_splits(("tp",), Degrees(dp=3, tp=2), nodes)  # tp pairs: each on one node
 
 
 def test_mesh_learns_nodes_and_names_the_groups_that_cross_them():

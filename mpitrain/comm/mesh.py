@@ -169,6 +169,15 @@ def split_by_node_members(kind: str, world_rank: int, degrees: Degrees,
     return split_by_node(group_members(kind, world_rank, degrees), nodes, world_rank)
 
 
+def check_node_splits(kinds: Sequence[str], degrees: Degrees, nodes: NodeLayout) -> None:
+    """Every group of each kind split by node, checked on every rank before the first Split: a group whose nodes
+    hold different numbers of its ranks is refused by all ranks alike, not only by its own members (which would
+    leave the others waiting in the next Split)."""
+    for kind in kinds:
+        for members in all_groups_of(kind, degrees):
+            split_by_node_members(kind, members[0], degrees, nodes)
+
+
 def groups_crossing_nodes(degrees: Degrees, nodes: NodeLayout) -> list[str]:
     """The group kinds with at least one group (of two or more ranks) spanning several nodes."""
     return [kind for kind in GROUP_KINDS
@@ -232,6 +241,7 @@ class Mesh:
         self.dp_cp = self._split(world_comm, "dp_cp")
         self.inside_node: dict[str, Group] = {}
         self.across_nodes: dict[str, Group] = {}
+        check_node_splits(split_by_node, self.degrees, self.nodes)
         for kind in split_by_node:  # in the given order, the same on every rank
             inside, across = split_by_node_members(kind, self.rank, self.degrees, self.nodes)
             self.inside_node[kind] = self._split_members(world_comm, f"{kind}_inside", inside)

@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from mpitrain.backend import array_module, wire_view
+from mpitrain.comm.mesh import all_groups_of
 from mpitrain.errors import ConfigError, LayoutError
 from mpitrain.layers.ring_attention import visible_pairs
 from mpitrain.layers.ulysses_attention import bytes_per_block as ulysses_bytes_per_block
@@ -142,6 +143,18 @@ def hybrid_levels(cp, inside, across):
     return ContextParallel(inside, kind="ulysses"), ContextParallel(across, kind="ring")
 
 
+def check_cp_blocks_on_nodes(mesh) -> None:
+    """hybrid_levels' condition for every cp group of `mesh`, the same on every rank: each node's cp ranks
+    consecutive in the cp group (so no rank goes on into a collective that a refusing peer never reaches)."""
+    for members in all_groups_of("cp", mesh.degrees):
+        nodes = [mesh.nodes.node_of_rank[member] for member in members]
+        per_node = nodes.count(nodes[0])
+        if any(node != nodes[i - i % per_node] for i, node in enumerate(nodes)):
+            raise LayoutError(f"parallel.cp_kind = 'hybrid' needs each node's cp ranks consecutive in the cp group: "
+                              f"cp group {members} runs on nodes {nodes}; place ranks on nodes in blocks or use "
+                              f"cp_kind 'ring'")
+
+
 class ContextParallel:
     """The cp group of one rank, what the model needs of it: positions, the sequence split and the ring.
 
@@ -165,6 +178,7 @@ class ContextParallel:
         """The rank's cp group of `mesh` (comm.Mesh), with its two node levels under kind "hybrid"."""
         if kind != "hybrid" or mesh.cp.size == 1:
             return cls(mesh.cp, kind=kind)
+        check_cp_blocks_on_nodes(mesh)
         return cls(mesh.cp, kind=kind, inside=mesh.inside_node["cp"], across=mesh.across_nodes["cp"])
 
     def positions(self, local_len: int) -> np.ndarray:
