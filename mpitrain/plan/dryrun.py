@@ -13,6 +13,7 @@ group size - 1 elements per part): `padding` reports it, and `unpadded` the rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -68,7 +69,6 @@ class DryRun:
 def shape_mesh(cfg: Config):
     """Rank 0's groups of cfg's layout (resolved), as sizes: dp, dp_cp (what gradients are reduced over when cp > 1),
     tp, ep, expert_dp."""
-    from types import SimpleNamespace
     p, degrees = cfg.parallel, expert_degrees(cfg)
     return SimpleNamespace(dp=ShapeGroup("dp", p.dp), dp_cp=ShapeGroup("dp_cp", p.dp * p.cp),
                            tp=ShapeGroup("tp", p.tp), ep=ShapeGroup("ep", p.ep),
