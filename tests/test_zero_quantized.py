@@ -282,7 +282,8 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
     for name, got in out["layouts"].items():
         delta = max(WORST_RELATIVE_ERROR.get(codec, 0) for codec in name.split()[-1].split("/"))
         assert got["loss_error"] <= delta and got["param_max_abs"] <= drift, name
-        if name.startswith("zero"):  # the whole data-parallel group: its counters are the formula's
-            assert all(counted == {**got["expected"], "control": 8.0} for counted in got["counted"]), name
+        if not name.startswith("moe"):  # one reduction group, the formula's (MoE's experts reduce over expert_dp)
+            sent = [{k: v for k, v in counted.items() if k != "control"} for counted in got["counted"]]
+            assert all(step == got["expected"] for step in sent), name
         errors = f"{got['loss_error']:15.2e} {got['param_error']:17.2e} {got['param_max_abs']:14.2e}"
         print(f"{name:20s} {errors}")
