@@ -126,7 +126,7 @@ def test_every_rank_refuses_an_unbalanced_node_split_even_of_a_group_it_is_not_i
     """dp 3 x tp 2 with rank 5 alone on a node: dp group [1, 3, 5] has 2 + 1 ranks per node; rank 0, whose group
     [0, 2, 4] is on one node, refuses too (else it would wait in the next Split for ranks that stopped)."""
     nodes = NodeLayout.from_leaders(0, [0, 0, 0, 0, 0, 5], ["a"] * 5 + ["b"])
-    with pytest.raises(LayoutError, match=r"group \[1, 3, 5\] has a different number of ranks on each node"):
+    with pytest.raises(LayoutError, match=r"the dp group.s two levels .*: group \[1, 3, 5\] has a different number"):
         check_node_splits(("tp", "dp"), Degrees(dp=3, tp=2), nodes)
     check_node_splits(("tp",), Degrees(dp=3, tp=2), nodes)  # tp pairs: each on one node
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpitrain.comm.group import Group
-from mpitrain.comm.nodes import NodeLayout, discover_nodes, split_by_node
+from mpitrain.comm.nodes import NodeLayout, discover_nodes
+from mpitrain.comm.nodes import split_by_node as split_members
 from mpitrain.comm.operations import ProgressRecord
 from mpitrain.config_rules import positive_degree
 from mpitrain.errors import LayoutError
@@ -166,7 +167,7 @@ def all_groups_of(kind: str, degrees: Degrees) -> list[list[int]]:
 def split_by_node_members(kind: str, world_rank: int, degrees: Degrees,
                            nodes: NodeLayout) -> tuple[list[int], list[int]]:
     """The world ranks of `kind`'s group of world_rank on its node, and across nodes (comm/nodes.py split_by_node)."""
-    return split_by_node(group_members(kind, world_rank, degrees), nodes, world_rank)
+    return split_members(group_members(kind, world_rank, degrees), nodes, world_rank)
 
 
 def check_node_splits(kinds: Sequence[str], degrees: Degrees, nodes: NodeLayout) -> None:
@@ -175,7 +176,10 @@ def check_node_splits(kinds: Sequence[str], degrees: Degrees, nodes: NodeLayout)
     leave the others waiting in the next Split)."""
     for kind in kinds:
         for members in all_groups_of(kind, degrees):
-            split_by_node_members(kind, members[0], degrees, nodes)
+            try:
+                split_by_node_members(kind, members[0], degrees, nodes)
+            except LayoutError as exc:  # name the group kind: the user knows dp or cp, not world ranks
+                raise LayoutError(f"the {kind} group's two levels (inside a node, across nodes): {exc}") from None
 
 
 def groups_crossing_nodes(degrees: Degrees, nodes: NodeLayout) -> list[str]:
