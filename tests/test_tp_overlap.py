@@ -8,8 +8,10 @@ One 4-rank job checks the operators against the plain ones on a tp group of 2 (r
     matmuls being row-wise equal to the unchunked ones up to BLAS's row kernels (the module docstring);
   - bytes sent: the ring moves what ring_bytes_sent says.
 Training runs compare with one process at 1e-10 in float64, and bfloat16 runs with and without the overlap bit for
-bit. How much tp time the overlap hides is a measurement, not a test: benchmarks/bench_tp_overlap.py prints it under
-a deterministic latency (MPITRAIN_COMM_LATENCY); here exposed_seconds, the planner's model of it, is checked by hand.
+bit. That the overlap hides tp time is checked without a clock: one rank's recorded order of transfers posted,
+chunk matmuls and waits (a recording stand-in for the tp group) is replayed with unit costs and a fixed latency per
+transfer, and its exposed time must be below the plain order's and equal exposed_seconds. The wall-clock measurement
+is benchmarks/bench_tp_overlap.py's (MPITRAIN_COMM_LATENCY).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 
 from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
+from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.layers.tp_overlap import exposed_seconds, ring_bytes_sent
 from tests.mpi_helpers import REPO_ROOT, run_python_mpi_results
 from tests.test_tensor_parallel import assert_exact
@@ -169,3 +172,104 @@ def test_tp_overlap_in_bfloat16_is_bitwise_the_plain_run(tmp_path, dataset):
     assert params.keys() == plain_params.keys()
     for name, value in plain_params.items():
         assert np.array_equal(params[name], value), name
+
+
+# ---- exposed communication, from the recorded order of one rank's events replayed with unit costs ------------------
+class RecordingGroup:
+    """A tp group of `size` on one process that records, in order, every transfer posted (a ring step's send or
+    receive, or a whole plain collective of size - 1 ring steps) and every wait on one. The neighbours are taken to
+    run the same order at the same times (the ring is symmetric), so a receive completes when this rank's own post
+    of the step would: its latency after the post. Received buffers are zeroed: only the order is under test."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self.size, self.rank, self.events = size, rank, []
+
+    def _post(self, steps: int):
+        transfer = len(self.events)
+        self.events.append(("post", transfer, steps))
+        group = self
+
+        class Transfer:
+            done = False
+
+            def wait(self):
+                group.events.append(("wait", transfer, 0))
+
+            def test(self):
+                return False
+        return Transfer()
+
+    def isend(self, buf, peer, tag):
+        return self._post(1)
+
+    def irecv(self, buf, peer, tag):
+        buf[...] = 0
+        return self._post(1)
+
+    def all_gather(self, send, recv):  # the plain gather: blocking, t - 1 ring steps
+        recv[...] = 0
+        self._post(self.size - 1).wait()
+
+    def ireduce_scatter(self, send, recv):
+        recv[...] = 0
+        return self._post(self.size - 1)
+
+
+def exposed_units(events, latency: float) -> float:
+    """Replay: a matmul over c chunks costs c, a transfer of s ring steps completes s * latency after its post, a
+    wait blocks until then. Returns the time spent blocked in waits."""
+    clock, done, exposed = 0.0, {}, 0.0
+    for kind, key, cost in events:
+        if kind == "matmul":
+            clock += cost
+        elif kind == "post":
+            done[key] = clock + cost * latency
+        else:
+            exposed += max(0.0, done[key] - clock)
+            clock = max(clock, done[key])
+    return exposed
+
+
+def recorded_orders(t: int, overlap: bool, chunk: int = 3):
+    """The event orders of a tp linear's four sequence-parallel operators on one rank of a tp group of t: forward
+    (gather + column matmul; row matmul + reduce-scatter) and backward (row input gradient under the gather;
+    column input gradient + reduce-scatter, its wait right after the last partial)."""
+    group = RecordingGroup(t)
+    tp = TensorParallel(group, True, overlap=overlap)
+    x = np.ones((2, chunk, 4))
+
+    def apply(rows):  # a matmul over rows.shape[1] positions: chunk positions cost 1
+        group.events.append(("matmul", None, rows.shape[1] / chunk))
+        return [rows * 2]
+
+    def partial(positions):
+        length = t * chunk if positions is None else positions.stop - positions.start
+        group.events.append(("matmul", None, length / chunk))
+        return np.ones((2, length, 4))
+
+    orders = {}
+    for name, run in (("column forward", lambda: tp.enter_and_apply(x, apply)),
+                      ("row forward", lambda: tp.exit_of(partial, t * chunk)),
+                      ("row backward", lambda: tp.exit_backward_and_apply(x, apply)),
+                      ("column backward", lambda: tp.start_enter_backward_of(partial, t * chunk).wait())):
+        group.events = []
+        run()
+        orders[name] = group.events
+    return orders
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("latency", [0.5, 1.0, 2.5])
+def test_overlap_hides_tp_transfers_in_the_recorded_order(t, latency):
+    """With a deterministic latency on every tp transfer, the chunked order leaves strictly less communication
+    exposed than the plain one (which waits on every transfer in full), and exactly what exposed_seconds says:
+    (t-1) max(0, latency - one chunk's matmul), against (t-1) latency."""
+    chunked, plain = recorded_orders(t, overlap=True), recorded_orders(t, overlap=False)
+    for name in chunked:
+        matmuls = [cost for kind, _, cost in chunked[name] if kind == "matmul"]
+        assert matmuls == [1.0] * t, name  # the matmul cut into the t chunks
+        assert [kind for kind, _, _ in plain[name]].count("post") == 1, name
+        exposed, unchunked = exposed_units(chunked[name], latency), exposed_units(plain[name], latency)
+        assert unchunked == (t - 1) * latency == exposed_seconds(0.0, t, 1.0, t, overlap=False, latency_s=latency)
+        assert exposed < unchunked, name
+        assert exposed == pytest.approx(exposed_seconds(0.0, t, 1.0, t, overlap=True, latency_s=latency)), name
