@@ -137,7 +137,8 @@ class Trainer:
         experts = ExpertParallel.of_mesh(self.mesh, MoeSettings.of(cfg.model).experts or 1)  # the expert mesh
         model = GPT(cfg.model, self.backend, tp=tp, stages=stages, lora=cfg.lora, ep=experts)
         apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
-        self.fp8_gemms = apply_fp8(model.units, cfg.precision.fp8, cfg.precision.fp8_history)  # precision.fp8
+        # precision.fp8: activation amaxes reduced over cp (a micro-batch's sequence is split over its ranks)
+        self.fp8_gemms = apply_fp8(model.units, cfg.precision.fp8, cfg.precision.fp8_history, self.mesh.cp)
         apply_context_parallel(model, ContextParallel.of_mesh(self.mesh, p.cp_kind))  # parallel.cp: dp x cp
         model.document_mask = cfg.data.document_mask  # every stage gets its micro-batches' documents
         return model

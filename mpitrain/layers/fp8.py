@@ -211,9 +211,11 @@ class Fp8Gemms:
         backward  dx = deq(q_e5m2(dy)) @ deq(q_e4m3(W))^T      dW = deq(q_e4m3(x))^T @ deq(q_e5m2(dy))
 
     Per-tensor amaxes (tensor, delayed) are reduced (max) over `group`, the group the tensor is split over (tp, or
-    an expert's etp): the amax of a split tensor is that of the whole. Tiles and blocks never cross a shard
-    (check_block_alignment), so block and mxfp8 scales need no reduction. Operands are quantized again where the
-    backward needs them: the same inputs give the same codes (delayed scales change only between steps).
+    an expert's etp): the amax of a split tensor is that of the whole. Activations and output gradients are also
+    reduced over `token_group` (cp: each rank holds a slice of the micro-batch's sequence). Tiles and blocks never
+    cross a shard (check_block_alignment), so block and mxfp8 scales need no reduction. Operands are quantized
+    again where the backward needs them: the same inputs give the same codes (delayed scales change only between
+    steps).
     `scales[key]`: (min, max) of each operand's scale_inv over every call so far (every micro-batch: the same
     whatever rank ran which), for checks and reports.
     `recording` False (scales_only: validation, a replay's peer check): calls use the current scales and record
@@ -221,8 +223,9 @@ class Fp8Gemms:
     `cache_weights` (set by apply_fp8 on frozen block / mxfp8 weights, LoRA's base): a weight is quantized once and
     its fp8 values kept, as a GPU run would keep the frozen base's fp8 copy; its scales depend on it alone."""
 
-    def __init__(self, recipe: str, group=None, history: int = 16, name: str = ""):
+    def __init__(self, recipe: str, group=None, history: int = 16, name: str = "", token_group=None):
         self.recipe, self.group, self.history, self.name = recipe, group, history, name
+        self.token_group = token_group if token_group is not None and token_group.size > 1 else None
         self.delayed: dict[str, DelayedScaling] = {}
         self.scales: dict[str, tuple[float, float]] = {}
         self.weight_elements: dict[str, int] = {}  # per weight: what a GPU run caches in fp8 (fp8_extra_bytes)
@@ -260,7 +263,8 @@ class Fp8Gemms:
     def _operands(self, keys, arrays, fmt: str, weight: bool) -> list:
         wide = [a.astype(operand_dtype(a), copy=False) for a in arrays]
         if self.recipe in ("tensor", "delayed"):
-            quantized = [quantize_tensor(a, fmt, amax) for a, amax in zip(wide, self._tensor_amaxes(keys, wide))]
+            amaxes = self._tensor_amaxes(keys, wide, weight)
+            quantized = [quantize_tensor(a, fmt, amax) for a, amax in zip(wide, amaxes)]
         elif self.recipe == "block":
             quantized = [quantize_blocks(a if weight else as_matrix(a), fmt, (TILE, TILE) if weight else (1, TILE))
                          for a in wide]
@@ -285,11 +289,14 @@ class Fp8Gemms:
             low, high = self.scales.get(key, (np.inf, -np.inf))
             self.scales[key] = (min(low, float(scale_inv.min())), max(high, float(scale_inv.max())))
 
-    def _tensor_amaxes(self, keys, arrays) -> list[float]:
-        """Each array's amax over the group (one all-reduce for all); under delayed scaling, its history's max."""
+    def _tensor_amaxes(self, keys, arrays, weight: bool) -> list[float]:
+        """Each array's amax over the group (one all-reduce for all) and, for activations and output gradients,
+        over the token group; under delayed scaling, its history's max."""
         amaxes = np.array([absmax(a) for a in arrays], dtype=np.float64)
         if self.group_size > 1:
             self.group.all_reduce(amaxes, "max")
+        if not weight and self.token_group is not None:
+            self.token_group.all_reduce(amaxes, "max")
         if self.recipe == "tensor":
             return list(amaxes)
         return [self._history(key).amax_for(float(amax), self.recording) for key, amax in zip(keys, amaxes)]
@@ -330,10 +337,12 @@ def end_delayed_step(gemms: list[Fp8Gemms], groups: dict) -> None:
             history.roll(float(amax))
 
 
-def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
+def apply_fp8(units, recipe: str, history: int = 16, cp_group=None) -> list[Fp8Gemms]:
     """Put an Fp8Gemms on every block's attention projections (qkv, out) and MLP linears (or MoE experts), in place;
     embeddings, norms, the router and the head stay in the compute dtype. Returns them, in unit order (the order
-    end_delayed_step reduces their amaxes in: the same on every rank of a stage)."""
+    end_delayed_step reduces their amaxes in: the same on every rank of a stage). `cp_group`: the context-parallel
+    group, over which activation and output-gradient amaxes are reduced (every expert runs, an empty block too, so
+    each rank makes the same calls)."""
     if recipe == "none":
         return []
     gemms = []
@@ -350,7 +359,7 @@ def apply_fp8(units, recipe: str, history: int = 16) -> list[Fp8Gemms]:
                 targets = [(getattr(layer, part), f"{prefix}.{part}", layer_tp_group(getattr(layer, part)))
                            for part in pair]
             for target, name, group in targets:
-                target.fp8 = Fp8Gemms(recipe, group, history, name)
+                target.fp8 = Fp8Gemms(recipe, group, history, name, cp_group)
                 frozen = getattr(target, "frozen_experts", not getattr(target, "trainable", True))  # LoRA's base
                 target.fp8.cache_weights = frozen and recipe in ("block", "mxfp8")
                 if target is layer:  # experts: the same expert's copies lie across expert data parallelism
