@@ -1,6 +1,6 @@
 """ZeRO++'s quantized communication: the block codecs against references written here (bit patterns, scales,
 clipping, ties), their exact byte counts, and ZeRO-3 runs whose counted bytes match the formulas and whose error
-against the exact run stays inside the codecs' bounds."""
+against the exact run stays inside the codecs' bounds, down to one SGD step's weights on every layout."""
 from __future__ import annotations
 
 import math
@@ -147,12 +147,25 @@ BASE = ["data.synthetic=true", "logging.peak_flops=1e9", "parallel.zero=3", "tra
         f"parallel.zero_quant_block={BLOCK}", "optim.warmup_steps=1"]
 
 
-def run(comm, layout, modes, compute="float64", steps=STEPS):
+class RecordingReducer:
+    # test stand-in around one of the state's gradient reducers: passes each reduce-scatter on and keeps the largest
+    # magnitude it was sent, the scale of the codec's error on the sum
+    def __init__(self, inner):
+        self.inner, self.largest = inner, []
+
+    def reduce_scatter(self, send):
+        self.largest.append(float(np.max(np.abs(send))))
+        return self.inner.reduce_scatter(send)
+
+
+def run(comm, layout, modes, compute="float64", steps=STEPS, record=False):
     gather, grads = modes
     cfg = load_config("configs/tiny.toml", BASE + layout + [f"precision.compute={compute}", f"train.steps={steps}",
                       f"parallel.zero_gather_dtype={gather}", f"parallel.zero_grad_reduce={grads}"])
     trainer = Trainer(cfg, comm)
     state, losses, counted = trainer.state, [], []
+    if record:
+        state.reducers = {name: RecordingReducer(reducer) for name, reducer in state.reducers.items()}
     for step in range(steps):
         losses.append(trainer.train_step(step).loss)
         counted.append({k: float(v) for k, v in state.group.counters(exact=True).items() if v})
@@ -200,6 +213,33 @@ def codec_checks(state, codec, grad_codec):
     return gather_ok and within_codec_bound(summed - reference, mine, grad_codec)
 
 
+SGD_LR = 0.5  # the first step's lr (warmup_steps = 1)
+SGD = ["optim.name=sgd", "optim.momentum=0", "optim.clip=0", f"optim.lr={SGD_LR}"]
+
+
+def summed_pieces(state, name, calls):
+    # pieces in the sum of one element reduced by reducer `name`: its group's ranks, once per reduction of its part
+    parts = sum(reduction == name for reduction in state.reductions)
+    assert calls % parts == 0, (name, calls, parts)
+    return state.groups[name].size * calls // parts
+
+
+def sgd_step_check(layout, codec="int8"):
+    # One plain SGD step, exact weight gathers, `codec` against exact gradient reduction: the forward passes are the
+    # same, so the weights differ by lr times the gradients' difference, the reductions' error alone. A sum of p
+    # pieces is off by at most p times the codec's relative error times the pieces' block absmax, itself at most the
+    # largest magnitude sent. int8, the finest codec: a gradient path that loses or adds more than ~2% of the largest
+    # piece anywhere fails (int4's bound is 18 times looser). Returns (max |weight difference|, that bound).
+    exact = run(world, layout + SGD, ("same", "exact"), steps=1)
+    got = run(world, layout + SGD, ("same", codec), steps=1, record=True)
+    state = got["state"]
+    pieces = max(summed_pieces(state, name, len(r.largest)) for name, r in state.reducers.items() if r.largest)
+    largest = max(max(r.largest, default=0.0) for r in state.reducers.values())
+    pieces, largest = world.allreduce(pieces, op=MPI.MAX), world.allreduce(largest, op=MPI.MAX)
+    bound = SGD_LR * WORST_RELATIVE_ERROR[codec] * pieces * largest * (1 + 1e-6)
+    return {"param_max_abs": compare(got, exact, world)["param_max_abs"], "bound": bound, "pieces": pieces}
+
+
 out = {"modes": {}, "layouts": {}}
 single = run(MPI.COMM_SELF, [], ("same", "exact")) if world.rank == 0 else None
 MODES = [("same", "exact"), ("int8", "exact"), ("fp8", "exact"), ("same", "int8"), ("same", "int4"),
@@ -225,7 +265,7 @@ LAYOUTS = {"dp2xtp2 fp8/int8": (["parallel.tp=2"], ("fp8", "int8")),
 for name, (layout, modes) in LAYOUTS.items():
     got = run(world, layout, modes)
     out["layouts"][name] = {**compare(got, run(world, layout, ("same", "exact")), world), "counted": got["counted"],
-                            "expected": got["expected"]}
+                            "expected": got["expected"], "sgd": sgd_step_check(layout)}
 if world.rank == 0:
     print("RESULTS " + json.dumps(out))
 """
@@ -250,7 +290,10 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
     counted bytes equal the formulas; the exact formats match one process to 1e-10; the quantized ones stay inside
     bounds that follow from the codecs (one gather, one reduce-scatter) and from Adam (parameters: each step moves
     an element by at most about lr, so two runs differ by at most 2 lr per step); dp 2 x tp 2, pp 2 x dp 2, MoE
-    experts over expert_dp (ep 2), ZeRO-1 and ZeRO-2 too."""
+    experts over expert_dp (ep 2), ZeRO-1 and ZeRO-2 too. Those whole-run bounds hold for any gradients, so each
+    layout also takes one plain SGD step with int8 against exact reduction: there the weights differ by exactly lr
+    times the reductions' error, which must lie within the codec's bound for the pieces summed (leaving one rank's
+    pieces out of the sums exceeds it 30-fold)."""
     out = run_python_mpi_results(4, JOB, timeout=300)
     cfg = load_config("configs/tiny.toml", ["optim.warmup_steps=1", "train.steps=4"])
     o = cfg.optim
@@ -287,3 +330,7 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
             assert all(step == got["expected"] for step in sent), name
         errors = f"{got['loss_error']:15.2e} {got['param_error']:17.2e} {got['param_max_abs']:14.2e}"
         print(f"{name:20s} {errors}")
+        sgd = got["sgd"]  # one SGD step: the weights' difference is lr times the reductions' error, within the codec's
+        assert 0 < sgd["param_max_abs"] <= sgd["bound"], (name, sgd)
+        print(f"{'':20s} one SGD step: max |weight diff| {sgd['param_max_abs']:.2e} <= {sgd['bound']:.2e} "
+              f"({sgd['pieces']} pieces summed)")
