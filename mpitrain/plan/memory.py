@@ -28,6 +28,7 @@ those already, so the two counts agree there.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -229,6 +230,22 @@ def rank_model(cfg: Config, pp_rank: int = 0):
 
 
 def _build_rank_model(cfg: Config, pp_rank: int):
+    """The rank model; under recomputation, the one without (built or cached) with its blocks copied and their mode
+    set: apply_recompute only sets each block's `recompute`, and building every block's layout is the costly part."""
+    if cfg.memory.recompute != "none":
+        plain_cfg = copy.copy(cfg)
+        plain_cfg.memory = copy.copy(cfg.memory)
+        plain_cfg.memory.recompute, plain_cfg.memory.recompute_layers = "none", 0
+        plain = rank_model(plain_cfg, pp_rank)
+        model = copy.copy(plain)
+        model.units = [copy.copy(unit) for unit in plain.units]
+        model._ctx_cache = {}
+        apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_layers)
+        return model
+    return _build_plain_rank_model(cfg, pp_rank)
+
+
+def _build_plain_rank_model(cfg: Config, pp_rank: int):
     p = cfg.parallel
     tp = TensorParallel(None, p.sequence_parallel)
     tp.size = p.tp  # a layout without a group: only the shapes of rank 0's pieces are needed
