@@ -209,6 +209,24 @@ NEW_CELLS = [(f, lay) for lay in NEW_LAYOUTS for f in ("dense llama", "MoE", "Lo
     ("ZeRO int8 gather", "ZeRO-3 node-sharded (2 nodes)"), ("ZeRO fp8 gather", "ZeRO-3"),
     ("ZeRO int8 grads", "ZeRO-1"), ("ZeRO int8 grads", "dp 2 x pp 2 x tp 2 ZeRO-1"),
     ("ZeRO int4 grads", "ZeRO-2"), ("ZeRO int4 grads", "ZeRO-3"), ("ZeRO int4 grads", "ZeRO-3 two-level (2 nodes)"),
+] + [("dense gpt2", lay) for lay in NEW_LAYOUTS] + [
+    # the other rows under the new layouts that touch their state or schedule: recomputation and masks under the
+    # V schedules and the new cp kinds, the batch ramp-up's changing micro-batch count under dualpipev's m >= 2p,
+    # each optimizer's state and offloading under hierarchical sharding
+    ("recompute full", "pp 2 zbv"), ("recompute full", "pp 2 dualpipev"), ("recompute full", "cp 2 ulysses"),
+    ("recompute full", "cp 4 hybrid (2 nodes)"), ("recompute selective", "pp 2 zbv"),
+    ("recompute selective", "pp 2 dualpipev x tp 2"), ("recompute selective", "tp 2 + SP overlap"),
+    ("document mask", "pp 2 zbv"), ("document mask", "pp 2 dualpipev"), ("document mask", "dp 4 two-level (2 nodes)"),
+    ("batch ramp-up", "pp 2 zbv"), ("batch ramp-up", "pp 2 dualpipev"), ("batch ramp-up", "dp 4 two-level (2 nodes)"),
+    ("batch ramp-up", "ZeRO-3 node-sharded (2 nodes)"),
+    ("adafactor", "ZeRO-3 node-sharded (2 nodes)"), ("adafactor", "ZeRO-3 two-level (2 nodes)"),
+    ("adam8bit", "ZeRO-3 node-sharded (2 nodes)"), ("adam8bit", "dp 4 two-level (2 nodes)"),
+    ("offload host", "ZeRO-3 node-sharded (2 nodes)"), ("offload host", "dp 4 two-level (2 nodes)"),
+    ("offload disk", "ZeRO-3 two-level (2 nodes)"), ("sgd", "pp 2 dualpipev"), ("adamw", "pp 2 zbv"),
+    ("MoE + LoRA", "pp 2 zbv"), ("MoE + LoRA", "cp 2 ulysses"), ("MoE + recompute selective", "cp 4 hybrid (2 nodes)"),
+    ("MoE + recompute selective", "pp 2 dualpipev"), ("adafactor + offload host", "ZeRO-3 node-sharded (2 nodes)"),
+    ("fp8 mxfp8", "cp 2 ulysses"), ("fp8 delayed", "cp 4 hybrid (2 nodes)"),
+    ("fp8 tensor", "dp 2 x pp 2 x tp 2 + SP overlap ZeRO-1"), ("MoE fp8 dispatch", "pp 2 dualpipev"),
 ]
 
 
@@ -524,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mpiexec jobs at a time")
     parser.add_argument("--out", default="docs/composability.md")
     parser.add_argument("--keep", default="", help="an earlier table whose parity cells this one carries")
+    parser.add_argument("--resume", default="", help="a saved run's CELLS.json: reuse its cells, measure the rest")
     parser.add_argument("--scratch", default="", help="folder for the run directories (default: a new temporary)")
     args = parser.parse_args(argv)
     mode = "all" if args.all else "new" if args.new else "pairwise"
@@ -534,8 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         scratch = Path(args.scratch or tempfile.mkdtemp(prefix="composability-"))
         pairs = all_pairs() if args.all else NEW_CELLS if args.new else PAIRWISE
-        cells = run_cells(pairs, args.jobs, scratch)
-        seconds = time.perf_counter() - start
+        saved = json.loads(Path(args.resume).read_text()) if args.resume else {"cells": [], "seconds": 0.0}
+        reused = [Cell(**c) for c in saved["cells"] if (c["feature"], c["layout"]) in pairs]
+        done = {(c.feature, c.layout) for c in reused}
+        cells = reused + run_cells([pair for pair in pairs if pair not in done], args.jobs, scratch)
+        seconds = saved["seconds"] + time.perf_counter() - start
         (scratch / "cells.json").write_text(json.dumps({"mode": mode, "seconds": seconds,
                                                         "cells": [asdict(c) for c in cells]}))
     kept = kept_cells(Path(args.keep), cells) if args.keep else []
