@@ -362,3 +362,45 @@ def test_delayed_histories_survive_a_checkpoint_under_pp(tmp_path):
     assert all(len(values) == 2 for values in histories.values())  # two steps recorded
     resumed = train(tmp_path / "resumed", "--resume", str(step2))
     assert [resumed[step] for step in (3, 4)] == [whole[step] for step in (3, 4)]
+
+
+def grid_probes(fmt, dtype):
+    """Every finite value of the format, the midpoints between neighbours (ties) and one float32 ulp either side,
+    values beyond the max (and inf), float32 subnormals, signed zeros and NaN; in float64 also ties nudged by 2^-40
+    relative (ml_dtypes rounds float64 through float32, so they round as the tie does)."""
+    values, _ = value_table(fmt)
+    finite = np.unique(values).astype(np.float32)
+    ties = (finite[:-1] + finite[1:]) / 2
+    top = finite.max()
+    probes = [finite, ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(np.inf)),
+              np.nextafter(top, np.float32(np.inf)) * np.float32([1, -1]),
+              np.float32([2 * top, -1e30, np.inf, -np.inf]),
+              np.float32([1e-45, -1e-45, 1e-40, 2.0 ** -126]), np.float32([0.0, -0.0, np.nan, -np.nan])]
+    if dtype == np.float64:
+        probes.append(ties.astype(np.float64) * (1 + 2.0 ** -40))
+    return np.concatenate([p.astype(dtype) for p in probes])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rounding_by_arithmetic_is_ml_dtypes_cast_bit_for_bit(fmt, dtype):
+    """comm.quantized.fp8_round (the route CuPy takes, run on numpy) after the clip equals ml_dtypes' cast of the
+    clipped value: every value, tie, neighbour, beyond-max, subnormal, -0 (sign kept) and NaN (stays NaN)."""
+    from mpitrain.comm.quantized import fp8_round
+
+    x = grid_probes(fmt, dtype)
+    top = fp8.FP8_MAX[fmt]
+    clipped = np.clip(x, -top, top)
+    expected = clipped.astype(DTYPES[fmt]).astype(np.float32)
+    got = fp8_round(np, clipped.astype(np.float32), fmt)
+    assert got.dtype == np.float32
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan) and nan.sum() == 2
+    wrong = np.flatnonzero(got[~nan].view(np.uint32) != expected[~nan].view(np.uint32))  # -0 and +0 differ here
+    assert wrong.size == 0, f"{wrong.size} differ, first {x[~nan][wrong[:3]]}: {got[~nan][wrong[:3]]}"
+    assert np.array_equal(fp8.cast_saturating(x, fmt).view(np.uint8), clipped.astype(DTYPES[fmt]).view(np.uint8))
+
+
+def test_fp8_on_cuda_is_refused_until_checked_on_a_gpu():
+    with pytest.raises(ConfigError, match="precision.fp8 = 'tensor'.*train.device = 'cpu'"):
+        load_config("configs/tiny.toml", ["precision.fp8=tensor", "train.device=cuda"])

@@ -123,6 +123,67 @@ def test_codecs_on_fake_device_arrays_reach_device_work(codec):
 
 
 
+# ---- FP8 recipes' emulation on device arrays -----------------------------------------------------------------------
+FP8_RECIPES = ("tensor", "delayed", "block", "mxfp8")
+
+
+def fp8_operands(rng):
+    """An activation (2, 3, 64), a weight (64, 96) and an output gradient (2, 3, 96), float32, spread over
+    several binades."""
+    def spread(*shape):
+        return (rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape))).astype(np.float32)
+    return spread(2, 3, 64), spread(64, 96), spread(2, 3, 96) * np.float32(1e-3)
+
+
+def fp8_stages(module, x, w, dy, recipe):
+    """Each stage of a recipe on x's array module, as its own call, so that every one is reached."""
+    from mpitrain.comm.quantized import fp8_round
+    from mpitrain.layers import fp8
+
+    grid = x[0, :, :2]
+    return [lambda: fp8_round(module, x, "e5m2"), lambda: fp8.cast_saturating(x, "e4m3"),
+            lambda: fp8.tensor_scale(grid, "e4m3"), lambda: fp8.mx_scale(grid, "e5m2"),
+            lambda: fp8.block_amax(w, (32, 1)), lambda: fp8.expand_blocks(grid, (1, 32), (3, 64)),
+            lambda: fp8.Quantized(x[0], grid, (1, 32)).dequantize(), lambda: fp8.on_host(grid),
+            lambda: fp8.Fp8Gemms(recipe).inputs(["x"], [x]), lambda: fp8.Fp8Gemms(recipe).output_grads(["dy"], [dy]),
+            lambda: fp8.Fp8Gemms(recipe).weights(["w"], [w], -1)]
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_recipes_on_fake_device_arrays_reach_device_work(recipe):
+    """Every stage of the FP8 emulation (rounding, scales, blocks, dequantization, the GEMM operands) on CuPy arrays
+    gets past numpy's and CuPy's Python-level checks (no float8 or e8m0 dtype, no np.asarray of a device array) to
+    its first kernel, which a fake array cannot run. The arithmetic itself is the numpy path's (tests/test_fp8.py)."""
+    cupy = fake_cupy()
+    x, w, dy = (fake_device_array(cupy, a) for a in fp8_operands(np.random.default_rng(4)))
+    for index, stage in enumerate(fp8_stages(cupy, x, w, dy, recipe)):
+        with pytest.raises(device_work_error(cupy)):
+            stage()
+            pytest.fail(f"stage {index} ran without device work")
+
+
+@needs_gpu
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_operands_on_the_gpu_are_numpys_values(recipe):
+    """On a GPU: the dequantized GEMM operands of each recipe (input e4m3, output gradient e5m2, weight e4m3) from
+    CuPy arrays equal the numpy path's bit for bit, and the recorded scales agree."""
+    import cupy
+
+    from mpitrain.layers import fp8
+
+    host = fp8_operands(np.random.default_rng(4))
+    device = [cupy.asarray(a) for a in host]
+    results = []
+    for x, w, dy in (host, device):
+        gemms = fp8.Fp8Gemms(recipe)
+        operands = gemms.inputs(["x"], [x]) + gemms.output_grads(["dy"], [dy]) + gemms.weights(["w"], [w], -1)
+        results.append(([fp8.on_host(a) for a in operands], gemms.scales))
+    (expected, expected_scales), (got, got_scales) = results
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(g, e)
+    assert got_scales == expected_scales
+
+
 # ---- two-level collectives on fake device arrays ------------------------------------------------------------------
 class PendingLevel:
     """One level of a two-level group that records the arrays it is handed; its operations never land, so a

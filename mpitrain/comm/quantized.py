@@ -69,16 +69,27 @@ def _blocks(xp, x, block: int):
     return padded.reshape(-1, block)
 
 
+FP8_GRIDS = {"e4m3": (3, -6), "e5m2": (2, -14)}  # mantissa bits, exponent of the smallest normal (2^-6, 2^-14)
+
+
+def fp8_round(xp, values, fmt: str = "e4m3"):
+    """float32 `values` within the format's max rounded to nearest, ties to even, onto float8 `fmt`'s grid (e4m3fn or
+    e5m2), still float32: ml_dtypes' cast by arithmetic on any array module (CuPy has no float8 dtype). A normal
+    value f 2^e (f in [0.5, 1)) has `bits` mantissa bits, a spacing of 2^(e-1-bits); subnormals (below 2^low) the
+    spacing 2^(low-bits). Scaling by the spacing (ldexp: a power of two) is exact, so rint rounds the mantissa to
+    nearest even and scaling back gives the representable result; the sign, -0 and NaN pass through."""
+    bits, low = FP8_GRIDS[fmt]
+    _, exponent = xp.frexp(values)
+    shift = xp.maximum(exponent - 1, low) - bits
+    return xp.ldexp(xp.rint(xp.ldexp(values, -shift)), shift)
+
+
 def e4m3fn_codes(xp, values):
-    """float8 e4m3fn bytes (uint8) of float32 `values` within +-448, rounded to nearest, ties to even: ml_dtypes'
-    cast by arithmetic on any array module (CuPy has no float8 dtype). A normal value f 2^e (f in [0.5, 1)) has
-    3 mantissa bits, a spacing of 2^(e-4); subnormals (below 2^-6) a spacing of 2^-9. Dividing by the spacing is
-    exact (a power of two), so rint rounds the mantissa to nearest even; the rounded value is representable."""
+    """float8 e4m3fn bytes (uint8) of float32 `values` within +-448, rounded to nearest, ties to even (fp8_round):
+    ml_dtypes' cast by arithmetic on any array module."""
     one = xp.ones_like(values)
     magnitude = xp.where(xp.isnan(values), np.float32(0), xp.abs(values))  # NaN's code is set below
-    _, exponent = xp.frexp(magnitude)
-    spacing = xp.ldexp(one, xp.maximum(exponent - 4, -9))
-    rounded = xp.rint(magnitude / spacing) * spacing
+    rounded = fp8_round(xp, magnitude)
     _, exponent = xp.frexp(rounded)
     normal = rounded >= 2.0 ** -6
     biased = xp.where(normal, exponent + 6, 0)  # bias 7: rounded = 2^(exponent-1) (1 + mantissa / 8)

@@ -1,4 +1,4 @@
-"""FP8 training recipes, emulated exactly: the values an FP8 GEMM would multiply, in plain numpy (ml_dtypes' fp8).
+"""FP8 training recipes, emulated exactly: the values an FP8 GEMM would multiply, on numpy or CuPy arrays.
 
     recipe    scale of a tensor                                          what it is (docs/fp8.md)
     tensor    one per tensor, from this call's amax (current scaling)    TE's Float8CurrentScaling
@@ -15,7 +15,12 @@ an out-of-range value into NaN, not the max. A tensor, tile or block whose amax 
 
 Scale conventions: per-tensor and block scales are float32 dequantization multipliers `scale_inv` (TE keeps both the
 quantizing `scale = max / amax` and its inverse; codes = cast(clip(x * scale)), values = codes * scale_inv);
-MX scales are powers of two stored as float8_e8m0fnu. `Quantized.dequantize` gives codes * scale_inv: exact in
+MX scales are powers of two stored as float8_e8m0fnu.
+Device-generic: the rounding onto the fp8 grid is arithmetic (comm/quantized.py's fp8_round, bit for bit ml_dtypes'
+cast, which rounds float64 through float32 as fp8_round's caller does). On numpy the codes and MX scales are then
+cast (exactly) to ml_dtypes' fp8 / e8m0; CuPy has no such dtypes, so there codes are the float32 grid values and MX
+scales float32 powers of two: the same numbers. A GPU run is emulation too: dequantized operands, GEMMs in the compute
+dtype. `Quantized.dequantize` gives codes * scale_inv: exact in
 float64 (and for MX's powers of two); in float32 a non-power-of-two scale rounds each product once (2^-24 relative,
 where a tensor core applies the scales to the fp32 sum instead), far below fp8's own 2^-4.
 """
@@ -28,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.comm.quantized import fp8_round
 
 FORMATS = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -61,26 +67,29 @@ def widened(x):
 
 
 def cast_saturating(x, fmt: str):
-    """x -> fp8 codes of format `fmt` ("e4m3" / "e5m2"), clipped to +-max first (round to nearest even)."""
+    """x -> fp8 codes of format `fmt` ("e4m3" / "e5m2"), clipped to +-max first (round to nearest even); on CuPy the
+    codes' values, float32. float64 rounds through float32, as ml_dtypes' cast does."""
     xp = array_module(x)
     top = FP8_MAX[fmt]
-    return xp.clip(x, -top, top).astype(FORMATS[fmt])
+    grid = fp8_round(xp, xp.clip(x, -top, top).astype(np.float32), fmt)
+    return grid.astype(FORMATS[fmt]) if xp is np else grid  # exact: grid values are fp8 values
 
 
 def absmax(x) -> float:
     """The largest |x| as a Python float (0 for an empty array)."""
-    return float(np.abs(x).max()) if x.size else 0.0
+    return float(array_module(x).abs(x).max()) if x.size else 0.0
 
 
 def tensor_scale(amax, fmt: str):
     """(scale, scale_inv), float32, of a per-tensor cast: scale = max / amax, 1 where amax (as float32) is 0 or not
     finite, float32's max where the division overflows (an amax below 448 / 3.4e38: TE's rule). `amax` may be an
     array (block grids): elementwise."""
-    amax = np.asarray(amax, dtype=np.float32)
-    usable = np.isfinite(amax) & (amax > 0)
+    xp = array_module(amax)
+    amax = xp.asarray(amax, dtype=np.float32)
+    usable = xp.isfinite(amax) & (amax > 0)
     with np.errstate(over="ignore"):
-        scale = np.where(usable, np.float32(FP8_MAX[fmt]) / np.where(usable, amax, 1), 1).astype(np.float32)
-    scale = np.minimum(scale, np.finfo(np.float32).max)
+        scale = xp.where(usable, np.float32(FP8_MAX[fmt]) / xp.where(usable, amax, 1), 1).astype(np.float32)
+    scale = xp.minimum(scale, np.finfo(np.float32).max)
     return scale, (np.float32(1) / scale).astype(np.float32)
 
 
@@ -99,7 +108,7 @@ def _blocked(x, block: tuple):
     br, bc = _block_extent(block, rows, cols)
     pad_r, pad_c = -rows % br, -cols % bc
     if pad_r or pad_c:
-        x = np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
+        x = array_module(x).pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
     r, c = x.shape[-2] // br, x.shape[-1] // bc
     return x.reshape(*x.shape[:-2], r, br, c, bc)
 
@@ -110,13 +119,14 @@ def _block_extent(block: tuple, rows: int, cols: int) -> tuple[int, int]:
 
 def block_amax(x, block: tuple):
     """The amax of each block of x's last two axes ((..., ceil(R/br), ceil(C/bc)); partial edge blocks count)."""
-    return np.abs(_blocked(x, block)).max(axis=(-3, -1), initial=0)
+    return array_module(x).abs(_blocked(x, block)).max(axis=(-3, -1))  # blocks are at least 1x1: never empty
 
 
 def expand_blocks(grid, block: tuple, shape: tuple):
     """A per-block grid -> one value per element of an array of `shape` (edge blocks cut to size)."""
     br, bc = _block_extent(block, shape[-2], shape[-1])
-    full = np.repeat(np.repeat(grid, br, axis=-2), bc, axis=-1)
+    xp = array_module(grid)
+    full = xp.repeat(xp.repeat(grid, br, axis=-2), bc, axis=-1)
     return full[..., :shape[-2], :shape[-1]]
 
 
@@ -139,12 +149,14 @@ def quantize_blocks(x, fmt: str, block: tuple = (1, TILE), amax=None) -> Quantiz
 def mx_scale(amax, fmt: str):
     """OCP MX v1.0 shared scale of blocks with these amaxes: 2^(floor(log2 amax) - emax), as float8_e8m0fnu (exponent
     clamped to e8m0's [-127, 127]); amax 0 (or not finite) -> 1. Elements above the format's max after the division
-    (up to 2^(emax+1) - ...) are clipped, as the spec says."""
-    amax = np.asarray(amax, dtype=np.float64)
-    usable = np.isfinite(amax) & (amax > 0)
-    _, exponent = np.frexp(np.where(usable, amax, 1.0))  # amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
-    power = np.where(usable, np.clip(exponent - 1 - EMAX[fmt], -127, 127), 0)
-    return np.ldexp(1.0, power).astype(E8M0)
+    (up to 2^(emax+1) - ...) are clipped, as the spec says. On CuPy (no e8m0 dtype): the powers as float32."""
+    xp = array_module(amax)
+    amax = xp.asarray(amax, dtype=np.float64)
+    usable = xp.isfinite(amax) & (amax > 0)
+    _, exponent = xp.frexp(xp.where(usable, amax, 1.0))  # amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    power = xp.where(usable, xp.clip(exponent - 1 - EMAX[fmt], -127, 127), 0)
+    powers = xp.ldexp(xp.ones_like(amax), power)
+    return powers.astype(E8M0) if xp is np else powers.astype(np.float32)
 
 
 def quantize_mx(x, fmt: str, axis: int = -1) -> Quantized:
@@ -183,6 +195,11 @@ class DelayedScaling:
         self.history[0] = self.current if step_amax is None else step_amax
         self.filled = min(self.filled + 1, self.history.size)
         self.current = 0.0
+
+
+def on_host(a):
+    """A CuPy array copied to the host; numpy arrays and scalars as they are."""
+    return a if array_module(a) is np else a.get()
 
 
 def operand_dtype(x):
@@ -281,9 +298,9 @@ class Fp8Gemms:
         """Widen scales[key] by this call's scale_inv. Blocks of rounding noise (amax below 2^-30 of the operand's
         largest, or 0: say the gradient of the first token's query, exactly 0 in theory) are left out: their scale
         follows the noise, which differs between layouts."""
-        scale_inv = np.asarray(q.scale_inv, dtype=np.float64)
+        scale_inv = np.asarray(on_host(q.scale_inv), dtype=np.float64)  # a report: read on the host
         if q.block is not None and scale_inv.size:
-            amax = block_amax(source, q.block)
+            amax = on_host(block_amax(source, q.block))
             scale_inv = scale_inv[amax > amax.max() * 2.0 ** -30]
         if scale_inv.size:
             low, high = self.scales.get(key, (np.inf, -np.inf))
