@@ -505,10 +505,11 @@ def render(cells: list[Cell], mode: str, seconds: float, jobs: int, kept: list[C
          f"mismatching, {n['ERROR']} errors."),
         ("Not a row: `precision.grad_reduce = bfloat16` (a float64 run held to 1e-10 cannot measure a reduction "
          "that rounds to 8 bits; tests/test_precision.py checks it at bfloat16 tolerances)."),
-        ("Not a cell: the per-tensor FP8 recipes (tensor, delayed) on experts under `parallel.ep > 1`: an expert's "
-         "GEMM then holds the rows that every ep rank's micro-batch routes to it, and a per-tensor scale is the "
-         "amax over those rows, not over one micro-batch's (docs/fp8.md; measured: 0.27 relative after 3 steps). "
-         "The block and mxfp8 tiles are row-wise and do not depend on which rows meet: the MoE + fp8 block row."),
+        ("Refused, so not a cell: the per-tensor FP8 recipes (tensor, delayed) on experts under "
+         "`parallel.ep > 1`: an expert's GEMM then holds the rows that every ep rank's micro-batch routes to it, "
+         "and a per-tensor scale is the amax over those rows, not over one micro-batch's (docs/fp8.md; measured "
+         "before the refusal: 0.27 relative after 3 steps). The block and mxfp8 tiles are row-wise and do not "
+         "depend on which rows meet: the MoE + fp8 block row."),
         "",
     ]
     notes: dict[str, str] = {}

@@ -156,10 +156,31 @@ def _validate_fp8(cfg) -> None:
     fp8 = cfg.precision.fp8
     if fp8 == "none":
         return
-    require(cfg.train.device == "cpu", f"config key precision.fp8 = {fp8!r} is emulated in numpy: it needs "
-            f"train.device = 'cpu', got {cfg.train.device!r}")
+    require(cfg.train.device == "cpu", f"config key precision.fp8 = {fp8!r}: its emulation is written for CuPy too "
+            f"but has never run on a GPU (docs/fp8.md), so it needs train.device = 'cpu', got {cfg.train.device!r}")
     if fp8 in ("block", "mxfp8"):
         _validate_fp8_blocks(cfg, 128 if fp8 == "block" else 32)
+    _validate_fp8_rows(cfg)
+
+
+def _validate_fp8_rows(cfg) -> None:
+    """Where a layout changes which rows share one FP8 GEMM, no scale can equal one process's: a per-tensor scale
+    is the amax of all the GEMM's rows, so experts under ep > 1 (or etp = 1 < tp), whose GEMM takes the rows of
+    several ranks' micro-batches (or a rank's share of them), differ; row-wise block and MX scales do not. Key and
+    value heads replicated over tp (tp > n_kv_head) differ under every recipe: each rank quantizes its partial
+    gradient of K and V before the tp sum (all-reducing it before the weight-gradient GEMM would cost a K/V-sized
+    all-reduce per layer; not built)."""
+    m, p, fp8 = cfg.model, cfg.parallel, cfg.precision.fp8
+    experts_split = MoeSettings.of(m).experts and (p.ep > 1 or (p.etp or p.tp) < p.tp)
+    require(fp8 not in ("tensor", "delayed") or not experts_split,
+            f"config key precision.fp8 = {fp8!r} with model.moe under parallel.ep = {p.ep}, etp = {p.etp or p.tp}: "
+            f"a per-tensor scale is the amax of every row of an expert's GEMM, and this layout puts other rows in "
+            f"that GEMM than one process does, so no layout gives one process's numbers; use 'block' or 'mxfp8' "
+            f"(row-wise scales)")
+    require(m.kv_heads % p.tp == 0 or p.tp == 1,
+            f"config key precision.fp8 = {fp8!r} with parallel.tp = {p.tp} > model.n_kv_head = {m.kv_heads}: the "
+            f"replicated key/value heads' backward quantizes each tp rank's partial gradient before the sum; use a "
+            f"tp that divides n_kv_head")
 
 
 def _validate_fp8_blocks(cfg, block: int) -> None:

@@ -225,6 +225,13 @@ def test_bad_fp8_settings_are_refused_naming_the_key():
     load_config("configs/tiny.toml", ["precision.fp8=mxfp8", "parallel.tp=2", "model.d_model=64", "model.n_head=2"])
     with pytest.raises(ConfigError, match="precision.fp8 = 'block'.*parallel.tp = 2"):  # the linears' own check
         fp8.check_block_alignment("block", 96, 2, "blocks.0.mlp.up.w_fc")
+    moe = "model.moe={experts = 4, top_k = 2}"
+    with pytest.raises(ConfigError, match="precision.fp8 = 'tensor' with model.moe under parallel.ep = 2.*row-wise"):
+        load_config("configs/tiny.toml", ["precision.fp8=tensor", moe, "parallel.ep=2", "parallel.dp=2"])
+    load_config("configs/tiny.toml", ["precision.fp8=mxfp8", moe, "parallel.ep=2", "parallel.dp=2"])  # row-wise
+    with pytest.raises(ConfigError, match="parallel.tp = 2 > model.n_kv_head = 1: the replicated key/value heads"):
+        load_config("configs/tiny.toml", ["precision.fp8=tensor", "model.arch=llama", "model.n_kv_head=1",
+                                          "parallel.tp=2"])
 
 
 def test_delayed_training_does_not_depend_on_how_often_it_evaluates():
