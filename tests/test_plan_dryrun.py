@@ -80,3 +80,9 @@ def test_memory_command_prints_the_dry_run():
     lines = result.stdout.split("dry run")[1].splitlines()[1:]
     assert [line.split()[0] for line in lines] == ["params", "grads", "optimizer"]
     assert all(line.endswith("equal") for line in lines), result.stdout
+
+
+def test_dualpipev_rows_built_by_the_training_code_equal_the_planner():
+    for pp_rank in (0, 3):  # V placement: rank 0 holds the embedding and the head
+        assert_rows_equal(layout("gpt3-350m", 8, pp=4, zero=1, schedule="dualpipev", virtual_stages=2),
+                          pp_rank=pp_rank)

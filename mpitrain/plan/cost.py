@@ -21,8 +21,8 @@ the inter-node link. Gradient reduction overlaps the backward of the micro-batch
 cluster's comm_overlap lets it: 0 where collectives need the computing cores); tp collectives sit on the critical
 path. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0), with r the rows (tokens of a
 micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the cluster file
-measured its own (`plan calibrate`). bubble is the schedule's textbook fraction (parallel/schedule.py); the fill and
-drain run faster by the cluster's contention where ranks share a host's memory (1 on GPUs).
+measured its own (`plan calibrate`). bubble is the schedule's textbook fraction (parallel/schedule_costs.py); the
+fill and drain run faster by the cluster's contention where ranks share a host's memory (1 on GPUs).
 
 Rank skew: ranks that synchronize wait for the slowest. Between two synchronizing operations (a tp collective, a cp
 ring step, an ep all-to-all, a ZeRO-2/3 unit's reduce-scatter or gather, a pipeline send, the step's gradient
@@ -58,8 +58,8 @@ from mpitrain.config import (
 from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
 from mpitrain.layers.ulysses_attention import bytes_per_block
+from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.pipeline import stage_layer_counts
-from mpitrain.parallel.schedule import theoretical_bubble
 from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.memory import (
     FUSED_DTYPES,
@@ -177,8 +177,16 @@ def step_lower_bound(base: Config, layout: Layout, cluster: Cluster, attention: 
 
 @functools.lru_cache(maxsize=4096)  # zbv's is a list schedule built and timed: the search asks thousands of times
 def schedule_bubble(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> float:
-    """parallel/schedule.py's bubble fraction of the schedule as built."""
-    return theoretical_bubble(kind, pp, micro_batches, virtual_stages)
+    """parallel/schedule_costs.py's bubble fraction of the schedule as built."""
+    return float(schedule_costs.bubble(kind, pp, micro_batches, virtual_stages))
+
+
+def pp_link_messages(kind: str, pp: int, virtual_stages: int) -> float:
+    """Messages per micro-batch, both ways, on each link between neighbouring pipeline ranks: schedule_costs' count
+    for the whole pipeline over its links, p - 1 in a line (1f1b: 2; a V: 4, both chunks each way), p where
+    interleaving wraps the last rank back to the first."""
+    links = pp if kind == "interleaved" and virtual_stages > 1 else pp - 1
+    return schedule_costs.messages_per_micro_batch(kind, pp, virtual_stages) / links
 
 
 def group_link(cluster: Cluster, size: int, stride: int) -> tuple[Link, bool]:
@@ -351,7 +359,8 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
 
     pp_link, pp_crosses = group_link(cluster, p.pp, p.tp * p.cp * p.dp)
     message = activation / (p.tp if p.sequence_parallel else 1)
-    pp_micro = 2 * p.virtual_stages * pp_link.seconds(message, 1) if p.pp > 1 else 0.0
+    pp_messages = pp_link_messages(p.schedule, p.pp, p.virtual_stages) if p.pp > 1 else 0
+    pp_micro = pp_messages * pp_link.seconds(message, 1)
 
     dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
@@ -413,7 +422,7 @@ def rank_skew_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_mic
     # synchronizations per micro-batch, and one per step: the gradient reduction
     syncs_micro = work.tp_per_layer * layers * (p.tp > 1) + 3 * layers * (p.cp - 1) + \
         4 * work.moe_layers * (p.ep > 1) + {3: 3 * work.units, 2: work.units}.get(p.zero, 0) * (p.dp * p.cp > 1) + \
-        2 * p.virtual_stages * (p.pp > 1)
+        (pp_link_messages(p.schedule, p.pp, p.virtual_stages) if p.pp > 1 else 0)
     compute = work.micro_batches * compute_micro
     return cluster.skew_at(compute / (work.micro_batches * syncs_micro + 1)) * compute
 

@@ -1,7 +1,7 @@
 """`mpitrain plan MODEL CLUSTER --layout "dp64 tp8 pp16 zero1 ..."`: one layout, evaluated alone and explained.
 
 The layout is written the way the planner's table names layouts (Layout.describe): dpN tpN ppN cpN epN etpN zeroN
-mbN, a schedule (1f1b, gpipe, zb1p, zbv, interleaved or interleaved/vN), rc-none / rc-selective / rc-full,
+mbN, a schedule (1f1b, gpipe, zb1p, zbv, dualpipev, interleaved or interleaved/vN), rc-none / rc-selective / rc-full,
 offload-none / offload-host / offload-disk, and ring / ulysses for cp's kind; `--set parallel.tp=8` style keys set
 the same fields. What is not given keeps the Layout default (dp: the GPUs left over by tp x pp x cp).
 """
@@ -11,10 +11,11 @@ import re
 from dataclasses import fields, replace
 
 from mpitrain.errors import ConfigError
+from mpitrain.parallel.schedule import V_KINDS
 from mpitrain.plan.cost import Layout
 
 GB = 1e9
-SCHEDULES = ("1f1b", "gpipe", "zb1p", "zbv", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "zb1p", "zbv", "dualpipev", "interleaved")
 NUMBERED = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp", "zero": "zero",
             "mb": "micro_batch", "v": "virtual_stages"}
 SET_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
@@ -92,7 +93,7 @@ def layout_for(given: dict, gpus: int | None) -> tuple[Layout, int]:
         raise ConfigError(f"--layout dp{given['dp']} tp{tp} pp{pp} cp{cp} is {world} GPUs, but --gpus {gpus}")
     if given.get("virtual_stages", 1) > 1 and "schedule" not in given:
         given = {**given, "schedule": "interleaved"}
-    if given.get("schedule") == "zbv" and "virtual_stages" not in given:
+    if given.get("schedule") in V_KINDS and "virtual_stages" not in given:
         given = {**given, "virtual_stages": 2}  # the V: two chunks per rank
     given = {"etp": tp, **given}  # experts split like the MLP unless etpN says otherwise (the search's spelling)
     names = {f.name for f in fields(Layout)}

@@ -3,10 +3,10 @@ and say why the obvious alternatives lost.
 
 The space: dp x tp x pp x cp = the GPUs, ep (from dp x cp, and the tp ranks' token shares at etp = 1) and
 etp (1 or tp) for MoE; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
-interleaved with 2, 4 or 8 chunks per rank, zb1p, zbv; gpipe has 1f1b's bubble with m instead of p
-micro-batches in flight, so it never wins); optimizer offload (tried only where the layout does not fit without
-it). Layouts mpitrain itself
-refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so that the table can say what it costs.
+interleaved with 2, 4 or 8 chunks per rank, zb1p, zbv, dualpipev where a step has at least 2p micro-batches; gpipe
+has 1f1b's bubble with m instead of p micro-batches in flight, so it never wins); optimizer offload (tried only
+where the layout does not fit without it). Layouts mpitrain itself refuses (mpitrain.config's checks) are skipped;
+tp beyond a node is kept, so that the table can say what it costs.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _expert_meshes(experts: int, holders: int, tp: int):
 def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [("1f1b", 1), ("zb1p", 1)] + \
         [("interleaved", v) for v in INTERLEAVING if cfg.model.n_layer >= v * mesh.pp] + \
-        ([("zbv", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
+        ([("zbv", 2), ("dualpipev", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
     zeros = [0, 1, 2, 3] if mesh.pp == 1 else [0, 1, 2]  # ZeRO-3 under pp: regathers
     recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
     # Ulysses where the heads split over tp x cp (its all-to-alls against the ring's K/V passes; config refuses the
@@ -76,6 +76,8 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
     for micro_batch, (schedule, v), zero, cp_kind in itertools.product(MICRO_BATCHES, schedules, zeros, cp_kinds):
         if cfg.train.global_batch % (mesh.dp * micro_batch):
             continue
+        if schedule == "dualpipev" and cfg.train.global_batch // (mesh.dp * micro_batch) < 2 * mesh.pp:
+            continue  # DualPipeV needs 2p micro-batches (mpitrain.config refuses fewer): not worth an estimate
         # recomputation only adds FLOPs: the search stops at the first mode that fits
         yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
                       etp=mesh.etp, cp_kind=cp_kind) for recompute in recomputes]
@@ -95,8 +97,9 @@ def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = Non
         groups = [(bounds[i], groups[i]) for i in order]
     else:
         groups = [(0.0, group) for group in groups]
+    zbv_fits = set()  # zbv layouts that fit without recomputation
     for bound, by_recompute in groups:
-        if bound > best_step:
+        if bound > best_step or (prune and _zbv_twin(by_recompute[0]) in zbv_fits):
             pruned += len(by_recompute)  # its matmuls and bubble alone are slower than a layout that fits
             continue
         for layout in by_recompute:
@@ -112,10 +115,19 @@ def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = Non
             (fits if result["fits"] else too_big).append(result)
             if result["fits"]:
                 best_step = min(best_step, result["step_s"])
+                if layout.schedule == "zbv" and layout is by_recompute[0]:
+                    zbv_fits.add(layout.describe())
                 break
     fits.sort(key=lambda r: (r["step_s"], r["memory"]["total"], r["name"]))
     too_big.sort(key=lambda r: (-r["memory"]["headroom"], r["name"]))
     return {"fits": fits, "too_big": too_big, "refused": refused, "pruned": pruned}
+
+
+def _zbv_twin(layout: Layout) -> str | None:
+    """A dualpipev layout's zbv twin: the same V, parts and messages with half the bubble, (p-1)/(6m+p-1) against
+    (p-1)/(3m+p-1). Where the twin fits without recomputation (its smaller bound evaluates it first), the
+    dualpipev layout cannot win."""
+    return _with(layout, schedule="zbv").describe() if layout.schedule == "dualpipev" else None
 
 
 def _with(layout: Layout, **changes) -> Layout:
