@@ -1,13 +1,14 @@
 """The planner's terms for the newer parallel features are each feature's own formula functions: DualPipeV's bubble,
-activations held and pipeline messages (parallel/schedule_costs.py). tests/test_plan_dryrun.py checks the rows the
-training code builds for the same layouts."""
+activations held and pipeline messages (parallel/schedule_costs.py); Ulysses' all-to-all bytes
+(parallel/context.py). tests/test_plan_dryrun.py checks the rows the training code builds for the same layouts."""
 from __future__ import annotations
 
 import pytest
 
 from mpitrain.parallel import schedule_costs
+from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.plan.clusters import load_cluster
-from mpitrain.plan.cost import Layout, estimate
+from mpitrain.plan.cost import Layout, estimate, ulysses_bytes_per_micro_batch
 from mpitrain.plan.layout import layout_for, parse_layout
 from mpitrain.plan.memory import _stage_holdings
 from mpitrain.plan.presets import model_config
@@ -45,3 +46,15 @@ def test_dualpipev_in_the_search_and_the_layout_text():
     assert dualpipev and all(r["micro_batches"] >= 2 * r["layout"]["pp"] for r in dualpipev)
     assert not any("dualpipev" in reason for reason in found["refused"])  # too few micro-batches: never tried
 
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ulysses_bytes_are_context_cp_bytes_per_step(recompute):
+    cfg, _ = model_config("llama3-8b")  # 32 heads, 8 K/V heads: tp 8 x cp 4 leaves each rank under one K/V head
+    cfg.memory.recompute, cfg.train.micro_batch = recompute, 2
+    for tp, cp in ((1, 2), (2, 4), (8, 4)):
+        cfg.parallel.tp, cfg.parallel.cp = tp, cp
+        kv = cfg.model.kv_heads // tp
+        expected = cp_bytes_per_step("ulysses", 2, cfg.model.seq_len, cfg.model.n_head // tp, kv, cfg.model.head_dim,
+                                     2, cp, blocks=5, recompute=recompute)
+        assert expected["cp_ring"] == 0 and ulysses_bytes_per_micro_batch(cfg, 2, 5) == expected["all_to_all"] > 0

@@ -57,8 +57,8 @@ from mpitrain.config import (
 )
 from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
-from mpitrain.layers.ulysses_attention import bytes_per_block
 from mpitrain.parallel import schedule_costs
+from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.memory import (
@@ -368,16 +368,14 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
 
 
 def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) -> float:
-    """Bytes one rank sends on the cp group's all-to-alls per micro-batch under parallel.cp_kind = 'ulysses': per
-    attention block, Q/K/V and O in forward, dO and dQ/dK/dV in backward, each (c-1)/c of this rank's tensors
-    (layers/ulysses_attention.bytes_per_block); full recomputation repeats the forward's."""
+    """Bytes one rank sends on the cp group's all-to-alls per micro-batch under parallel.cp_kind = 'ulysses':
+    parallel/context.py's cp_bytes_per_step over this rank's `layers` attention blocks (Q/K/V and O in forward, dO
+    and dQ/dK/dV in backward, each (c-1)/c of this rank's tensors; full recomputation repeats the forward's)."""
     m, p = cfg.model, cfg.parallel
-    heads = m.n_head // p.tp
     kv_heads = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
-    head_bytes = cfg.train.micro_batch * (m.seq_len // p.cp) * m.head_dim * element_bytes  # one head, T/c tokens
-    block = bytes_per_block(heads * head_bytes, kv_heads * head_bytes, kv_heads, p.cp)
-    forwards = 2 if cfg.memory.recompute == "full" else 1
-    return layers * (forwards * block["forward"] + block["backward"])
+    sent = cp_bytes_per_step("ulysses", cfg.train.micro_batch, m.seq_len, m.n_head // p.tp, kv_heads, m.head_dim,
+                             element_bytes, p.cp, blocks=layers, recompute=cfg.memory.recompute)
+    return sent["all_to_all"]
 
 
 def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float,
