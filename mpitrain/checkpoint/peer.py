@@ -58,9 +58,7 @@ def peer_nodes(nodes: NodeLayout, env=os.environ) -> NodeLayout:
     world = len(nodes.node_of_rank)
     if fake <= 1 or world % fake:
         return nodes
-    per_node = world // fake
-    leaders = [rank // per_node * per_node for rank in range(world)]
-    return NodeLayout.from_leaders(nodes.rank, leaders, [f"fakenode{rank // per_node}" for rank in range(world)])
+    return NodeLayout.blocks(world, nodes.rank, fake)
 
 
 def partner_of(rank: int, nodes: NodeLayout) -> int | None:

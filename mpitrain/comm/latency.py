@@ -14,15 +14,22 @@ from mpitrain.errors import ConfigError
 LATENCY_ENV = "MPITRAIN_COMM_LATENCY"
 
 
+def parse_seconds(text: str, env: str, form: str) -> dict[str, float]:
+    """'tp=0.02, dp=1' -> {"tp": 0.02, "dp": 1.0}: the test hooks' KEY=SECONDS lists (this one and
+    profile/breakdown.py's MPITRAIN_COMM_DELAY); a malformed entry is one line naming `env` and the `form` expected."""
+    seconds = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            seconds[key.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"{env}: {item!r} is not {form}") from None
+    return seconds
+
+
 def latency_of(group_kind: str) -> float:
     """Seconds every operation of a `group_kind` group takes at least, from MPITRAIN_COMM_LATENCY (0: none)."""
-    latencies = {}
-    for item in filter(None, (part.strip() for part in os.environ.get(LATENCY_ENV, "").split(","))):
-        kind, _, value = item.partition("=")
-        try:
-            latencies[kind.strip()] = float(value)
-        except ValueError:
-            raise ConfigError(f"{LATENCY_ENV}: {item!r} is not GROUP=SECONDS (e.g. tp=0.02)") from None
+    latencies = parse_seconds(os.environ.get(LATENCY_ENV, ""), LATENCY_ENV, "GROUP=SECONDS (e.g. tp=0.02)")
     return latencies.get(group_kind, 0.0)
 
 

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from mpitrain.backend import Backend
-from mpitrain.errors import ConfigError
+from mpitrain.comm.latency import parse_seconds
 
 COMPUTE_PARTS = ("forward", "backward_input", "backward_weight")
 FIXED_PARTS = COMPUTE_PARTS + ("pipeline_bubble", "optimizer", "data", "checkpoint", "other")
@@ -70,14 +70,7 @@ def comm_kind(operation) -> str:
 
 def parse_delays(text: str) -> dict[str, float]:
     """'all_reduce.dp=0.05,all_gather.tp=0.01' -> {kind: seconds}; a malformed entry is one clear line."""
-    delays = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        kind, _, value = item.partition("=")
-        try:
-            delays[kind.strip()] = float(value)
-        except ValueError:
-            raise ConfigError(f"{DELAY_ENV}: {item!r} is not KIND=SECONDS (e.g. all_reduce.dp=0.05)") from None
-    return delays
+    return parse_seconds(text, DELAY_ENV, "KIND=SECONDS (e.g. all_reduce.dp=0.05)")
 
 
 def device_synchronize(backend: Backend) -> Callable[[], None] | None:
