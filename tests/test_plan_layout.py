@@ -27,6 +27,18 @@ def test_layout_text_and_set_keys_give_the_same_layout():
     assert layout_for(parse_layout("tp8 pp2"), 64)[0].dp == 4  # dp fills the GPUs
 
 
+
+def test_the_settings_beyond_the_mesh_read_back_from_their_names_and_keys():
+    layout = Layout(dp=8, tp=4, pp=2, cp=2, cp_kind="hybrid", dp_reduce="two_level", zero_shard="node",
+                    zero_gather_dtype="fp8", zero_grad_reduce="int4", tp_overlap=True, fp8="mxfp8", etp=4)
+    assert layout_for(parse_layout(layout.describe()), None)[0] == layout  # the table's names parse back
+    sets = ("parallel.dp=8", "parallel.tp=4", "parallel.pp=2", "parallel.cp=2", "parallel.cp_kind=hybrid",
+            "parallel.dp_reduce=two_level", "parallel.zero_shard=node", "parallel.zero_gather_dtype=fp8",
+            "parallel.zero_grad_reduce=int4", "parallel.tp_overlap=true", "precision.fp8=mxfp8")
+    assert layout_for(parse_layout("", sets), None)[0] == layout
+    with pytest.raises(ConfigError, match="grad-int2"):
+        parse_layout("dp8 grad-int2")
+
 @pytest.mark.parametrize("text, sets, named", [
     ("dp64 tp8 pp16 zer01", (), "'zer01'"), ("dp2 rc-some", (), "'rc-some'"),
     ("dp2", ("parallel.tpp=2",), "parallel.tpp"), ("dp2", ("memory.recompute=most",), "'most'"),

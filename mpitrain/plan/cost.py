@@ -95,18 +95,31 @@ class Layout:
     virtual_stages: int = 1
     offload: str = "none"
     etp: int = 0  # expert tensor parallelism: 0 = tp (experts split like the MLP), 1 = whole experts
-    cp_kind: str = "ring"  # context parallelism: "ring" (K/V passed round) or "ulysses" (all-to-all of heads)
+    cp_kind: str = "ring"  # context parallelism: ring (K/V passed round), ulysses (all-to-all of heads), hybrid
+    dp_reduce: str = "flat"  # gradient reduction: flat, or two_level (inside each node, then across nodes)
+    zero_shard: str = "world"  # ZeRO shards over all dp ranks (world) or one node's (node: hybrid sharding)
+    zero_gather_dtype: str = "same"  # ZeRO-3 weight all-gather on the wire: same | int8 | fp8
+    zero_grad_reduce: str = "exact"  # ZeRO gradient reduce-scatter on the wire: exact | int8 | int4
+    tp_overlap: bool = False  # tp collectives chunked behind the GEMMs (collective matmul)
+    fp8: str = "none"  # FP8 GEMM recipe: none | tensor | delayed | block | mxfp8
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}"] * (self.cp > 1) + \
-                ["ulysses"] * (self.cp > 1 and self.cp_kind == "ulysses") + \
+                [self.cp_kind] * (self.cp > 1 and self.cp_kind != "ring") + \
                 [f"ep{self.ep}"] * (self.ep > 1) + [f"etp{self.etp}"] * (0 < self.etp < self.tp) + \
                 [f"zero{self.zero}", f"mb{self.micro_batch}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"rc-{self.recompute}"] * (self.recompute != "none") + [f"offload-{self.offload}"] * \
                  (self.offload != "none")
-        return " ".join(parts)
+        return " ".join(parts + self.extras())
+
+    def extras(self) -> list[str]:
+        """The tokens of the settings beyond the mesh, schedule and memory savers (plan/layout.py reads them back)."""
+        return ["two-level"] * (self.dp_reduce == "two_level") + ["shard-node"] * (self.zero_shard == "node") + \
+            [f"gather-{self.zero_gather_dtype}"] * (self.zero_gather_dtype != "same") + \
+            [f"grad-{self.zero_grad_reduce}"] * (self.zero_grad_reduce != "exact") + \
+            ["tp-overlap"] * self.tp_overlap + [f"fp8-{self.fp8}"] * (self.fp8 != "none")
 
 
 def layout_config(base: Config, layout: Layout, compute: str) -> Config:
@@ -117,6 +130,9 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.cp, p.ep, p.zero = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero
     p.etp, p.cp_kind = layout.etp, layout.cp_kind
+    p.dp_reduce, p.zero_shard, p.tp_overlap = layout.dp_reduce, layout.zero_shard, layout.tp_overlap
+    p.zero_gather_dtype, p.zero_grad_reduce, cfg.precision.fp8 = layout.zero_gather_dtype, layout.zero_grad_reduce, \
+        layout.fp8
     p.sequence_parallel, p.schedule, p.virtual_stages = layout.tp > 1, layout.schedule, layout.virtual_stages
     p.microbatches, p.stage_layers, p.allow_cross_node_tp = 0, [], True
     cfg.train.micro_batch, cfg.train.device = layout.micro_batch, "cpu"  # shapes only: cp's device check aside

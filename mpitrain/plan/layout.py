@@ -2,8 +2,10 @@
 
 The layout is written the way the planner's table names layouts (Layout.describe): dpN tpN ppN cpN epN etpN zeroN
 mbN, a schedule (1f1b, gpipe, zb1p, zbv, dualpipev, interleaved or interleaved/vN), rc-none / rc-selective / rc-full,
-offload-none / offload-host / offload-disk, and ring / ulysses for cp's kind; `--set parallel.tp=8` style keys set
-the same fields. What is not given keeps the Layout default (dp: the GPUs left over by tp x pp x cp).
+offload-none / offload-host / offload-disk, ring / ulysses / hybrid for cp's kind, and the settings beyond those
+(Layout.extras): two-level, shard-node, gather-int8|fp8, grad-int8|int4, tp-overlap, fp8-RECIPE; `--set
+parallel.tp=8` style keys set the same fields. What is not given keeps the Layout default (dp: the GPUs left
+over by tp x pp x cp).
 """
 from __future__ import annotations
 
@@ -21,9 +23,18 @@ NUMBERED = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "
 SET_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
             "parallel.etp": "etp", "parallel.zero": "zero", "parallel.schedule": "schedule",
             "parallel.virtual_stages": "virtual_stages", "parallel.cp_kind": "cp_kind",
+            "parallel.dp_reduce": "dp_reduce", "parallel.zero_shard": "zero_shard",
+            "parallel.zero_gather_dtype": "zero_gather_dtype", "parallel.zero_grad_reduce": "zero_grad_reduce",
+            "parallel.tp_overlap": "tp_overlap", "precision.fp8": "fp8",
             "train.micro_batch": "micro_batch", "memory.recompute": "recompute", "memory.offload": "offload"}
 CHOICES = {"recompute": ("none", "selective", "full"), "offload": ("none", "host", "disk"),
-           "schedule": SCHEDULES, "cp_kind": ("ring", "ulysses")}
+           "schedule": SCHEDULES, "cp_kind": ("ring", "ulysses", "hybrid"), "dp_reduce": ("flat", "two_level"),
+           "zero_shard": ("world", "node"), "zero_gather_dtype": ("same", "int8", "fp8"),
+           "zero_grad_reduce": ("exact", "int8", "int4"), "fp8": ("none", "tensor", "delayed", "block", "mxfp8")}
+# the settings' tokens (Layout.extras) and the fields they set
+FLAG_TOKENS = {"two-level": {"dp_reduce": "two_level"}, "shard-node": {"zero_shard": "node"},
+               "tp-overlap": {"tp_overlap": True}}
+PREFIX_TOKENS = {"gather": "zero_gather_dtype", "grad": "zero_grad_reduce", "fp8": "fp8"}
 # the parts of estimate()'s step, in words, in the order they are printed
 PART_WORDS = {"matmul": "compute: matmuls", "elementwise": "compute: elementwise (HBM traffic)",
               "overhead": "fixed overhead (launches, per step)", "tp": "tp collectives (exposed)",
@@ -50,8 +61,14 @@ def parse_layout(text: str, sets: tuple = ()) -> dict:
 def _token_fields(token: str) -> dict:
     if token in SCHEDULES:
         return {"schedule": token}
-    if token in ("ring", "ulysses"):
+    if token in CHOICES["cp_kind"]:
         return {"cp_kind": token}
+    if token in FLAG_TOKENS:
+        return dict(FLAG_TOKENS[token])
+    match = re.fullmatch(r"(gather|grad|fp8)-(\w+)", token)
+    if match:
+        name = PREFIX_TOKENS[match.group(1)]
+        return {name: _value(name, match.group(2), f"--layout token {token!r}")}
     match = re.fullmatch(r"interleaved/v(\d+)", token)
     if match:
         return {"schedule": "interleaved", "virtual_stages": int(match.group(1))}
@@ -64,10 +81,15 @@ def _token_fields(token: str) -> dict:
         return {NUMBERED[match.group(1)]: int(match.group(2))}
     raise ConfigError(f"--layout: bad token {token!r}; expected dpN tpN ppN cpN epN etpN zeroN mbN, a schedule "
                       f"({', '.join(SCHEDULES)}, interleaved/vN), rc-none|selective|full, offload-none|host|disk, "
-                      "ring|ulysses")
+                      "ring|ulysses|hybrid, two-level, shard-node, gather-int8|fp8, grad-int8|int4, tp-overlap, "
+                      "fp8-tensor|delayed|block|mxfp8")
 
 
 def _value(name: str, value: str, where: str):
+    if name == "tp_overlap":
+        if value.lower() not in ("true", "false"):
+            raise ConfigError(f"{where}: tp_overlap must be true or false, not {value!r}")
+        return value.lower() == "true"
     if name in CHOICES:
         if value not in CHOICES[name]:
             raise ConfigError(f"{where}: {name} must be one of {', '.join(CHOICES[name])}, not {value!r}")
