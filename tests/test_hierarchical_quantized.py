@@ -1,7 +1,8 @@
 """ZeRO++'s quantized collectives over hierarchical data parallelism (state/hierarchical_quantized.py): four ranks
 as two fake nodes, each layout's quantized run beside its exact run. The bytes crossing nodes equal
 `cross_node_step_bytes` (and, exact, state/hierarchical.cross_node_bytes); one two-level reduction stays within the
-levels' codec bounds against its float64 sum; the runs stay within test_zero_quantized's bounds of the exact run."""
+levels' codec bounds against its float64 sum; the runs stay within test_zero_quantized's bounds of the exact run.
+With context parallelism (dp 2 x cp 2) the two levels split the dp x cp group ZeRO shards over."""
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ BASE = ["data.synthetic=true", "logging.peak_flops=1e9", "precision.compute=floa
 LAYOUTS = {"two_level zero3 fp8/int8": (["parallel.zero=3", "parallel.dp_reduce=two_level"], ("fp8", "int8")),
            "two_level zero2 same/int4": (["parallel.zero=2", "parallel.dp_reduce=two_level"], ("same", "int4")),
            "node zero3 int8/int8": (["parallel.zero=3", "parallel.zero_shard=node"], ("int8", "int8")),
-           "node zero1 same/int4": (["parallel.zero=1", "parallel.zero_shard=node"], ("same", "int4"))}
+           "node zero1 same/int4": (["parallel.zero=1", "parallel.zero_shard=node"], ("same", "int4")),
+           "node zero3 cp2 fp8/int8": (["parallel.zero=3", "parallel.zero_shard=node", "parallel.cp=2"],
+                                      ("fp8", "int8"))}
 
 
 def run(layout, modes):

@@ -173,8 +173,10 @@ def run(comm, layout, modes, compute="float64", steps=STEPS, record=False):
     expected = zero_step_bytes(cfg.parallel.zero, state.shard_sizes, state.group.size, e, max(e, 4),
                                state.quantized, trainer.accumulation)
     params = np.concatenate([s.params for s in state.optimizer_segments()]).astype(np.float64)
+    cp_traffic = sorted(k for k, v in trainer.mesh.cp.counters().items() if k != "control" and v)  # ring or Ulysses
     return {"losses": losses, "counted": counted, "expected": expected, "params": params, "state": state,
-            "shards": state.shard_sizes, "micro_batches": trainer.accumulation}
+            "shards": state.shard_sizes, "micro_batches": trainer.accumulation, "cp_traffic": cp_traffic,
+            "dp_cp": [trainer.mesh.dp.size, trainer.mesh.cp.size]}
 
 
 def compare(got, reference, comm):
@@ -245,8 +247,9 @@ single = run(MPI.COMM_SELF, [], ("same", "exact")) if world.rank == 0 else None
 MODES = [("same", "exact"), ("int8", "exact"), ("fp8", "exact"), ("same", "int8"), ("same", "int4"),
          ("fp8", "int8")]
 exact = run(world, [], MODES[0])
+dp4 = {}  # the runs of dp 4, by modes: what dp 2 x cp 2 must reproduce where no gradient is quantized
 for modes in MODES:
-    got = run(world, [], modes) if modes != MODES[0] else exact
+    got = dp4[modes] = run(world, [], modes) if modes != MODES[0] else exact
     out["modes"]["/".join(modes)] = {**compare(got, exact, world), "counted": got["counted"], "losses": got["losses"],
                                      "expected": got["expected"], "shards": got["shards"],
                                      "micro_batches": got["micro_batches"]}
@@ -261,11 +264,26 @@ LAYOUTS = {"dp2xtp2 fp8/int8": (["parallel.tp=2"], ("fp8", "int8")),
            "pp2xdp2 fp8/int8": (["parallel.pp=2"], ("fp8", "int8")),
            "moe ep2 fp8/int4": (["model.moe={experts=4,top_k=2}", "parallel.ep=2"], ("fp8", "int4")),
            "zero1 same/int8": (["parallel.zero=1"], ("same", "int8")),
-           "zero2 same/int4": (["parallel.zero=2"], ("same", "int4"))}
+           "zero2 same/int4": (["parallel.zero=2"], ("same", "int4")),
+           "dp2xcp2 ring fp8/int8": (["parallel.cp=2"], ("fp8", "int8")),
+           "dp2xcp2 ulysses int8/int4": (["parallel.cp=2", "parallel.cp_kind=ulysses"], ("int8", "int4"))}
+
+
+def same_as_dp4(layout, gather, exact_layout):
+    # ZeRO over dp x cp = 4 ranks has dp 4's shards, so the exact run and the run quantizing only the weight gathers
+    # (a function of the shards) must give dp 4's losses and master weights up to the sums' rounding
+    gather_only = run(world, layout, (gather, "exact"))
+    return {"group_size": exact_layout["state"].group.size, "dp_cp": exact_layout["dp_cp"],
+            "cp_traffic": exact_layout["cp_traffic"], "exact": compare(exact_layout, exact, world),
+            "gather": compare(gather_only, dp4[(gather, "exact")], world)}
+
+
 for name, (layout, modes) in LAYOUTS.items():
-    got = run(world, layout, modes)
-    out["layouts"][name] = {**compare(got, run(world, layout, ("same", "exact")), world), "counted": got["counted"],
+    got, exact_layout = run(world, layout, modes), run(world, layout, ("same", "exact"))
+    out["layouts"][name] = {**compare(got, exact_layout, world), "counted": got["counted"],
                             "expected": got["expected"], "sgd": sgd_step_check(layout)}
+    if "parallel.cp=2" in layout:
+        out["layouts"][name]["same_as_dp4"] = same_as_dp4(layout, modes[0], exact_layout)
 if world.rank == 0:
     print("RESULTS " + json.dumps(out))
 """
@@ -290,7 +308,10 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
     counted bytes equal the formulas; the exact formats match one process to 1e-10; the quantized ones stay inside
     bounds that follow from the codecs (one gather, one reduce-scatter) and from Adam (parameters: each step moves
     an element by at most about lr, so two runs differ by at most 2 lr per step); dp 2 x tp 2, pp 2 x dp 2, MoE
-    experts over expert_dp (ep 2), ZeRO-1 and ZeRO-2 too. Those whole-run bounds hold for any gradients, so each
+    experts over expert_dp (ep 2), ZeRO-1, ZeRO-2 and dp 2 x cp 2 (ring and Ulysses) too. ZeRO shards over dp x cp
+    there: 4 ranks, dp 4's shards, so its exact run and its run quantizing only the weight gathers must give dp 4's
+    losses and master weights to 1e-10 (the gathers decode the same shards). Those whole-run bounds hold for any
+    gradients, so each
     layout also takes one plain SGD step with int8 against exact reduction: there the weights differ by exactly lr
     times the reductions' error, which must lie within the codec's bound for the pieces summed (leaving one rank's
     pieces out of the sums exceeds it 30-fold)."""
@@ -334,3 +355,11 @@ def test_zero3_quantized_bytes_are_exact_and_errors_stay_inside_their_bounds():
         assert 0 < sgd["param_max_abs"] <= sgd["bound"], (name, sgd)
         print(f"{'':20s} one SGD step: max |weight diff| {sgd['param_max_abs']:.2e} <= {sgd['bound']:.2e} "
               f"({sgd['pieces']} pieces summed)")
+        if "same_as_dp4" in got:  # ZeRO shards over dp x cp: 4 ranks, dp 4's shards
+            dp4 = got["same_as_dp4"]
+            assert dp4["group_size"] == 4 and dp4["dp_cp"] == [2, 2], name
+            assert dp4["cp_traffic"] == ["all_to_all" if "ulysses" in name else "cp_ring"], name
+            for run_of in ("exact", "gather"):
+                assert dp4[run_of]["loss_error"] <= 1e-10 and dp4[run_of]["param_error"] <= 1e-10, (name, dp4)
+            print(f"{'':20s} beside dp 4: exact {dp4['exact']['param_error']:.1e}, "
+                  f"{name.split()[-1].split('/')[0]} gathers {dp4['gather']['param_error']:.1e} (masters, rel.)")
