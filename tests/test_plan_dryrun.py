@@ -86,3 +86,17 @@ def test_dualpipev_rows_built_by_the_training_code_equal_the_planner():
     for pp_rank in (0, 3):  # V placement: rank 0 holds the embedding and the head
         assert_rows_equal(layout("gpt3-350m", 8, pp=4, zero=1, schedule="dualpipev", virtual_stages=2),
                           pp_rank=pp_rank)
+
+
+def test_node_sharded_zero_rows_built_by_the_training_code_equal_the_planner():
+    """parallel.zero_shard = node: ZeRO shards over one node's dp ranks (state/hierarchical.py NodeShardGroup), so
+    the rows are k-way (k = 8 GPUs per node / tp), not dp-way; two_level keeps dp-way rows."""
+    for settings, k in (({"tp": 4, "pp": 2, "zero": 1, "zero_shard": "node"}, 2),
+                        ({"tp": 2, "zero": 3, "zero_shard": "node"}, 4),
+                        ({"tp": 4, "zero": 2, "dp_reduce": "two_level"}, 16)):
+        cfg = layout("llama3-70b", 64, **settings)
+        run = dry_run(cfg, gpus_per_node=8)
+        world = dry_run(layout("llama3-70b", 64, **{**settings, "zero_shard": "world", "dp_reduce": "flat"}))
+        for kind in ("params", "grads", "optimizer"):
+            assert run.unpadded[kind] == pytest.approx(run.planned[kind], rel=1e-12, abs=1e-6), (kind, run)
+        assert run.rows["optimizer"] == pytest.approx(world.rows["optimizer"] * cfg.parallel.dp / k, rel=1e-6)

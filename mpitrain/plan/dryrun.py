@@ -12,13 +12,16 @@ group size - 1 elements per part): `padding` reports it, and `unpadded` the rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
 
 from mpitrain.backend import COMPUTE_DTYPES, MASTER_DTYPES, Backend
+from mpitrain.comm.mesh import group_members
+from mpitrain.comm.nodes import NodeLayout, fake_node_count, split_by_node
 from mpitrain.config import Config
+from mpitrain.layout_checks import dp_split_kind, hierarchical_dp
 from mpitrain.optim.factory import make_optimizer
 from mpitrain.plan.memory import SHARDED, expert_degrees, memory_report, rank_model, rank_param_count
 from mpitrain.state.factory import make_state
@@ -48,10 +51,12 @@ class ShapeOnlyArrays:
 
 @dataclass(frozen=True)
 class ShapeGroup:
-    """A process group by its size and this rank's place only: what the state classes read while they allocate."""
+    """A process group by its size and this rank's place only: what the state classes read while they allocate
+    (world_ranks: its members, where hierarchical data parallelism splits it by node)."""
     name: str
     size: int
     rank: int = 0
+    world_ranks: list = field(default_factory=list)
 
 
 @dataclass
@@ -66,27 +71,43 @@ class DryRun:
         return {kind: self.rows[kind] - self.padding.get(kind, 0) for kind in self.rows}
 
 
-def shape_mesh(cfg: Config):
+def shape_mesh(cfg: Config, gpus_per_node: int = 0):
     """Rank 0's groups of cfg's layout (resolved), as sizes: dp, dp_cp (what gradients are reduced over when cp > 1),
-    tp, ep, expert_dp."""
+    tp, ep, expert_dp; under parallel.dp_reduce = two_level or zero_shard = node also the gradient group's members
+    and its two levels on nodes of gpus_per_node consecutive ranks (0: one node), as comm.Mesh splits them."""
     p, degrees = cfg.parallel, expert_degrees(cfg)
-    return SimpleNamespace(dp=ShapeGroup("dp", p.dp), dp_cp=ShapeGroup("dp_cp", p.dp * p.cp),
+    mesh = SimpleNamespace(dp=ShapeGroup("dp", p.dp), dp_cp=ShapeGroup("dp_cp", p.dp * p.cp),
                            tp=ShapeGroup("tp", p.tp), ep=ShapeGroup("ep", p.ep),
                            expert_dp=ShapeGroup("expert_dp", degrees.expert_dp), cp=ShapeGroup("cp", p.cp))
+    if hierarchical_dp(p):
+        world = degrees.world_size
+        mesh.rank, mesh.nodes = 0, NodeLayout.blocks(world, 0, world // (gpus_per_node or world))
+        kind = dp_split_kind(p)
+        members = group_members(kind, 0, degrees)
+        inside, across = split_by_node(members, mesh.nodes, 0)
+        setattr(mesh, kind, ShapeGroup(kind, len(members), 0, members))
+        mesh.inside_node = {kind: ShapeGroup(f"{kind}_inside", len(inside), 0, inside)}
+        mesh.across_nodes = {kind: ShapeGroup(f"{kind}_across", len(across), 0, across)}
+    return mesh
 
 
-def dry_run(cfg: Config, pp_rank: int = 0) -> DryRun:
-    """Pipeline rank pp_rank's (tp, dp rank 0) state and optimizer, built with shapes only; cfg's layout resolved."""
+def dry_run(cfg: Config, pp_rank: int = 0, gpus_per_node: int | None = None) -> DryRun:
+    """Pipeline rank pp_rank's (tp, dp rank 0) state and optimizer, built with shapes only; cfg's layout resolved.
+    gpus_per_node: the nodes' size where the layout splits its gradient group by node (None: as MPITRAIN_FAKE_NODES
+    splits the world, as the training code does on one machine, else one node)."""
+    if gpus_per_node is None:
+        world = expert_degrees(cfg).world_size
+        gpus_per_node = world // (fake_node_count(world) or 1)
     compute = np.dtype(COMPUTE_DTYPES[cfg.precision.compute])
     master = np.dtype(MASTER_DTYPES.get(cfg.precision.master, np.float32)) if compute.itemsize < 4 else None
     backend = Backend("cpu", ShapeOnlyArrays(), compute, master)
-    model, mesh = rank_model(cfg, pp_rank), shape_mesh(cfg)
+    model, mesh = rank_model(cfg, pp_rank), shape_mesh(cfg, gpus_per_node)
     placement = OnDevice(backend.xp)  # memory.offload moves the optimizer row off the device, the same bytes
     state = make_state(cfg, model, backend, mesh, placement, initialise=False)
     optimizer = make_optimizer(cfg.optim, state, placement, mesh.tp, mesh.ep)
     held = state.memory()
     rows = {"params": held["params"], "grads": held["grads"], "optimizer": held["master"] + optimizer.state_nbytes()}
-    planned = memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank)["bytes"]
+    planned = memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank, gpus_per_node=gpus_per_node)["bytes"]
     return DryRun(rows, _padding(state, rows, cfg.parallel.zero), {kind: planned[kind] for kind in rows})
 
 

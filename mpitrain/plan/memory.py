@@ -48,6 +48,7 @@ from mpitrain.optim.footprint import optimizer_row
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel
 from mpitrain.parallel.pipeline import rank_stages
 from mpitrain.parallel.schedule import make_schedule, placement_of
+from mpitrain.plan.cost_sharding import node_shares
 from mpitrain.state.frozen import split_frozen
 from mpitrain.state.offload import offloaded_bytes
 
@@ -317,19 +318,22 @@ def expert_mesh_note(cfg: Config) -> str:
     return f"; meshes per stage: {expert_degrees(cfg).describe_meshes()}"
 
 
-def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str = "unfused") -> dict:
+def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str = "unfused",
+                  gpus_per_node: int = 0) -> dict:
     """The per-rank numbers and formulas for cfg's layout (cfg already resolved for a world size), on pipeline rank
-    pp_rank (n_params: rank_param_count(cfg, pp_rank)); attention: "fused" or "unfused" (module docstring)."""
+    pp_rank (n_params: rank_param_count(cfg, pp_rank)); attention: "fused" or "unfused" (module docstring);
+    gpus_per_node: where parallel.zero_shard = "node" shards ZeRO over one node's ranks (0: one node holds all)."""
     p = cfg.parallel
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     trainable, frozen_layouts = split_rank_layouts(cfg, pp_rank)
     frozen = sum(layout.size for layout in frozen_layouts or [])  # lora: the base
     state: dict = {}
-    for count, ranks in reduction_shares(cfg, pp_rank):  # ZeRO shards over the ranks that reduce the gradients
+    shares = node_shares(cfg, reduction_shares(cfg, pp_rank), gpus_per_node)  # zero_shard = node: a node's ranks
+    for count, ranks in shares:  # ZeRO shards over the ranks that reduce the gradients
         for kind, value in model_state_bytes(count, cfg.precision.compute, p.zero, ranks).items():
             state[kind] = state.get(kind, 0) + value
     # no gradient, no optimizer state; whole on every rank, or sharded like the parameters at ZeRO-3
-    state["params"] += frozen * itemsize / (p.dp * p.cp if p.zero == 3 else 1)
+    state["params"] += frozen * itemsize / (shares[0][1] if p.zero == 3 else 1)
     activations = activation_bytes(cfg, pp_rank=pp_rank, attention=attention)
     formulas = state_formulas(cfg.precision.compute, p.zero)
     if frozen:
