@@ -8,12 +8,13 @@ of the weights); their gradients are then partial sums over the ranks (each back
 named in `partial_grads` for the unit to all-reduce.
 
 The core (ops.attention_forward) takes a block of queries against a block of keys with the causal mask of their
-positions and returns each query row's log-sum-exp with the output. Under context parallelism (`ring` set by
-mpitrain/parallel/context.apply_context_parallel) the core is ring attention instead (layers/ring_attention.py): it
-runs on this rank's two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp.
-With parallel.cp_kind = "ulysses" (`ulysses` set instead) it is layers/ulysses_attention.py: an all-to-all trades
-heads for tokens, the core above runs on whole sequences of H/c heads, a second all-to-all trades them back; with
-"hybrid" (`hybrid`) layers/hybrid_attention.py: that all-to-all inside a node, the ring across nodes.
+positions and returns each query row's log-sum-exp with the output. Under context parallelism
+(mpitrain/parallel/context.apply_context_parallel calls `use_context_parallel`) the core is the one of
+parallel.cp_kind, chosen once (layers/cp_cores.py): ring attention (layers/ring_attention.py) runs on this rank's
+two zig-zag chunks, K/V blocks travel around the cp ring, partial outputs merge by log-sum-exp; "ulysses"
+(layers/ulysses_attention.py) trades heads for tokens by an all-to-all, runs the core above on whole sequences of
+H/c heads and trades them back; "hybrid" (layers/hybrid_attention.py) runs that all-to-all inside a node, the ring
+across nodes.
 
 Packed documents (data.document_mask, mpitrain/data/documents.py): the model's per-micro-batch context carries a
 (B, T, T) mask that also hides other documents (`ctx["bias"]`), rotary tables of each token's position in its
@@ -24,29 +25,15 @@ from __future__ import annotations
 
 import math
 
-from mpitrain.backend import array_module
 from mpitrain.config import ModelConfig
-from mpitrain.layers import hybrid_attention, ops, ring_attention, ulysses_attention
+from mpitrain.layers import ops
+from mpitrain.layers.cp_cores import core_for
+from mpitrain.layers.heads import head_view, merge_heads
 from mpitrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpitrain.layers.tensor_parallel import TensorParallel, split_spec
 from mpitrain.state.params import ParamSpec
 
 KV_TENSORS = ("wk", "wv", "bv")
-
-
-def split_heads(x, n_heads: int):
-    """(B, T, n_heads * D) -> contiguous (B, n_heads, T, D)."""
-    b, t, _ = x.shape
-    return array_module(x).ascontiguousarray(x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3))
-
-
-def head_view(x, n_heads: int):
-    """(B, T, n_heads * D) -> a (B, n_heads, T, D) view, no copy: the numpy attention core takes strided heads (its
-    products read rows with a stride) and writes its results in this layout, so merge_heads copies nothing either."""
-    if array_module(x).__name__ != "numpy":
-        return split_heads(x, n_heads)  # CuPy's batched products want contiguous heads
-    b, t, _ = x.shape
-    return x.reshape(b, t, n_heads, -1).transpose(0, 2, 1, 3)
 
 
 def rotate(rope_op, x, cos, sin):
@@ -59,13 +46,6 @@ def rotate(rope_op, x, cos, sin):
     rows = x.swapaxes(0, 1).reshape(h, b * t, d)
     y = rope_op(rows, cos.reshape(b * t, -1), sin.reshape(b * t, -1))
     return y.reshape(h, b, t, d).swapaxes(0, 1)
-
-
-def merge_heads(x):
-    """(B, H, T, D) -> (B, T, H * D); a view when x is a head_view-like layout (the attention core's outputs, also
-    its dq/dk/dv, which sit side by side in one buffer for the QKV linear's one product), else a copy."""
-    b, h, t, d = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(b, t, h * d)
 
 
 class Attention:
@@ -100,9 +80,16 @@ class Attention:
         self.qkv = ColumnParallelLinear(tp, c, ["wq", "wk", "wv"], ["bq", None, "bv"] if biases else None)
         self.out = RowParallelLinear(tp, self.heads * d, "wo", "bo" if biases else None)
         self.partial_grads = [] if kv_split else [s.name for s in self.specs if s.name in KV_TENSORS]
-        self.ring = None  # the rank's ContextParallel under parallel.cp > 1
-        self.ulysses = None  # ... instead, under parallel.cp_kind = "ulysses"
-        self.hybrid = None  # ... or "hybrid" (Ulysses inside a node, the ring across nodes)
+        self.core = core_for(None)  # the attention core of the context-parallel kind (layers/cp_cores.py)
+
+    def use_context_parallel(self, cp) -> None:
+        """Run the core of `cp`'s kind (a ContextParallel of parallel.cp > 1: ring, Ulysses or hybrid)."""
+        self.core = core_for(cp)
+
+    # the rank's ContextParallel where the core is of that kind, else None
+    ring = property(lambda self: self.core.cp if self.core.kind == "ring" else None)
+    ulysses = property(lambda self: self.core.cp if self.core.kind == "ulysses" else None)
+    hybrid = property(lambda self: self.core.cp if self.core.kind == "hybrid" else None)
 
     def local(self, tensors: dict) -> dict:
         """The views the linears use: with replicated K/V weights, the columns of this rank's K/V head."""
@@ -117,20 +104,11 @@ class Attention:
     def forward(self, params, x, ctx):
         params = self.local(params)
         (q, k, v), h = self.qkv.forward(params, x)
-        heads = split_heads if self.ring is not None else head_view  # the ring sends K/V blocks: contiguous
-        q, k, v = heads(q, self.heads), heads(k, self.kv_heads), heads(v, self.kv_heads)
+        q, k, v = self.core.heads(q, self.heads), self.core.heads(k, self.kv_heads), self.core.heads(v, self.kv_heads)
         if self.rope:
             cos, sin = ctx["cos"], ctx["sin"]
             q, k = rotate(ops.rope_forward, q, cos, sin), rotate(ops.rope_forward, k, cos, sin)
-        if self.ring is not None:
-            out, core = ring_attention.forward(self.ring, q, k, v, ctx.get("documents"))
-            out = out.astype(q.dtype, copy=False)
-        elif self.ulysses is not None:
-            out, core = ulysses_attention.forward(self.ulysses, q, k, v, ctx.get("documents"))
-        elif self.hybrid is not None:
-            out, core = hybrid_attention.forward(self.hybrid, q, k, v, ctx.get("documents"))
-        else:
-            (out, _), core = ops.attention_forward(q, k, v, ctx["bias"])
+        out, core = self.core.forward(q, k, v, ctx)
         y, merged = self.out.forward(params, merge_heads(out))
         saved = {"qkv": h, "core": core, "out": merged}
         if self.rope:
@@ -155,16 +133,7 @@ class Attention:
     def backward(self, params, grads, saved, dy, deferred=None):
         params, grads = self.local(params), self.local(grads)
         d_out = self.out.backward(params, grads, saved["out"], dy, deferred)
-        if self.ring is not None:
-            dtype = d_out.dtype
-            dq, dk, dv = (grad.astype(dtype, copy=False)
-                          for grad in ring_attention.backward(self.ring, saved["core"], split_heads(d_out, self.heads)))
-        elif self.ulysses is not None:
-            dq, dk, dv = ulysses_attention.backward(self.ulysses, saved["core"], head_view(d_out, self.heads))
-        elif self.hybrid is not None:
-            dq, dk, dv = hybrid_attention.backward(self.hybrid, saved["core"], head_view(d_out, self.heads))
-        else:
-            dq, dk, dv = ops.attention_backward(saved["core"], head_view(d_out, self.heads))
+        dq, dk, dv = self.core.backward(saved["core"], self.core.heads(d_out, self.heads))
         if self.rope:
             cos, sin = saved["rope"]
             dq, dk = rotate(ops.rope_backward, dq, cos, sin), rotate(ops.rope_backward, dk, cos, sin)
@@ -180,51 +149,20 @@ class Attention:
         return self.qkv.saved_arrays(b, t, dtype) + self._core_arrays(b, t, dtype) + self.out.saved_arrays(b, t, dtype)
 
     def _core_arrays(self, b: int, t: int, dtype) -> list:
-        d, h, kv = self.head_dim, self.heads, self.kv_heads
-        core = [((b, h, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, t, d), dtype), ((b, kv, h // kv * t, t), dtype)]
-        if self.ring is not None:
-            core[3:] = [((b, h, t, d), dtype), ((b, h, t), ring_attention.lse_dtype(dtype))]
-        if self.ulysses is not None:
-            core = ulysses_attention.saved_arrays(b, h, kv, t, d, self.ulysses.size, dtype)
-        if self.hybrid is not None:
-            core = hybrid_attention.saved_arrays(b, h, kv, t, d, self.hybrid.inside.size, dtype)
-        return core
+        return self.core.saved_arrays(b, self.heads, self.kv_heads, t, self.head_dim, dtype)
 
     # ---- selective recomputation (layers/recompute.py): what is kept of the core, and the core restored from it
     def keep_selective(self, saved) -> tuple:
         """q, k, v (after RoPE); the ring its whole core (it saves no probabilities); Ulysses its heads' q, k, v over
         the whole sequence and the exchanged output (recomputing it would repeat the all-to-all); hybrid its ring's
         whole core and the exchanged output."""
-        core = saved["core"]
-        if self.ring is not None:
-            return core
-        if self.ulysses is not None:
-            return (*core[0][:3], core[1], saved["out"])
-        if self.hybrid is not None:
-            return core, saved["out"]
-        return core[:3]
+        return self.core.keep(saved["core"], saved["out"])
 
     def restore_selective(self, kept, ctx) -> tuple:
         """(core, the output projection's input) from keep_selective's arrays: the one-process core run again (the
         same operations on the same inputs: bitwise the forward's)."""
-        if self.ring is not None:
-            return kept, merge_heads(kept[3])  # the ring's output in the input's dtype, as handed to the projection
-        if self.hybrid is not None:
-            return kept
-        if self.ulysses is not None:
-            q, k, v, kv_heads, merged = kept
-            mask = ulysses_attention.whole_mask(q.shape[2], q.dtype, array_module(q), ctx.get("documents"))
-            return (ops.attention_forward(q, k, v, mask)[1], kv_heads), merged
-        (out, _), core = ops.attention_forward(*kept, ctx["bias"])
-        return core, merge_heads(out)
+        return self.core.restore(kept, ctx)
 
     def selective_saved_arrays(self, b: int, t: int, dtype) -> list:
         """(shape, dtype) of keep_selective's arrays."""
-        core = self._core_arrays(b, t, dtype)
-        if self.ring is not None:
-            return core
-        if self.ulysses is not None:
-            return core[:3] + self.out.saved_arrays(b, t, dtype)
-        if self.hybrid is not None:
-            return core + self.out.saved_arrays(b, t, dtype)
-        return core[:3]
+        return self.core.kept_arrays(self._core_arrays(b, t, dtype), self.out.saved_arrays(b, t, dtype))

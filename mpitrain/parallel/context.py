@@ -225,10 +225,11 @@ def apply_context_parallel(model, cp: ContextParallel) -> None:
     model.context_parallel = cp
     for unit in model.units:
         for layer in unit.sublayers:
-            if cp.kind in ("ulysses", "hybrid") and hasattr(layer, cp.kind):  # the attention core
-                check_heads_split(cp, layer.heads, layer.kv_heads)
-                setattr(layer, cp.kind, cp)
-            elif hasattr(layer, "ring"):  # the attention core, the learned-position table
+            if hasattr(layer, "use_context_parallel"):  # the attention core: the core of cp's kind
+                if cp.kind in ("ulysses", "hybrid"):
+                    check_heads_split(cp, layer.heads, layer.kv_heads)
+                layer.use_context_parallel(cp)
+            elif hasattr(layer, "ring"):  # the learned-position table
                 layer.ring = cp
         unit.layout = UnitLayout(unit.layout.name, [replace(spec, reduce_over="dp_cp") if spec.reduce_over == "dp"
                                                     else spec for spec in unit.layout.specs])
