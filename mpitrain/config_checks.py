@@ -149,15 +149,14 @@ def validate(cfg) -> None:
 
 
 def _validate_fp8(cfg) -> None:
-    """precision.fp8 is a numpy emulation (mpitrain/layers/fp8.py): CPU only (LoRA's adapters run in the compute
-    dtype on the unquantized input). Any compute dtype is allowed: the fp8 values are multiplied in fp32 (float64
-    under float64) and only the GEMM outputs are stored in the compute dtype; with float16 the loss scale is absorbed
-    by the output gradients' own fp8 scale, so it changes no fp8 code."""
+    """precision.fp8: an exact emulation on the CPU (mpitrain/layers/fp8.py); on train.device = "cuda" its GEMMs go
+    through cuBLASLt where it takes the recipe (mpitrain/layers/fp8_lt.py; untested on a device, the banner says
+    so). LoRA's adapters run in the compute dtype on the unquantized input. Any compute dtype is allowed: the fp8
+    values are multiplied in fp32 (float64 under float64) and only the GEMM outputs are stored in the compute dtype;
+    with float16 the loss scale is absorbed by the output gradients' own fp8 scale, so it changes no fp8 code."""
     fp8 = cfg.precision.fp8
     if fp8 == "none":
         return
-    require(cfg.train.device == "cpu", f"config key precision.fp8 = {fp8!r}: its emulation is written for CuPy too "
-            f"but has never run on a GPU (docs/fp8.md), so it needs train.device = 'cpu', got {cfg.train.device!r}")
     if fp8 in ("block", "mxfp8"):
         _validate_fp8_blocks(cfg, 128 if fp8 == "block" else 32)
     _validate_fp8_rows(cfg)

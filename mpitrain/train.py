@@ -27,6 +27,7 @@ from mpitrain.config_moe import MoeSettings
 from mpitrain.data.documents import documents_from_starts
 from mpitrain.errors import MpitrainError
 from mpitrain.kernels.attention import describe_attention_path
+from mpitrain.kernels.fp8_gemm import describe_fp8_path
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.fp8 import apply_fp8, delayed_state, end_delayed_step, load_delayed_state, scales_only
 from mpitrain.layers.recompute import apply_recompute
@@ -370,6 +371,7 @@ class Trainer:
             m = cfg.model
             lines.append(describe_attention_path(self.backend.dtype, m.n_head, m.kv_heads, m.head_dim, p.cp > 1,
                                                  documents=cfg.data.document_mask))
+            lines += describe_fp8_path(cfg.precision.fp8, self.backend.dtype)  # precision.fp8: cuBLASLt or emulated
         if p.pp > 1 or p.virtual_stages > 1:
             layers = stage_layer_counts(cfg.model.n_layer, p.pp * p.virtual_stages, p.stage_layers)
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""

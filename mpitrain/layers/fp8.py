@@ -19,8 +19,9 @@ MX scales are powers of two stored as float8_e8m0fnu.
 Device-generic: the rounding onto the fp8 grid is arithmetic (comm/quantized.py's fp8_round, bit for bit ml_dtypes'
 cast, which rounds float64 through float32 as fp8_round's caller does). On numpy the codes and MX scales are then
 cast (exactly) to ml_dtypes' fp8 / e8m0; CuPy has no such dtypes, so there codes are the float32 grid values and MX
-scales float32 powers of two: the same numbers. A GPU run is emulation too: dequantized operands, GEMMs in the compute
-dtype. `Quantized.dequantize` gives codes * scale_inv: exact in
+scales float32 powers of two: the same numbers. On a GPU the tensor, delayed and block recipes' GEMMs run in FP8
+through cuBLASLt (mpitrain/layers/fp8_lt.py, untested on a device), mxfp8's as this emulation: dequantized operands,
+GEMMs in the compute dtype. `Quantized.dequantize` gives codes * scale_inv: exact in
 float64 (and for MX's powers of two); in float32 a non-power-of-two scale rounds each product once (2^-24 relative,
 where a tensor core applies the scales to the fp32 sum instead), far below fp8's own 2^-4.
 """
@@ -34,6 +35,7 @@ import numpy as np
 
 from mpitrain.backend import array_module
 from mpitrain.comm.quantized import fp8_round
+from mpitrain.layers.fp8_checkpoint import delayed_state, load_delayed_state  # noqa: F401 (their home before)
 
 FORMATS = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -42,6 +44,7 @@ E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 RECIPES = ("none", "tensor", "delayed", "block", "mxfp8")
 TILE = 128  # block recipe: 1x128 tiles of activations and gradients, 128x128 blocks of weights
 MX_BLOCK = 32  # mxfp8: 1x32 blocks
+RECENT_SCALES = 16  # per-tensor scales kept per operand for the cuBLASLt route (micro-batches in flight)
 
 
 @dataclass
@@ -250,6 +253,8 @@ class Fp8Gemms:
         self.recording = True  # training forwards record amaxes (delayed) and scales; scales_only turns it off
         self.cache_weights = False
         self.cached: dict[str, np.ndarray] = {}  # weight key -> its dequantized fp8 values (cache_weights)
+        self.lt = None  # a kernels/fp8_gemm.Fp8Lt for host arrays (tests' fake binding); CuPy finds nvmath's itself
+        self.recent_scales: dict[str, list] = {}  # per-tensor key -> its latest (scale, scale_inv), newest first
 
     @property
     def group_size(self) -> int:
@@ -282,6 +287,8 @@ class Fp8Gemms:
         if self.recipe in ("tensor", "delayed"):
             amaxes = self._tensor_amaxes(keys, wide, weight)
             quantized = [quantize_tensor(a, fmt, amax) for a, amax in zip(wide, amaxes)]
+            for key, amax in zip(keys, amaxes):
+                self._remember_scale(key, tensor_scale(amax, fmt))
         elif self.recipe == "block":
             quantized = [quantize_blocks(a if weight else as_matrix(a), fmt, (TILE, TILE) if weight else (1, TILE))
                          for a in wide]
@@ -293,6 +300,14 @@ class Fp8Gemms:
                 self._record(key, q, a if weight else as_matrix(a))
             out.append(q.dequantize(a.dtype).reshape(a.shape))
         return out
+
+    def _remember_scale(self, key: str, scales) -> None:
+        """Keep the latest distinct per-tensor scales of `key` (as many as micro-batches may be in flight): a
+        cuBLASLt GEMM encodes its dequantized operand back to codes with the one that reproduces it (fp8_lt.py)."""
+        recent = self.recent_scales.setdefault(key, [])
+        if not recent or recent[0][1] != scales[1]:
+            recent.insert(0, scales)
+            del recent[RECENT_SCALES:]
 
     def _record(self, key: str, q: Quantized, source) -> None:
         """Widen scales[key] by this call's scale_inv. Blocks of rounding noise (amax below 2^-30 of the operand's
@@ -439,33 +454,3 @@ def fp8_extra_bytes(cfg) -> dict[str, int]:
     history = operands * 4 * cfg.precision.fp8_history if recipe == "delayed" else 0
     return {"fp8_weights": sum(k * n for k, n in shapes) * TRANSPOSED_COPY[recipe], "fp8_scales": scales,
             "amax_history": history}
-
-
-# -- delayed scaling's histories in checkpoints (the extra state beside the tensors, checkpoint/manager.py)
-def delayed_state(gemms: list[Fp8Gemms], recipe: str, pp_group=None) -> dict:
-    """{"fp8_amax_history": {operand: [amax, newest first]}} of this stage, gathered over `pp_group` (collective on
-    every pipeline rank when the recipe is "delayed") so that the index rank 0 writes holds every stage's. Names are
-    global (unit, linear, weight, expert index), so any layout restores them; {} for the other recipes."""
-    if recipe != "delayed":
-        return {}
-    own = {f"{g.name}.{key}": [float(a) for a in h.history[:h.filled]] for g in gemms for key, h in g.delayed.items()}
-    if pp_group is not None and pp_group.size > 1:
-        stages = pp_group.gather_object(own)
-        if stages is not None:
-            own = {name: values for stage in stages for name, values in stage.items()}
-    return {"fp8_amax_history": own}
-
-
-def load_delayed_state(gemms: list[Fp8Gemms], extra: dict) -> None:
-    """Restore this stage's histories from a checkpoint's extra state (a window of another length keeps its newest
-    entries); operands the checkpoint lacks start empty."""
-    saved = extra.get("fp8_amax_history", {})
-    for g in gemms:
-        prefix = g.name + "."
-        for name, values in saved.items():
-            if name.startswith(prefix):
-                history = g._history(name[len(prefix):])
-                kept = values[:history.history.size]
-                history.history[:] = 0.0
-                history.history[:len(kept)] = kept
-                history.filled, history.current = len(kept), 0.0

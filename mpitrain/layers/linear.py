@@ -27,16 +27,18 @@ an FP8 all-gather would move it; bias gradients take the unquantized output grad
 """
 from __future__ import annotations
 
-from mpitrain.layers import ops
+from mpitrain.layers import fp8_lt, ops
 from mpitrain.layers.tensor_parallel import TensorParallel
 
 
 def run_weight_grads(work, grads) -> None:
     """dW += x^T dy for each (weight name, x, dy) work item; grads[name] is the gradient view (the W pass). A tuple
     of names: weights sharing x whose output gradients lie side by side in one buffer, one product for all."""
-    for name, x, dy in work:
+    for name, x, dy, *fp8_route in work:  # an FP8 linear's item ends with (its Fp8Gemms, (x key, dy key))
         if isinstance(name, tuple):
             ops.add_weight_grads([grads[n] for n in name], x, dy)
+        elif fp8_route:
+            fp8_lt.add_weight_grad(*fp8_route, grads[name], x, dy)
         else:
             ops.add_weight_grad(grads[name], x, dy)
 
@@ -67,9 +69,10 @@ class ColumnParallelLinear:
         """(outputs, saved): one output per weight, over the whole sequence; saved is the entered input."""
         weights, dtype = self._weights(params), x.dtype
 
-        def project(rows):
-            return [ops.linear_forward(rows, w, params[b] if b else None)[0].astype(dtype, copy=False)
-                    for w, b in zip(weights, self.biases)]
+        def project(rows):  # FP8 on a GPU: cuBLASLt (mpitrain/layers/fp8_lt.py)
+            keys = [(self.weights[0] + ".x", name) for name in self.weights]
+            return [fp8_lt.linear_forward(self.fp8, key, rows, w, params[b] if b else None)[0].astype(dtype, copy=False)
+                    for w, key, b in zip(weights, keys, self.biases)]
 
         gemm_input = x if self.fp8 is None else self.fp8.inputs([self.weights[0] + ".x"], [x])[0]
         h, outputs = self.tp.enter_and_apply(gemm_input, project)  # parallel.tp_overlap: chunk by chunk
@@ -89,7 +92,8 @@ class ColumnParallelLinear:
             gemm_grads = self.fp8.output_grads([w + ".dy" for w in self.weights], output_grads)
 
         def input_grad(positions):  # unreduced, over a slice of the sequence (None: all of it)
-            dh = ops.linear_input_grad(weights, _at(gemm_grads, positions)).astype(output_grads[0].dtype, copy=False)
+            dh = fp8_lt.linear_input_grad(self.fp8, self.weights, weights, [w + ".dy" for w in self.weights],
+                                          _at(gemm_grads, positions)).astype(output_grads[0].dtype, copy=False)
             for adapter_dh in _at(extra, positions):
                 dh += adapter_dh
             return dh
@@ -103,10 +107,15 @@ class ColumnParallelLinear:
             if self.adapters and self.fp8 is not None:
                 gemm_input = self.fp8.inputs([self.weights[0] + ".x"], [h])[0]
             # Q/K/V's gradients from the attention core share one buffer: one work item, one product in the W pass
-            work = ([(tuple(self.weights), gemm_input, list(gemm_grads))] if ops.share_one_buffer(gemm_grads)
-                    else [(w, gemm_input, dy) for w, dy in zip(self.weights, gemm_grads)])
+            one_product = ops.share_one_buffer(gemm_grads) and fp8_lt.runner(self.fp8, h) is None  # not cuBLASLt's
+            work = ([(tuple(self.weights), gemm_input, list(gemm_grads))] if one_product
+                    else [(w, gemm_input, dy, *self._fp8_route(w)) for w, dy in zip(self.weights, gemm_grads)])
             weight_grads(work, grads, deferred, self.tp)
         return pending.wait()
+
+    def _fp8_route(self, weight: str) -> tuple:
+        """The end of an FP8 linear's weight-gradient work item (run_weight_grads), () otherwise."""
+        return () if self.fp8 is None else (self.fp8, (self.weights[0] + ".x", weight + ".dy"))
 
     def _weights(self, params) -> list:
         """The weights the matmuls multiply: as they are, or their fp8 values (split by output columns)."""
@@ -139,7 +148,8 @@ class RowParallelLinear:
 
         def partial(positions):  # over a slice of the sequence (None: all of it)
             rows = gemm_input if positions is None else gemm_input[:, positions]
-            summand = ops.linear_forward(rows, weight)[0].astype(x.dtype, copy=False)
+            summand = fp8_lt.linear_forward(self.fp8, (self.weight + ".x", self.weight), rows, weight)[0].astype(
+                x.dtype, copy=False)
             if self.weight in self.adapters:  # a partial sum too: reduced with the linear's own (lora.py)
                 self.adapters[self.weight].add_forward(params, _at([x], positions)[0], summand)  # unquantized
             return summand
@@ -155,13 +165,15 @@ class RowParallelLinear:
         gemm_input, weight = self._operands(params, x)
         gemm_grad = dy if self.fp8 is None else self.fp8.output_grads([self.weight + ".dy"], [dy])[0]
         gemm_grad, (dx,) = self.tp.exit_backward_and_apply(  # parallel.tp_overlap: chunk by chunk, under the gather
-            gemm_grad, lambda rows: [ops.linear_input_grad([weight], [rows]).astype(x.dtype, copy=False)])
+            gemm_grad, lambda rows: [fp8_lt.linear_input_grad(self.fp8, [self.weight], [weight], [self.weight + ".dy"],
+                                                              [rows]).astype(x.dtype, copy=False)])
         # the unquantized full dy where a bias or an adapter needs it (fp8 under SP: a second gather)
         dy = self.tp.exit_backward(dy) if self.fp8 is not None and (self.bias or self.adapters) else gemm_grad
         if self.trainable:
             if self.bias:
                 ops.add_bias_grad(grads[self.bias], dy)
-            weight_grads([(self.weight, gemm_input, gemm_grad)], grads, deferred, self.tp)
+            route = () if self.fp8 is None else (self.fp8, (self.weight + ".x", self.weight + ".dy"))
+            weight_grads([(self.weight, gemm_input, gemm_grad, *route)], grads, deferred, self.tp)
         if self.weight in self.adapters:
             dx += self.adapters[self.weight].backward(params, grads, x, dy, deferred)
         return dx
