@@ -100,7 +100,7 @@ def train(config, overrides, run_dir, resume, allowed_changes):
     from mpitrain.comm.failure import agree_on_user_errors, end_job_on_error
     from mpitrain.config import load_config
     from mpitrain.train import forget_refused_start
-    from mpitrain.train import train as run_training
+    from mpitrain.train_loop import train as run_training
 
     comm = MPI.COMM_WORLD
     out = Path(run_dir) if run_dir else default_run_dir(config)

@@ -23,8 +23,8 @@ FLOORS = [
     ("mpitrain.model",),  # a stage's units assembled from layers
     ("mpitrain.parallel",),  # schedules, the pipeline executor, context and thread replicas
     ("mpitrain.checkpoint", "mpitrain.resilience"),  # saving, restoring, surviving faults
-    ("mpitrain.generate", "mpitrain.train", "mpitrain.run", "mpitrain.plan", "mpitrain.launcher",
-     "mpitrain.doctor"),  # whole programs
+    ("mpitrain.generate", "mpitrain.train", "mpitrain.train_loop", "mpitrain.run", "mpitrain.plan",
+     "mpitrain.launcher", "mpitrain.doctor"),  # whole programs
     ("mpitrain.lab", "mpitrain.cli", "mpitrain.__main__"),  # the commands a person types
 ]
 MAX_UPWARD, MAX_CIRCLES, MAX_FUNCTION_LINES = 3, 1, 80
