@@ -1,14 +1,16 @@
-"""The `mpitrain` command: data prepare, train, launch, generate, bench step."""
+"""The `mpitrain` command: data prepare, train, launch, generate, ckpt, memory, schedule, report; the doctor and bench
+groups are cli_doctor.py and cli_bench.py, plan and lab their packages' command.py."""
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import click
 
+from mpitrain.cli_bench import bench
+from mpitrain.cli_common import CONFIG_ARG, SET_OPTION, user_errors
+from mpitrain.cli_doctor import doctor
 from mpitrain.config_rules import SCHEDULE_KINDS, positive_degree
 from mpitrain.errors import MpitrainError
 from mpitrain.lab.command import lab_command
@@ -17,20 +19,6 @@ from mpitrain.plan.command import plan_command
 
 # Each command imports what it runs inside its own function: `mpitrain --help` and the light commands start without
 # numpy, the model stack or MPI (importing mpi4py.MPI initialises MPI, which `train` alone needs at once).
-CONFIG_ARG = click.argument("config", type=click.Path(dir_okay=False))
-SET_OPTION = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-                          help="Override a config key, e.g. --set train.steps=50 (repeatable).")
-
-
-def _user_errors(fn):
-    """Commands that run in one process: a user error is one line on stderr and exit status 1."""
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MpitrainError as exc:
-            raise click.ClickException(str(exc)) from None
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-    return wrapper
 
 
 @click.group()
@@ -60,7 +48,7 @@ def data():
               help="The JSON lines field / Parquet column that holds each document's text.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Tokenizing processes (default: min(4, CPU count)); the file is the same for any number.")
-@_user_errors
+@user_errors
 def data_prepare(sources, out_path, tokenizer, vocab_size, val_fraction, max_bytes, tokenizer_file, text_field,
                  workers):
     """Tokenize documents into an HDF5 token file with train and val splits and each document's start."""
@@ -122,7 +110,7 @@ def train(config, overrides, run_dir, resume, allowed_changes):
                    "lost.")
 @CONFIG_ARG
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
-@_user_errors
+@user_errors
 def launch(n_ranks, max_restarts, config, train_args):
     """Run `mpitrain train CONFIG ...` on N local ranks through mpiexec, with BLAS threads set per rank."""
     positive_degree("-n", n_ranks, MpitrainError)
@@ -153,7 +141,7 @@ def launch(n_ranks, max_restarts, config, train_args):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--kv-cache/--no-kv-cache", default=True, show_default=True,
               help="Keep keys and values of past positions (one position per new token) or rerun the window.")
-@_user_errors
+@user_errors
 def generate(checkpoint, prompt, n_tokens, temperature, top_k, seed, kv_cache):
     """Sample text from a trained model: a run directory (its newest checkpoint whose checksums verify, falling back
     past broken ones) or a step_* checkpoint directory (which must verify)."""
@@ -174,7 +162,7 @@ def ckpt():
 
 @ckpt.command("inspect")
 @click.argument("path", type=click.Path(exists=True))
-@_user_errors
+@user_errors
 def ckpt_inspect(path):
     """Step, layout, tensors and sizes of a checkpoint (or the newest one of a run)."""
     from mpitrain.checkpoint.resume import resolve_checkpoint
@@ -191,7 +179,7 @@ def ckpt_inspect(path):
 
 @ckpt.command("verify")
 @click.argument("path", type=click.Path(exists=True))
-@_user_errors
+@user_errors
 def ckpt_verify(path):
     """Checksums of every shard, and every tensor covered exactly once."""
     from mpitrain.checkpoint.resume import resolve_checkpoint
@@ -212,7 +200,7 @@ def ckpt_verify(path):
               help="hf: a Hugging Face folder (config.json, model.safetensors) that transformers loads.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Tensor dtype of --format hf.")
-@_user_errors
+@user_errors
 def ckpt_export(path, out, optimizer, merge_lora, out_format, dtype):
     """One consolidated HDF5 file of full tensors (params/<name>, optionally exp_avg/ and exp_avg_sq/), or with
     --format hf a Hugging Face folder OUT."""
@@ -244,7 +232,7 @@ def ckpt_export(path, out, optimizer, merge_lora, out_format, dtype):
 @ckpt.command("import")
 @click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
-@_user_errors
+@user_errors
 def ckpt_import(hf_dir, out):
     """A Hugging Face GPT-2 or Llama folder (config.json, *.safetensors) as a one-rank checkpoint at step 0 in the
     new checkpoint directory OUT (for train.init_from, generate; or give train.init_from the folder itself)."""
@@ -266,7 +254,7 @@ def ckpt_import(hf_dir, out):
 @click.option("--dry-run", "shapes_only", is_flag=True,
               help="Also build this rank's state and optimizer through the training code with arrays that hold no "
                    "memory, and print their bytes beside the formulas' (any model size).")
-@_user_errors
+@user_errors
 def memory(config, overrides, world_size, attention, shapes_only):
     """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
     from mpitrain.config import load_config, resolve_layout
@@ -294,6 +282,8 @@ def memory(config, overrides, world_size, attention, shapes_only):
 
 main.add_command(plan_command)  # mpitrain plan MODEL CLUSTER, mpitrain plan calibrate (mpitrain/plan/command.py)
 main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE] (mpitrain/lab/)
+main.add_command(doctor)  # mpitrain doctor hang | parity | precision (mpitrain/cli_doctor.py)
+main.add_command(bench)  # mpitrain bench step | comm (mpitrain/cli_bench.py)
 
 
 # ----------------------------------------------------------------------------- schedule (pipeline, no MPI)
@@ -308,7 +298,7 @@ main.add_command(lab_command)  # mpitrain lab list | NAME [--quick] [--png FILE]
               help="Also draw the timeline into this PNG file (needs matplotlib: pip install 'mpitrain[plot]').")
 @click.option("--width", type=int, default=120, show_default=True, help="Columns of the text timeline.")
 @click.option("--instructions", is_flag=True, help="Also print every rank's instruction list.")
-@_user_errors
+@user_errors
 def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, instructions):
     """Simulate a pipeline schedule: timeline, bubble (theoretical and simulated), peak activations per rank."""
     from mpitrain.parallel.schedule import V_KINDS, dualpipev_pairs, make_schedule, placement_of, theoretical_bubble
@@ -353,142 +343,12 @@ def schedule_command(pp, microbatches, kind, virtual_stages, png_path, width, in
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="report.png or report.html (default: RUN_DIR/report.png).")
-@_user_errors
+@user_errors
 def report_command(run_dir, out_path):
     """Plot a run (also one still going): loss, tokens/s and MFU, time breakdown, bytes, pipeline timeline."""
     from mpitrain.profile.report import render
     out_path = out_path or str(Path(run_dir) / "report.png")
     click.echo(f"wrote {out_path}: {', '.join(render(run_dir, out_path))}")
-
-
-# ----------------------------------------------------------------------------- doctor
-@main.group()
-def doctor():
-    """What went wrong at scale: a hang, or a layout that does not match one process."""
-
-
-@doctor.command("hang")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@_user_errors
-def doctor_hang(run_dir):
-    """Read the ranks' flight records (RUN_DIR/flight): per group, the collective reached, who is stuck in it and
-    who never entered it, with what each was doing instead."""
-    from mpitrain.doctor.hang import diagnose
-    click.echo(diagnose(Path(run_dir)))
-
-
-@doctor.command("parity")
-@CONFIG_ARG
-@SET_OPTION
-@click.option("-n", "n_ranks", type=int, required=True, help="Ranks of the layout (run under mpiexec).")
-@click.option("--tol", type=float, default=1e-9, show_default=True, help="Largest relative difference accepted.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Where both runs' records go (default: a new temporary directory).")
-@_user_errors
-def doctor_parity(config, overrides, n_ranks, tol, out_dir):
-    """One step of the layout beside a one-process float64 reference on the same batch: forward outputs per layer,
-    gradients, then the updated state, each rank's shards against the reference's matching slices. Names the first
-    tensor beyond --tol (layer, rank, shard); exit status 0 when every tensor matches, 1 otherwise."""
-    from mpitrain.doctor.parity import run_parity
-    sys.exit(run_parity(config, list(overrides), n_ranks, tol, out_dir, click.echo))
-
-
-@doctor.command("precision")
-@CONFIG_ARG
-@SET_OPTION
-@click.option("--steps", type=int, default=3, show_default=True, help="Training steps measured (one process).")
-@_user_errors
-def doctor_precision(config, overrides, steps):
-    """An error budget of the configured precision: per layer, the relative error of its output and gradients
-    against a float64 replay of that layer on the same inputs, beside the recipe's bound; exit status 1 when a
-    layer is over its bound."""
-    from mpi4py import MPI
-
-    from mpitrain.doctor.precision import run_precision
-    sys.exit(run_precision(config, list(overrides), steps, MPI.COMM_WORLD, click.echo))
-
-
-@doctor.command("capture", hidden=True)
-@CONFIG_ARG
-@SET_OPTION
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
-def doctor_capture(config, overrides, out_dir):
-    """What `doctor parity` runs on every rank: one step, everything it computed saved to OUT."""
-    from mpi4py import MPI
-
-    from mpitrain.comm.failure import abort_on_error
-    from mpitrain.config import load_config
-    from mpitrain.doctor.parity import capture
-    with abort_on_error(MPI.COMM_WORLD):
-        capture(load_config(config, overrides), MPI.COMM_WORLD, Path(out_dir))
-
-
-# ----------------------------------------------------------------------------- bench
-@main.group()
-def bench():
-    """Benchmarks."""
-
-
-@bench.command("step")
-@CONFIG_ARG
-@SET_OPTION
-@click.option("--steps", type=int, default=6, show_default=True, help="Timed steps.")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
-@click.option("--real-data", is_flag=True, help="Read data.path instead of synthetic tokens.")
-def bench_step(config, overrides, steps, warmup, real_data):
-    """Time training steps; prints one JSON object last (tokens_per_s, mfu, peak_flops, ...)."""
-    from mpi4py import MPI
-
-    from mpitrain.comm.failure import end_job_on_error
-    from mpitrain.config import load_config
-    from mpitrain.profile.breakdown import RunSummary, gather_summary
-    from mpitrain.train import Trainer
-
-    comm = MPI.COMM_WORLD
-    with end_job_on_error(comm):  # a user error (config, layout, data): one line from rank 0
-        overrides = list(overrides) + ([] if real_data else ["data.synthetic=true"])
-        overrides.append(f"train.steps={warmup + steps}")
-        cfg = load_config(config, overrides)
-        trainer = Trainer(cfg, comm)
-        times, tp_seconds, bubbles, breakdown = [], [], [], RunSummary()
-        for step in range(warmup + steps):
-            trainer.model.tp.reset_timers()
-            result = trainer.train_step(step, measure_bubble=step >= warmup)
-            if step >= warmup:
-                times.append(result.seconds)
-                breakdown.add(result.breakdown)
-                tp_seconds.append(sum(trainer.model.tp.seconds.values()))
-                bubbles.append(result.bubble)
-        step_time = statistics.median(times)
-        tokens_per_s = trainer.tokens_per_step / step_time
-        report = {"config": config, "world_size": comm.Get_size(), "step_time_s": step_time,
-                  "tokens_per_s": tokens_per_s,
-                  "mfu": trainer.model.flops_per_token() * tokens_per_s / trainer.cluster_peak_flops,
-                  "peak_flops": trainer.cluster_peak_flops, "model_flops_per_token": trainer.model.flops_per_token(),
-                  "n_params": trainer.model.n_params, "threads": os.environ.get("OMP_NUM_THREADS"),
-                  "thread_replicas": trainer.replicas,
-                  "tp_comm_share": statistics.median(tp_seconds) / step_time,
-                  "pipeline_bubble": statistics.median(bubbles) if None not in bubbles else None,
-                  "comm_bytes_per_step": result.comm_bytes}
-        report["breakdown"] = gather_summary(trainer.mesh.world, breakdown)  # mean over steps, max over ranks
-        if comm.Get_rank() == 0:
-            click.echo(json.dumps(report))
-
-
-@bench.command("comm")
-@click.option("-n", "n_ranks", type=int, default=0, help="Start N local ranks through mpiexec (else: this MPI job).")
-@click.option("--sizes", default="1K..64M", show_default=True, help="LOW..HIGH (doubling) or a list: 1K,1M,64M.")
-@click.option("--ops", default="all_reduce,reduce_scatter,all_gather,all_to_all,sendrecv", show_default=True)
-@click.option("--tp", type=int, default=1, show_default=True, help="Also measure the tp and dp groups of this split.")
-@click.option("--json", "json_path", default="comm_bench.json", show_default=True, help="Where the fit is written.")
-@_user_errors
-def bench_comm(n_ranks, sizes, ops, tp, json_path):
-    """Collective bandwidth per size (nccl-tests' table) and a fitted latency + bandwidth per op and group."""
-    from mpitrain.profile import comm_bench
-    size_list, op_list = comm_bench.parse_sizes(sizes), comm_bench.parse_ops(ops)
-    if n_ranks:  # this command again (without -n) on N local ranks
-        comm_bench.relaunch(find_mpiexec(), n_ranks, rank_environment, sizes=sizes, ops=ops, tp=tp, json=json_path)
-    comm_bench.run_world(op_list, size_list, tp, json_path, click.echo)
 
 
 if __name__ == "__main__":

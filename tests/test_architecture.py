@@ -25,7 +25,8 @@ FLOORS = [
     ("mpitrain.checkpoint", "mpitrain.resilience"),  # saving, restoring, surviving faults
     ("mpitrain.generate", "mpitrain.train", "mpitrain.train_loop", "mpitrain.run", "mpitrain.plan",
      "mpitrain.launcher", "mpitrain.doctor"),  # whole programs
-    ("mpitrain.lab", "mpitrain.cli", "mpitrain.__main__"),  # the commands a person types
+    ("mpitrain.lab", "mpitrain.cli", "mpitrain.cli_common", "mpitrain.cli_doctor", "mpitrain.cli_bench",
+     "mpitrain.__main__"),  # the commands a person types
 ]
 MAX_UPWARD, MAX_CIRCLES, MAX_FUNCTION_LINES = 3, 1, 80
 
