@@ -21,8 +21,10 @@ Stages (`--stages a,b`; default: all; `--sizes` picks the bench models, default 
   cp2-staged     2 ranks sharing the GPU, cp 2 (ring attention's K/V ring on device arrays), the same parity;
   features       4 ranks sharing the GPU on two fake nodes, the newer features on device arrays, each run at the
                  same parity: tp_overlap's ring under tp 2 with hybrid cp 2 (Ulysses inside a node, the ring across),
-                 then ZeRO-3 over dp 4 with the two-level reduction (FEATURE_RUNS). Quantized ZeRO's codecs are
-                 checked in gpu-tests (bit for bit numpy's on device arrays).
+                 then ZeRO-3 over dp 4 with the two-level reduction (FEATURE_RUNS); first, FP8's GEMMs through
+                 cuBLASLt against the emulation per recipe and an FP8 / bf16 GEMM timing at 8192^3, printed as a
+                 ratio (gpu_check_fp8.py). Quantized ZeRO's codecs are checked in gpu-tests (bit for bit numpy's
+                 on device arrays).
 A stage starts only if its whole limit fits in what is left of the budget, else it is "not reached" (not a failure):
 run those in a second call with `--stages`. In the default plan every stage through dp2-staged fits even if each
 earlier one runs to its limit; cp2-staged and features run when they leave them their limits (print_plan
@@ -49,6 +51,7 @@ for _path in (HERE.parent, HERE):  # compare_runs reads tests/test_train_parity.
 
 from gpu_check_attention import PARITY_LIMIT, attention, attention_inner  # noqa: E402
 from gpu_check_bench import BENCH_LIMIT_S, MFU_GOAL, MODELS, bench, bench_inner  # noqa: E402
+from gpu_check_fp8 import FP8_LIMIT_S, fp8_check, fp8_inner  # noqa: E402
 from gpu_check_nccl import NCCL_CHECKS, NCCL_DTYPES, nccl, nccl_inner  # noqa: E402
 from gpu_check_process import (  # noqa: E402
     OPEN_MPI_AS_ROOT,
@@ -66,7 +69,8 @@ BUDGET_S = 450  # the whole call ends well inside one device command (600 s at m
 DEFAULT_SIZES = ("1.3b",)  # the MFU verdict; the smaller ones in a second call
 GPU_TESTS = ("tests/test_gpu_kernels.py", "tests/test_gpu_attention_glue.py", "tests/test_cudnn_graphs.py",
              "tests/test_gpu_paths.py",  # then single tests of files whose other tests are for CPUs (MPI, stand-in)
-             "tests/test_gpu_new_features.py::test_codecs_on_the_gpu_give_numpys_bytes")
+             "tests/test_gpu_new_features.py::test_codecs_on_the_gpu_give_numpys_bytes",
+             "tests/test_fp8_gemm.py::test_fp8_training_on_the_gpu_follows_the_cpu_emulation")  # its GEMMs: features
 __all__ = ["NCCL_CHECKS", "NCCL_DTYPES", "PARITY_LIMIT", "nccl_inner", "run", "subprocess_env"]  # for the tests
 
 
@@ -89,8 +93,9 @@ STAGES = (
     Stage("dp2-staged", 40, "dp 2 on ranks sharing the GPU (host-staged) trains as the CPU does", ("cpu-reference",)),
     Stage("cp2-staged", 40, "cp 2 ring attention on ranks sharing the GPU trains as the CPU does",
           ("cpu-reference",)),
-    Stage("features", 60, "tp_overlap x hybrid cp, and two-level ZeRO-3, on 4 ranks sharing the GPU train as "
-                                 "the CPU does", ("cpu-reference",)),
+    Stage("features", 60 + FP8_LIMIT_S, "FP8 GEMMs through cuBLASLt = the emulation, their speed-up; tp_overlap x "
+                                        "hybrid cp, and two-level ZeRO-3, on 4 ranks sharing the GPU train as the "
+                                        "CPU does", ("cpu-reference",)),
 )
 BENCH_BEFORE = "dp2-staged"  # the bench stages go before it: the MFU verdict does not wait on host-staged ranks
 STAGE_KEYS = (*(stage.key for stage in STAGES), "bench")
@@ -235,8 +240,12 @@ FEATURE_NODES = {"MPITRAIN_FAKE_NODES": "2"}
 
 
 def features(work: Path, limit_s: float, clock=time.monotonic) -> dict:
-    """Each FEATURE_RUNS layout on the GPU against the CPU reference, in the time the stage has left."""
+    """FP8's check (its own limit), then each FEATURE_RUNS layout on the GPU against the CPU reference, in the time
+    the stage has left."""
     start, runs = clock(), {}
+    fp8 = fp8_check(min(FP8_LIMIT_S, limit_s))
+    if not fp8["passed"]:
+        return {"passed": False, "failed_run": "fp8", **fp8_numbers(fp8), "fp8": fp8}
     for name, settings in FEATURE_RUNS.items():
         left = limit_s - (clock() - start)
         status, output = train(work / name, 4, ("train.device=cuda", "train.collectives=nccl", *settings), left,
@@ -245,7 +254,13 @@ def features(work: Path, limit_s: float, clock=time.monotonic) -> dict:
             return {"passed": False, "failed_run": name, "status": status, "runs": runs,
                     **failed_output(status, output)}
         runs[name] = {**compare_runs(work / "cpu-reference", work / name), "host_staged": "share a GPU" in output}
-    return {"passed": all(run["parity_1e-10"] for run in runs.values()), "runs": runs}
+    return {"passed": all(run["parity_1e-10"] for run in runs.values()), **fp8_numbers(fp8), "fp8": fp8,
+            "runs": runs}
+
+
+def fp8_numbers(fp8: dict) -> dict:
+    """The FP8 check's numbers the summary line shows."""
+    return {key: fp8[key] for key in ("fp8_speedup", "fp8_worst_error", "fp8_parity_limit")}
 
 
 def cpu_reference(work: Path, limit_s: float) -> dict:
@@ -336,7 +351,8 @@ SUMMARY_KEYS = ("seconds", "limit_s", "summary", "checks_passed", "checks", "los
                 "planned_bytes", "pool/planned", "breakdown", "mfu_cublas", "tokens_per_s_cublas", "step_time_s_cublas",
                 "fused_step_speedup", "worst_error", "parity_limit", "per_shape", "failed_shapes", "error",
                 "error_cublas", "switch_error", "gpu", "cupy", "nccl_version", "cudnn", "mpi", "mpiexec",
-                "cupy_error", "cudnn_error", "mpi_error", "needs", "budget_left_s", "runs", "failed_run")
+                "cupy_error", "cudnn_error", "mpi_error", "needs", "budget_left_s", "runs", "failed_run",
+                "fp8_speedup", "fp8_worst_error", "fp8_parity_limit")
 
 
 def summary(results: dict[str, dict]) -> str:
@@ -368,7 +384,7 @@ def print_plan(stages: list[Stage]) -> None:
         + f"; mpiexec: {find_mpiexec()}")
 
 
-INNER_PARTS = ("environment", "attention", "nccl", *(f"bench-{size}" for size in MODELS))
+INNER_PARTS = ("environment", "attention", "nccl", "fp8", *(f"bench-{size}" for size in MODELS))
 
 
 def run_inner(part: str) -> None:
@@ -378,6 +394,8 @@ def run_inner(part: str) -> None:
         attention_inner()
     elif part == "nccl":
         nccl_inner()
+    elif part == "fp8":
+        fp8_inner()
     else:
         bench_inner(part.removeprefix("bench-"))
 

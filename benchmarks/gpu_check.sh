@@ -18,6 +18,9 @@
 # carry their wheels in the same folder (about 20 MB; the cuDNN library itself must be there, e.g. torch's):
 #     pip download nvidia-cudnn-frontend==1.32.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 --no-deps \
 #         --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 -d .gpu_wheels
+# FP8's GEMMs go through nvmath-python's cuBLASLt binding (the features stage checks them); likewise, about 12 MB:
+#     pip download nvmath-python==1.0.0 cuda-core==1.2.2 --no-deps --python-version 3.12 --only-binary=:all: \
+#         --platform manylinux_2_28_x86_64 -d .gpu_wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -47,6 +50,8 @@ if [ "${1:-}" != "--dry-run" ]; then
     "$PYTHON" -c 'import cudnn' 2>/dev/null || carried+=($(compgen -G ".gpu_wheels/nvidia_cudnn_frontend-*.whl"))
     "$PYTHON" -c 'import cuda.bindings.driver' 2>/dev/null || carried+=($(compgen -G ".gpu_wheels/cuda_bindings-*.whl") \
         $(compgen -G ".gpu_wheels/cuda_pathfinder-*.whl"))
+    "$PYTHON" -c 'import nvmath.bindings.cublasLt' 2>/dev/null || carried+=($(compgen -G ".gpu_wheels/nvmath_python-*.whl") \
+        $(compgen -G ".gpu_wheels/cuda_core-*.whl"))
 fi
 if [ ${#carried[@]} -gt 0 ]; then
     if "$PYTHON" -m pip install -q --no-index --no-deps --upgrade --target "$PY_TARGET" "${carried[@]}"; then

@@ -83,7 +83,7 @@ def test_dry_run_prints_the_selected_plan_and_runs_nothing(tmp_path):
     assert listed == keys(gpu_check.plan())
     assert "  attention        45 s  fused attention = cuBLAS's in bf16 (within 0.02 of the largest value)" in (
         default.stdout)
-    assert ("limits add up to 540 s of a 450 s budget; cp2-staged, features: started only if the stages before leave "
+    assert ("limits add up to 570 s of a 450 s budget; cp2-staged, features: started only if the stages before leave "
             "the time, else not reached\n") in default.stdout
     assert keys(gpu_check.plan(["attention"])) == ["environment", "attention"]
     assert run_script("--dry-run", "--stages", "gpu").returncode == 2  # argparse's error: unknown stage

@@ -54,7 +54,7 @@ def import_cublaslt():
     try:
         from nvmath.bindings import cublasLt
     except ImportError:
-        return None, "nvmath-python not installed (pip install -e '.[gpu]')"
+        return None, "nvmath-python not installed (pip install -e '.[cuda13]', or '.[cuda12]')"
     except Exception as exc:  # noqa: BLE001 (a broken install raises its own errors; say which)
         return None, f"nvmath-python failed to import ({type(exc).__name__}: {exc})"
     return cublasLt, ""

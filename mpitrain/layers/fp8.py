@@ -19,11 +19,10 @@ MX scales are powers of two stored as float8_e8m0fnu.
 Device-generic: the rounding onto the fp8 grid is arithmetic (comm/quantized.py's fp8_round, bit for bit ml_dtypes'
 cast, which rounds float64 through float32 as fp8_round's caller does). On numpy the codes and MX scales are then
 cast (exactly) to ml_dtypes' fp8 / e8m0; CuPy has no such dtypes, so there codes are the float32 grid values and MX
-scales float32 powers of two: the same numbers. On a GPU the tensor, delayed and block recipes' GEMMs run in FP8
-through cuBLASLt (mpitrain/layers/fp8_lt.py, untested on a device), mxfp8's as this emulation: dequantized operands,
-GEMMs in the compute dtype. `Quantized.dequantize` gives codes * scale_inv: exact in
-float64 (and for MX's powers of two); in float32 a non-power-of-two scale rounds each product once (2^-24 relative,
-where a tensor core applies the scales to the fp32 sum instead), far below fp8's own 2^-4.
+scales float32 powers of two: the same numbers. On a GPU, cuBLASLt multiplies the codes (mpitrain/layers/fp8_lt.py;
+mxfp8 stays this emulation). `Quantized.dequantize` gives codes * scale_inv: exact in float64 (and for MX's powers of
+two); in float32 a non-power-of-two scale rounds each product once (2^-24 relative, where a tensor core applies the
+scales to the fp32 sum instead), far below fp8's own 2^-4.
 """
 from __future__ import annotations
 
@@ -35,7 +34,12 @@ import numpy as np
 
 from mpitrain.backend import array_module
 from mpitrain.comm.quantized import fp8_round
-from mpitrain.layers.fp8_checkpoint import delayed_state, load_delayed_state  # noqa: F401 (their home before)
+from mpitrain.layers.fp8_delayed import (  # noqa: F401 (end_delayed_step, the checkpoint state: imported from here)
+    DelayedScaling,
+    delayed_state,
+    end_delayed_step,
+    load_delayed_state,
+)
 
 FORMATS = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -170,34 +174,6 @@ def quantize_mx(x, fmt: str, axis: int = -1) -> Quantized:
     scale_inv = mx_scale(block_amax(x, block), fmt)
     divisor = expand_blocks(scale_inv.astype(x.dtype), block, x.shape)
     return Quantized(cast_saturating(x / divisor, fmt), scale_inv, block)
-
-
-class DelayedScaling:
-    """Transformer Engine's delayed scaling of one tensor role: the scale of a step comes from the max of the amaxes
-    of the previous `history` steps (amax_compute_algo "max", margin 0); this step's amax (the max over its calls,
-    reduced over the ranks by the caller) is recorded and enters the window when the step ends (`roll`).
-    An empty history (the first step) uses the current amax instead of TE's initial scale 1, so a first step with
-    |x| > 448 is not clipped."""
-
-    def __init__(self, history: int):
-        self.history = np.zeros(history, dtype=np.float32)  # newest first, like TE's amax_history rows
-        self.filled = 0
-        self.current = 0.0  # this step's amax so far
-
-    def amax_for(self, x_amax: float, record: bool = True) -> float:
-        """The amax whose scale quantizes a tensor of amax x_amax in this step (recording x_amax unless `record` is
-        False: a forward outside training reads the scales and leaves the history alone)."""
-        if record:
-            self.current = max(self.current, x_amax)
-        return float(self.history[:self.filled].max()) if self.filled else x_amax
-
-    def roll(self, step_amax: float | None = None) -> None:
-        """End of step: the step's amax (default: `current`; the caller passes it reduced over the data ranks)
-        becomes the newest history entry, the oldest drops out."""
-        self.history = np.roll(self.history, 1)
-        self.history[0] = self.current if step_amax is None else step_amax
-        self.filled = min(self.filled + 1, self.history.size)
-        self.current = 0.0
 
 
 def on_host(a):
@@ -351,22 +327,6 @@ def scales_only(gemms: list[Fp8Gemms]):
     finally:
         for g in gemms:
             g.recording = True
-
-
-def end_delayed_step(gemms: list[Fp8Gemms], groups: dict) -> None:
-    """End of a training step under delayed scaling: each operand's step amax, the max over the ranks holding the
-    same weights (`groups[g.data_group]`: data and context parallel, for experts the expert data-parallel group; tp
-    was reduced call by call), enters its history. One all-reduce per group kind, in a fixed order."""
-    for kind in ("dp_cp", "expert_dp"):
-        histories = [g.delayed[key] for g in gemms if g.data_group == kind for key in sorted(g.delayed)]
-        if not histories:
-            continue
-        amaxes = np.array([h.current for h in histories], dtype=np.float64)
-        group = groups.get(kind)
-        if group is not None and group.size > 1:
-            group.all_reduce(amaxes, "max")
-        for history, amax in zip(histories, amaxes):
-            history.roll(float(amax))
 
 
 def apply_fp8(units, recipe: str, history: int = 16, cp_group=None) -> list[Fp8Gemms]:

@@ -45,7 +45,7 @@ import numpy as np
 
 from mpitrain.backend import array_module, to_host
 from mpitrain.config_moe import MoeSettings
-from mpitrain.layers import ops
+from mpitrain.layers import fp8_lt, ops
 from mpitrain.layers.expert_parallel import ExpertParallel
 from mpitrain.layers.mlp import MLP
 from mpitrain.state.params import ParamSpec
@@ -242,10 +242,17 @@ class MoE:
 
     def _expert_linear(self, params, weight: str, e: int, x):
         """x W[e], plus its LoRA adapter's term where it has one."""
-        y = ops.linear_forward(*self._fp8_operands(weight, e, x, params[weight][e]))[0].astype(x.dtype, copy=False)
+        keys = self._fp8_keys(weight, e)  # FP8 on a GPU: cuBLASLt where the expert's rows allow (layers/fp8_lt.py)
+        y = fp8_lt.linear_forward(self.fp8, keys, *self._fp8_operands(weight, e, x, params[weight][e]))[0].astype(
+            x.dtype, copy=False)
         if weight in self.adapters:
             self.adapters[weight].add_forward(params, e, x, y)
         return y
+
+    def _fp8_keys(self, weight: str, e: int) -> tuple[str, str]:
+        """The Fp8Gemms keys of expert e's GEMM input and weight (gate and up share their input and its scale)."""
+        shared = self.ups[0] if weight in self.ups else weight
+        return f"{shared}.{self.ep.first + e}.x", f"{weight}.{self.ep.first + e}"
 
     def _fp8_operands(self, weight: str, e: int, x, w):
         """Expert e's GEMM input and weight: as they are, or their fp8 values (up/gate split over etp by output
@@ -268,10 +275,13 @@ class MoE:
             gemm_weights = self.fp8.weights([f"{w}.{expert}" for w in weights], gemm_weights,
                                             -1 if weights[0] in self.ups else -2)
             gemm_grads = self.fp8.output_grads([f"{w}.{expert}.dy" for w in weights], gemm_grads)
-        dx = ops.linear_input_grad(gemm_weights, gemm_grads).astype(x.dtype, copy=False)
-        for w, dy, gemm_grad in zip(weights, d_ys, gemm_grads):
+        keys = [self._fp8_keys(w, e) for w in weights]  # (input, weight) per linear
+        grad_keys = [f"{key}.dy" for _, key in keys]
+        dx = fp8_lt.linear_input_grad(self.fp8, [key for _, key in keys], gemm_weights, grad_keys, gemm_grads).astype(
+            x.dtype, copy=False)
+        for w, dy, gemm_grad, (x_key, _), dy_key in zip(weights, d_ys, gemm_grads, keys, grad_keys):
             if not self.frozen_experts:
-                ops.add_weight_grad(grads[w][e], gemm_input, gemm_grad)
+                fp8_lt.add_weight_grad(self.fp8, (x_key, dy_key), grads[w][e], gemm_input, gemm_grad)
             if w in self.adapters:
                 dx += self.adapters[w].backward(params, grads, e, x, dy)
         return dx
