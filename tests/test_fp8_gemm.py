@@ -313,3 +313,15 @@ def test_fp8_training_on_the_gpu_follows_the_cpu_emulation(recipe):
         losses[device] = [trainer.train_step(step).loss for step in range(2)]
     assert np.all(np.isfinite(losses["cuda"]))
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-2)
+
+
+def test_the_banner_says_where_fp8_gemms_run():
+    assert fp8_gemm.describe_fp8_path("none", np.float32) == []
+    assert "emulated on the device" in fp8_gemm.describe_fp8_path("mxfp8", np.float32)[0]
+    assert "float64" in fp8_gemm.describe_fp8_path("tensor", np.float64)[0]
+    lt, why = fp8_gemm.import_cublaslt()
+    line = fp8_gemm.describe_fp8_path("block", ml_dtypes.bfloat16)[0]
+    if lt is None:
+        assert line == f"fp8 block: emulated on the device ({why})"
+    else:
+        assert line.startswith("fp8 block: FP8 GEMMs through cuBLASLt: untested on a device")
