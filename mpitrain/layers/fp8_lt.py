@@ -94,7 +94,7 @@ def linear_forward(fp8, keys: tuple[str, str], x, w, b=None):
     if y is None:
         return ops.linear_forward(x, w, b)
     if b is not None:
-        y += b
+        y += b.astype(y.dtype, copy=False)  # a bf16 bias: CuPy's bfloat16 arithmetic is not to be mixed in
     return y.reshape(*x.shape[:-1], w.shape[1]), x
 
 
