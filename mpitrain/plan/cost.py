@@ -70,6 +70,7 @@ from mpitrain.plan.memory import (
     reduction_shares,
     shape_key,
 )
+from mpitrain.plan.pipeline_cost import pipeline_imbalance
 from mpitrain.profile.flops import fused_attention_discount, recomputed_flops_per_token
 
 ADAM_BYTES_PER_PARAM = 36  # read master, m, v, grad (4 each), write master, m, v, and the compute-dtype copy
@@ -321,6 +322,10 @@ def compute_seconds(cfg: Config, cluster: Cluster, work: RankWork, model_flops: 
             sum(moe.is_moe_block(i) for i in range(m_cfg.n_layer))  # per token, whole model
         matmul += (load - 1) * matmul * expert_flops / hardware_flops
     elementwise = elementwise_seconds(cfg, cluster, work)
+    # the pipeline runs at its busiest rank's pace: uneven block splits, the head on the last stage (pipeline_cost.py)
+    busiest = pipeline_imbalance(m_cfg.n_layer, p.pp, p.virtual_stages, p.schedule, m_cfg.vocab_size, m_cfg.d_model,
+                                 hardware_flops, p.stage_layers)
+    matmul, elementwise = matmul * busiest, elementwise * busiest
     # a recomputed forward costs a third of a unit's forward and backward again
     overhead = cluster.unit_overhead_s * work.units * work.micro_batches * \
         (4 / 3 if cfg.memory.recompute == "full" else 1)
@@ -415,7 +420,10 @@ def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute
         reduce_s = reduced("all_reduce" if p.zero == 0 else "reduce_scatter", grad_bytes)
         reduce_exposed = max(0.0, reduce_s - hidden_micro) + \
             cluster.comm_overlap * reduce_s * min(1.0, transient / max(rank_param_count(cfg) * e, 1))  # last bucket
-    gather_params = reduced("all_gather", e) if p.zero in (1, 2) else 0.0
+    # ZeRO-1/2's updated parameters are gathered bucket by bucket ahead of the next step's first forward (Megatron's
+    # --overlap-param-gather), hidden behind that micro-batch's forward as far as comm_overlap lets
+    gather_params = max(0.0, reduced("all_gather", e) - cluster.comm_overlap * compute_micro / 3) \
+        if p.zero in (1, 2) else 0.0
     return zero_micro, reduce_exposed, gather_params
 
 

@@ -7,7 +7,8 @@ published figure is either Megatron's achieved TFLOP/s per GPU (its Eq. 3 count,
 forward: 96 B s l h^2 (1 + s/6h + V/16lh) per step) or a model FLOPs utilisation (the planner's MFU).
 
     python -m mpitrain.plan.record           the table: each run's predicted and published figure, and the errors
-    python -m mpitrain.plan.record --fit     the grid search over the fitted constants (docs/planning.md)
+    python -m mpitrain.plan.record --fit [a100|h100]   the grid search over the fitted constants on that cluster's
+                                                       calibration runs (docs/planning.md)
 """
 from __future__ import annotations
 
@@ -55,6 +56,22 @@ def megatron_flops_per_step(cfg) -> float:
     return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
 
 
+def megatron_core_flops_per_step(cfg) -> float:
+    """Megatron-Core's count (megatron/training/training.py num_floating_point_operations), no recomputation:
+    12 B s l h^2 ((1 + g/a + s/h) q/h + f/h * gated + V/2lh), g the key/value heads, a the heads, q = a * head_dim,
+    f the MLP width, gated 3/2 for SwiGLU; for GPT-3 shapes 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    m, batch = cfg.model, cfg.train.global_batch
+    s, h, layers, vocab = m.seq_len, m.d_model, m.n_layer, m.vocab_size
+    attention = (1 + m.kv_heads / m.n_head + s / h) * m.n_head * m.head_dim / h
+    mlp = m.ff_dim / h * (1.5 if m.arch == "llama" else 1.0)
+    return 12 * batch * s * layers * h * h * (attention + mlp + vocab / (2 * layers * h))
+
+
+# how each source counts the FLOPs of its published TFLOP/s
+PUBLISHED_COUNT = {"narayanan-t1": megatron_flops_per_step, "narayanan-t2": megatron_flops_per_step,
+                   "megatron-lm-readme": megatron_core_flops_per_step}
+
+
 def published_layouts(run: dict, cfg):
     """The layouts that agree with what the source publishes; the rest is searched."""
     tp, pp, cp = run["tp"], run["pp"], run.get("cp", 1)
@@ -66,7 +83,8 @@ def published_layouts(run: dict, cfg):
     micro_batches = [run["micro_batch"]] if "micro_batch" in run else MICRO_BATCHES
     for micro_batch, (schedule, v), recompute in itertools.product(micro_batches, schedules, recomputes):
         yield Layout(dp, tp, pp, cp, zero=run.get("zero", 0 if run["source"].startswith("narayanan") else 1),
-                     micro_batch=micro_batch, recompute=recompute, schedule=schedule, virtual_stages=v, etp=tp)
+                     micro_batch=micro_batch, recompute=recompute, schedule=schedule, virtual_stages=v, etp=tp,
+                     tp_overlap=run.get("tp_overlap", False) and tp > 1)
 
 
 def predict(run: dict, cluster: Cluster | None = None) -> dict:
@@ -87,7 +105,7 @@ def predict(run: dict, cluster: Cluster | None = None) -> dict:
     if best is None:
         raise ConfigError(f"record run {run['name']}: no layout of the published one fits on {cluster.name}")
     if "tflops" in run:
-        predicted = megatron_flops_per_step(cfg) / (best["step_s"] * run["gpus"]) / 1e12
+        predicted = PUBLISHED_COUNT[run["source"]](cfg) / (best["step_s"] * run["gpus"]) / 1e12
         published = run["tflops"]
     else:
         predicted, published = best["mfu"], run["mfu"]
@@ -100,7 +118,7 @@ def mean_abs_error(runs: list, cluster_for) -> float:
 
 
 # the constants fitted to the calibration runs: the cluster-file keys, and the values tried (docs/planning.md)
-FIT_GRID = {"matmul_efficiency": (0.60, 0.65, 0.70, 0.75, 0.80),
+FIT_GRID = {"matmul_efficiency": (0.55, 0.60, 0.63, 0.65, 0.68, 0.70, 0.72, 0.75, 0.80),
             "gemm_cols_half": (64.0, 128.0, 256.0, 512.0),
             "comm_overlap": (0.0, 0.25, 0.5, 0.75, 1.0),
             "inter_efficiency": (0.5, 0.6, 0.7, 0.8)}
@@ -145,13 +163,16 @@ def table(record: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="grid-search the fitted constants on the A100 runs")
+    parser.add_argument("--fit", metavar="CLUSTER", nargs="?", const="a100",
+                        help="grid-search the fitted constants on CLUSTER's calibration runs (a100 or h100)")
     args = parser.parse_args(argv)
     record = load_record()
     if args.fit:
-        runs = [run for run in record["calibration"] if run["cluster"] == "a100"]
-        values, error = fit(runs, load_cluster("a100"))
-        print(f"fitted on {len(runs)} A100 runs: {values}, mean |error| {100 * error:.1f}%")
+        runs = [run for run in record["calibration"] if run["cluster"] == args.fit]
+        if not runs:
+            raise ConfigError(f"--fit {args.fit}: {RECORD} has no calibration run on that cluster")
+        values, error = fit(runs, load_cluster(args.fit))
+        print(f"fitted on {len(runs)} {args.fit} runs: {values}, mean |error| {100 * error:.1f}%")
         return
     print(table(record))
 
