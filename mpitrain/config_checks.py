@@ -162,6 +162,15 @@ def _validate_fp8(cfg) -> None:
     _validate_fp8_rows(cfg)
 
 
+def validate_fp8_layout(cfg) -> None:
+    """precision.fp8's checks of the layout alone (block scales whole on every tp shard, the rows each GEMM
+    shares), without the device check: what the planner asks of a layout it costs for a GPU."""
+    if cfg.precision.fp8 in ("block", "mxfp8"):
+        _validate_fp8_blocks(cfg, 128 if cfg.precision.fp8 == "block" else 32)
+    if cfg.precision.fp8 != "none":
+        _validate_fp8_rows(cfg)
+
+
 def _validate_fp8_rows(cfg) -> None:
     """Where a layout changes which rows share one FP8 GEMM, no scale can equal one process's: a per-tensor scale
     is the amax of all the GEMM's rows, so experts under ep > 1 (or etp = 1 < tp), whose GEMM takes the rows of

@@ -16,7 +16,8 @@ own memory; above 1: ranks sharing a host's memory bandwidth); efficiency_rows a
 fraction of the peak a step's matmuls reached at these micro-batch rows (caches spill as a micro-batch grows), which
 replace matmul_efficiency where given; skew_intervals_s and skew_at_intervals, how much longer than the mean rank
 the slower of ranks that synchronize after every `interval` seconds of compute takes, as a fraction of the interval
-(ranks sharing a host's caches and memory drift apart; absent: 0, GPUs that each compute alone).
+(ranks sharing a host's caches and memory drift apart; absent: 0, GPUs that each compute alone). fp8_peak_flops, the
+dense FP8 tensor-core FLOP/s (absent: no FP8, and the planner refuses precision.fp8 on the cluster).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class Cluster:
     efficiency_at_rows: tuple = ()
     skew_intervals_s: tuple = ()  # measured rank skew at these compute intervals between synchronizations (empty: 0)
     skew_at_intervals: tuple = ()
+    fp8_peak_flops: float = 0.0  # dense FP8 tensor-core FLOP/s (0: none, precision.fp8 refused; plan/cost_precision.py)
 
     def matmul_efficiency_at(self, rows: float) -> float:
         """matmul_efficiency, or where the file measured it per micro-batch size, interpolated in log(rows) between
@@ -127,7 +129,8 @@ def load_cluster(name_or_path: str) -> Cluster:
         raise ConfigError(f"cluster file {path}: {', '.join(bad) or 'gpus_per_node'} must be > 0")
     optional = {key: float(raw.get(key, default)) for key, default in OPTIONAL.items()}
     negative = [key for key, value in optional.items() if not value >= 0] + \
-        ["comm_overlap"] * (optional["comm_overlap"] > 1) + ["contention"] * (optional["contention"] < 1)
+        ["comm_overlap"] * (optional["comm_overlap"] > 1) + ["contention"] * (optional["contention"] < 1) + \
+        ["fp8_peak_flops"] * (not float(raw.get("fp8_peak_flops", 0.0)) >= 0)
     if negative:
         raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1, "
                           "contention at least 1)")
@@ -153,4 +156,5 @@ def cluster_from_numbers(numbers: dict, intra, inter, source: str) -> Cluster:
                    efficiency_at_rows=tuple(numbers.get("efficiency_at_rows", ())),
                    skew_intervals_s=tuple(numbers.get("skew_intervals_s", ())),
                    skew_at_intervals=tuple(numbers.get("skew_at_intervals", ())),
+                   fp8_peak_flops=float(numbers.get("fp8_peak_flops", 0.0)),
                    **{key: float(numbers.get(key, default)) for key, default in OPTIONAL.items()})

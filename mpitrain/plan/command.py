@@ -18,6 +18,9 @@ from mpitrain.errors import MpitrainError
 @click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
               help="Attention to count: fused (cuDNN SDPA, no T x T matrix) or unfused. Default: fused where the "
                    "cluster computes in bf16/fp16.")
+@click.option("--fp8", type=click.Choice(["none", "tensor", "delayed", "block", "mxfp8", "any"]), default="none",
+              show_default=True, help="Search with FP8 GEMMs (precision.fp8) of this recipe, or of each (any); FP8 "
+                                      "changes the numerics, so the search tries it only when asked.")
 @click.option("--json", "as_json", is_flag=True, help="Print the evaluated layouts as JSON.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None, help="Write the best layout's config.")
 @click.option("--layout", "layout_text", default=None,
@@ -28,7 +31,7 @@ from mpitrain.errors import MpitrainError
 @click.option("-n", "ranks", type=int, default=2, show_default=True, help="calibrate: local MPI ranks to measure.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="calibrate: where to write (default: configs/clusters/this-machine.toml).")
-def plan_command(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, layout_text,
+def plan_command(model, cluster, gpus, seq, global_batch, top, attention, fp8, as_json, emit_config, layout_text,
                  layout_sets, ranks, out_path):
     """Which layout fits MODEL (preset or config) on CLUSTER (configs/clusters/NAME.toml), and how fast it runs.
     `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
@@ -38,12 +41,12 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, attention, as_jso
             click.echo(evaluate_layout(model, cluster or "", layout_text or "", layout_sets, gpus, seq, global_batch,
                                        attention))
             return
-        _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path)
+        _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8)
     except MpitrainError as exc:  # a user error: one line on stderr, exit status 1
         raise click.ClickException(str(exc)) from None
 
 
-def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path):
+def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8="none"):
     # cli.py imports this module at start-up to list the command; the planner loads the model stack, so it is
     # imported when the command runs (mpitrain --help stays fast)
     from mpitrain.plan import search as planner
@@ -54,7 +57,7 @@ def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit
         return
     if not cluster:
         raise click.UsageError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
-    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch, attention)
+    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch, attention, fp8)
     click.echo(planner.as_json(found, spec, top) if as_json else
                planner.report(found, spec, name, cfg, gpus, top, attention))
     if emit_config and found["fits"]:

@@ -55,12 +55,14 @@ from mpitrain.config import (
     validate_pipeline,
     validate_tensor_parallel,
 )
+from mpitrain.config_checks import validate_fp8_layout
 from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
 from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.plan.clusters import Cluster, Link
+from mpitrain.plan.cost_precision import bound_saving, precision_terms
 from mpitrain.plan.memory import (
     FUSED_DTYPES,
     default_attention,
@@ -140,7 +142,7 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     cfg.memory.recompute, cfg.memory.recompute_layers, cfg.memory.offload = layout.recompute, 0, layout.offload
     cfg.precision.compute = compute
     for check in (validate_tensor_parallel, validate_pipeline, validate_context_parallel,
-                  validate_moe):  # what a layout changes
+                  validate_moe, validate_fp8_layout):  # what a layout changes
         check(cfg)
     resolve_layout(cfg, layout.dp * layout.tp * layout.pp * layout.cp)
     return cfg
@@ -182,6 +184,7 @@ def step_lower_bound(base: Config, layout: Layout, cluster: Cluster, attention: 
     speed = cluster.peak_flops * cluster.matmul_efficiency_at(rows) * \
         gemm_shape_factor(rows, m_cfg.d_model / layout.tp, cluster.gemm_rows_half, cluster.gemm_cols_half)
     matmul = flops * base.train.global_batch * m_cfg.seq_len / world / speed
+    matmul -= bound_saving(base, layout.fp8, cluster, base.train.global_batch * m_cfg.seq_len / world, speed)  # FP8
     micro_batches = base.train.global_batch // (layout.dp * layout.micro_batch)
     if layout.pp == 1 or micro_batches < 1:
         return matmul
@@ -266,6 +269,7 @@ def estimate(base: Config, layout: Layout, cluster: Cluster, attention: str | No
     memory = rank_memory(cfg, cluster, work.element_bytes, shape["largest_unit"], work.attention)
     compute = compute_seconds(cfg, cluster, work, shape["flops_per_token"])
     comm, crosses = communication_seconds(cfg, cluster, work)
+    compute, comm, fp8_step = precision_terms(cfg, cluster, work, compute, comm, *precision_inputs(cfg, cluster, work))
     zero_micro, reduce_exposed, gather_params = gradient_sync_seconds(cfg, cluster, work, compute["micro"],
                                                                       memory["transient"])
     optimizer = optimizer_seconds(cfg, cluster)
@@ -276,17 +280,30 @@ def estimate(base: Config, layout: Layout, cluster: Cluster, attention: str | No
     bubble = schedule_bubble(p.schedule, p.pp, m, p.virtual_stages) if p.pp > 1 else 0.0
     # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
     pipeline = m * micro * (1 + bubble / (1 - bubble) / cluster.contention)
-    step = pipeline + reduce_exposed + gather_params + optimizer + skew + cluster.step_overhead_s
+    step = pipeline + reduce_exposed + fp8_step + gather_params + optimizer + skew + cluster.step_overhead_s
     parts = {"matmul": compute["matmul"], "elementwise": compute["elementwise"],
              "overhead": compute["overhead"] + cluster.step_overhead_s, "tp": m * comm["tp"],
              "cp_ring": m * comm["cp_ring"], "ep_all_to_all": m * comm["ep_all_to_all"],
              "pp_send": m * comm["pp_send"], "zero_exposed": m * zero_micro + gather_params,
-             "dp_reduce": reduce_exposed, "bubble": pipeline - m * micro, "optimizer": optimizer, "rank_skew": skew}
+             "dp_reduce": reduce_exposed + fp8_step, "bubble": pipeline - m * micro, "optimizer": optimizer,
+             "rank_skew": skew}
     return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": work.world, "micro_batches": m,
             "memory": memory, "fits": memory["total"] <= cluster.usable_bytes, "step_s": step, "parts": parts,
             "tokens_per_s": work.tokens / step,
             "mfu": shape["flops_per_token"] * work.tokens / step / (work.world * cluster.peak_flops),
             "bubble": bubble, "crosses": crosses, "bottleneck": bottleneck(parts, crosses, p, cluster)}
+
+
+def precision_inputs(cfg: Config, cluster: Cluster, work: RankWork) -> tuple:
+    """What plan/cost_precision.py's precision_terms takes from this model: the GEMM shape factor at a micro-batch's
+    rows and at the rows / tp of tp_overlap's chunks, the tp, cp and dp x cp groups' links, the experts' load."""
+    p, cols = cfg.parallel, cfg.model.d_model / cfg.parallel.tp
+    shapes = tuple(gemm_shape_factor(rows, cols, cluster.gemm_rows_half, cluster.gemm_cols_half)
+                   for rows in (work.rows, work.rows / p.tp))
+    links = {name: group_link(cluster, size, p.tp if name != "tp" else 1)[0]
+             for name, size in (("tp", p.tp), ("cp", p.cp), ("dp", p.dp * p.cp))}
+    load = min(work.moe.capacity_factor or DROPLESS_EXPERT_LOAD, p.ep) if work.moe.experts and p.ep > 1 else 1.0
+    return shapes, links, load
 
 
 def rank_memory(cfg: Config, cluster: Cluster, element_bytes: int, largest_unit: int,

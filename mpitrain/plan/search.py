@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from mpitrain.config import Config, to_toml, validate
@@ -20,6 +21,7 @@ from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
 from mpitrain.plan.clusters import Cluster, load_cluster
 from mpitrain.plan.cost import Layout, cluster_attention, estimate, layout_config, step_lower_bound
+from mpitrain.plan.cost_precision import FP8_RECIPES, fp8_speedup
 from mpitrain.plan.presets import model_config
 
 GB = 1e9
@@ -83,14 +85,36 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
                       etp=mesh.etp, cp_kind=cp_kind) for recompute in recomputes]
 
 
-def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None, prune: bool = True) -> dict:
+def precision_variants(cfg: Config, group: list[Layout], fp8: str, compute: str) -> list[list[Layout]]:
+    """A group of layouts (one per recomputation mode) as the search tries it: parallel.tp_overlap on wherever
+    tp > 1 (exact; in the 70B-on-64-H100 search the plain variant of all 4,863 pairs was never faster, so it is
+    left to --layout), and precision.fp8 = `fp8` (FP8 changes the numerics: only when asked). "any": the first
+    recipe of FP8_RECIPES the config accepts for the mesh (block first: in the model it is never slower and never
+    larger than the others; plan/cost_precision.py)."""
+    recipe = fp8
+    if fp8 == "any":
+        recipe = next((r for r in FP8_RECIPES if _accepts(cfg, replace(group[0], fp8=r), compute)), FP8_RECIPES[0])
+    return [[replace(layout, tp_overlap=layout.tp > 1, fp8=recipe) for layout in group]]
+
+
+def _accepts(cfg: Config, layout: Layout, compute: str) -> bool:
+    try:
+        layout_config(cfg, layout, compute)
+    except ConfigError:
+        return False
+    return True
+
+
+def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None, prune: bool = True,
+           fp8: str = "none") -> dict:
     """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count},
     'pruned': count}; attention: "fused", "unfused" or None, the cluster's default (plan/cost.py,
     cluster_attention). prune: skip the layouts whose step_lower_bound is already slower than the best layout that
     fits so far (they cannot win; benchmarks/bench_plan.py --search times the search with and without)."""
     fits, too_big, refused = [], [], {}
     best_step, pruned = float("inf"), 0
-    groups = list(candidate_layouts(cfg, gpus, cluster))
+    groups = [variant for group in candidate_layouts(cfg, gpus, cluster)
+              for variant in precision_variants(cfg, group, fp8, cluster.compute)]
     if prune:  # the most promising first, so that the best step found early rules out the most
         bounds = [step_lower_bound(cfg, group[0], cluster, attention) for group in groups]
         order = sorted(range(len(groups)), key=lambda i: bounds[i])
@@ -262,7 +286,7 @@ def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -
 
 
 def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None,
-         attention: str | None = None) -> tuple:
+         attention: str | None = None, fp8: str = "none") -> tuple:
     """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search (attention: search's).
     Returns (cfg, name, cluster, found, gpus)."""
     cfg, name = model_config(model)
@@ -275,7 +299,8 @@ def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, globa
     if global_batch:
         cfg.train.global_batch = global_batch
     validate(cfg)
-    return cfg, name, cluster, search(cfg, cluster, gpus, attention), gpus
+    fp8_speedup(cluster, "tensor" if fp8 == "any" else fp8)  # --fp8 on a cluster without FP8: one line, named
+    return cfg, name, cluster, search(cfg, cluster, gpus, attention, fp8=fp8), gpus
 
 
 def evaluate_layout(model: str, cluster_name: str, text: str, sets: tuple, gpus: int | None, seq: int | None,

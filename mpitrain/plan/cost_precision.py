@@ -1,0 +1,218 @@
+"""The planner's terms for overlapped tensor parallelism (parallel.tp_overlap) and FP8 GEMMs (precision.fp8): what
+plan/cost.py's estimate changes in its matmul, elementwise, tp and cp parts when a layout turns them on.
+
+Collective matmul (layers/tp_overlap.py). Under sequence parallelism each block runs, per micro-batch, 8 tp
+collectives of one (b, T/cp, d) activation: the attention's and the MLP's gather before their column-parallel
+linear and reduce-scatter after their row-parallel one, forward and backward (the forward's 4 again under full
+recomputation). With the overlap each runs as a ring of t - 1 steps under the chunked matmul of its own linear
+(the forward GEMM, or in backward the input-gradient GEMM), and leaves `exposed_seconds` on the critical path: per
+step, its latency and chunk bytes beyond one chunk's matmul. The chunked GEMMs have rows / t rows, so they run at
+gemm_shape_factor(rows / t) instead of (rows): the matmul part grows by their FLOPs times the difference. A MoE
+block's experts keep the plain gather and reduce-scatter (layers/moe.py enters the tp region unchunked), so only
+its attention's four are overlapped.
+
+FP8 (layers/fp8.py). The GEMMs of the attention projections (Q, K, V, O) and of the MLP or the routed experts run
+on FP8 operands; the embedding, the head, the attention core and the router stay in the compute dtype. Those
+GEMMs run at the cluster's `fp8_peak_flops` times the fraction of it the bf16 GEMMs reach of theirs
+(matmul_efficiency and the shape curve), times FP8_ACHIEVED_RELATIVE: a model assumption, not a measurement (no
+real FP8 GEMM has run here: docs/planning.md). A cluster without an FP8 peak (A100) refuses precision.fp8.
+Quantization is elementwise HBM traffic: every FP8 linear's input and output gradient is read (twice under
+`tensor`: an amax pass, then the cast; once under the others, whose scale is known or whose tiles are scaled in
+registers) and written as two fp8 copies (row-wise for one GEMM, column-wise for the weight gradient); the weights
+once per step into the cached copies fp8_extra_bytes counts (TRANSPOSED_COPY). Under sequence parallelism an
+FP8 linear's input and its output gradient are quantized before their gather (docs/fp8.md), so those gathers move
+one byte an element. The per-tensor recipes all-reduce each operand's amax over tp (and activations' and
+gradients' over cp), one latency-bound all-reduce per operand and micro-batch, the weights' once per step; delayed
+scaling adds one all-reduce of every operand's amax over dp x cp per step. Memory: plan/memory.py's `fp8` row,
+fp8_extra_bytes.
+"""
+from __future__ import annotations
+
+from mpitrain.config import Config
+from mpitrain.config_moe import MoeSettings
+from mpitrain.errors import ConfigError
+from mpitrain.layers.fp8 import TRANSPOSED_COPY, fp8_linears
+from mpitrain.layers.tp_overlap import exposed_seconds
+from mpitrain.plan.clusters import Cluster, Link
+
+# FP8 GEMMs reach this times the fraction of the FP8 peak that bf16 GEMMs reach of the bf16 peak (an assumption:
+# 1 = the same fraction; docs/planning.md)
+FP8_ACHIEVED_RELATIVE = 1.0
+ACTIVATION_COPIES = 2  # fp8 copies of a quantized input or output gradient: row-wise, and column-wise for dW
+AMAX_BYTES = 4  # one float32 amax per operand on the wire
+# `mpitrain plan --fp8 any`: the first the config accepts. block is never slower (no amax all-reduce, one read per
+# cast) and never larger (one weight copy, scales per 128x128) than the others here; mxfp8 then (no all-reduce)
+FP8_RECIPES = ("block", "mxfp8", "delayed", "tensor")
+
+
+def fp8_speedup(cluster: Cluster, recipe: str) -> float:
+    """How many times faster an FP8 GEMM runs than the same GEMM in the compute dtype (1 for precision.fp8 =
+    "none"); ConfigError naming the cluster where it has no FP8 peak."""
+    if recipe == "none":
+        return 1.0
+    if cluster.fp8_peak_flops <= 0:
+        raise ConfigError(f"precision.fp8 = {recipe!r}: cluster {cluster.name!r} has no FP8 tensor cores "
+                          f"(fp8_peak_flops absent in {cluster.source}); plan it without FP8")
+    return cluster.fp8_peak_flops * FP8_ACHIEVED_RELATIVE / cluster.peak_flops
+
+
+def block_linears(m_cfg, moe_block: bool) -> list[tuple[str, int, int, int]]:
+    """The FP8 linears of one block, whole (not split over tp): (name, K, N, picks per token); a MoE block's
+    experts are counted once per pick (top_k), its attention once."""
+    d, heads, kv = m_cfg.d_model, m_cfg.n_head * m_cfg.head_dim, m_cfg.kv_heads * m_cfg.head_dim
+    ups = 2 if m_cfg.arch == "llama" else 1
+    picks = MoeSettings.of(m_cfg).top_k if moe_block else 1
+    return [("qkv", d, heads + 2 * kv, 1), ("out", heads, d, 1), ("up", d, ups * m_cfg.ff_dim, picks),
+            ("down", m_cfg.ff_dim, d, picks)]
+
+
+def block_kinds(m_cfg, layers: int) -> dict[bool, int]:
+    """How many of the first `layers` blocks are dense (False) and MoE (True)."""
+    moe = sum(MoeSettings.of(m_cfg).is_moe_block(index) for index in range(layers))
+    return {False: layers - moe, True: moe}
+
+
+def fp8_flops_per_token(cfg: Config, recompute: str | None = None) -> tuple[float, float]:
+    """(dense, expert) training FLOPs per token of the whole model that run as FP8 GEMMs: 6 per weight a token
+    passes (4 for a frozen LoRA base: no weight gradient), 2 more per recomputed forward (memory.recompute = full,
+    or `recompute`); the expert part apart, since the busiest ep rank runs it at its load."""
+    m_cfg, recompute = cfg.model, recompute or cfg.memory.recompute
+    per_weight = (4.0 if cfg.lora.rank > 0 else 6.0) + (2.0 if recompute == "full" else 0.0)
+    dense = expert = 0.0
+    for moe_block, blocks in block_kinds(m_cfg, m_cfg.n_layer).items():
+        for name, k, n, picks in block_linears(m_cfg, moe_block):
+            if moe_block and name in ("up", "down"):
+                expert += per_weight * k * n * picks * blocks
+            else:
+                dense += per_weight * k * n * blocks
+    return dense, expert
+
+
+def fp8_matmul_saving(cfg: Config, cluster: Cluster, tokens_per_rank: float, speed: float, load: float = 1.0,
+                      recipe: str | None = None, recompute: str | None = None) -> float:
+    """Seconds the FP8 GEMMs save on one rank's step: their FLOPs (the experts' at the busiest ep rank's `load`)
+    at `speed` (FLOP/s in the compute dtype), less the same at fp8_speedup times that. recipe, recompute: cfg's
+    unless given (plan/cost.py's step_lower_bound asks for a layout's on the base config)."""
+    speedup = fp8_speedup(cluster, recipe or cfg.precision.fp8)
+    if speedup == 1.0:
+        return 0.0
+    dense, expert = fp8_flops_per_token(cfg, recompute)
+    return (dense + load * expert) * tokens_per_rank / speed * (1 - 1 / speedup)
+
+
+def bound_saving(base: Config, recipe: str, cluster: Cluster, tokens_per_rank: float, speed: float) -> float:
+    """fp8_matmul_saving without recomputation, for plan/cost.py's step_lower_bound (0 where the cluster has no FP8:
+    estimate refuses the layout there)."""
+    if recipe == "none" or cluster.fp8_peak_flops <= 0:
+        return 0.0
+    return fp8_matmul_saving(base, cluster, tokens_per_rank, speed, 1.0, recipe, "none")
+
+
+def quantized_bytes(cfg: Config, element_bytes: int, tokens_per_rank: float, layers: int) -> tuple[float, float]:
+    """(per step over all micro-batches, per step once) HBM bytes one rank's FP8 quantization moves: its inputs and
+    output gradients (tokens_per_rank: the tokens of the step through this rank's dp x cp share), and its weights
+    into their cached fp8 copies (module docstring)."""
+    recipe, m_cfg, p = cfg.precision.fp8, cfg.model, cfg.parallel
+    if recipe == "none":
+        return 0.0, 0.0
+    read = element_bytes * (2 if recipe == "tensor" else 1)
+    per_element = read + ACTIVATION_COPIES
+    again = cfg.memory.recompute == "full"  # the recomputed forward quantizes each input again
+    elements = 0.0  # per token, on this rank's blocks, split over tp
+    for moe_block, blocks in block_kinds(m_cfg, layers).items():
+        for _, k, n, picks in block_linears(m_cfg, moe_block):
+            elements += blocks * picks * (k * (2 if again else 1) + n) / p.tp
+    weights = sum(k * n for linear in fp8_linears(cfg) for k, n in linear)
+    return elements * tokens_per_rank * per_element, weights * (read + TRANSPOSED_COPY[recipe])
+
+
+def amax_all_reduces(cfg: Config, layers: int) -> tuple[int, int]:
+    """(per micro-batch, per step) amax all-reduces of one rank under the per-tensor recipes: one per FP8 linear's
+    input and output gradient (the input again under full recomputation), one per weight once a step; 0 for the
+    block and MX recipes, whose scales need no reduction."""
+    if cfg.precision.fp8 not in ("tensor", "delayed"):
+        return 0, 0
+    linears = 4 * layers
+    return linears * (3 if cfg.memory.recompute == "full" else 2), linears
+
+
+def small_all_reduce(link: Link, nbytes: float, n: int, times: float = 1.0) -> float:
+    """Seconds of `times` ring all-reduces of `nbytes` over n ranks (plan/cost.py's ring, all-reduce)."""
+    return times * link.seconds(2 * (n - 1) / n * nbytes, 2 * (n - 1)) if n > 1 else 0.0
+
+
+def tp_collectives(cfg: Config, element_bytes: int, moe_block: bool) -> list[tuple[str, float, bool]]:
+    """One block's tp collectives per micro-batch: (the linear whose GEMM the overlap hides it under, bytes per
+    element on the wire, overlapped). Gathers of an FP8 linear's input or output gradient move fp8 codes; a MoE
+    block's MLP collectives are the plain ones, in the compute dtype."""
+    fp8 = cfg.precision.fp8 != "none"
+    overlap = cfg.parallel.tp_overlap
+    gathered = 1 if fp8 else element_bytes
+    forward = [("qkv", gathered, overlap), ("out", element_bytes, overlap)]
+    forward += [("up", element_bytes, False), ("down", element_bytes, False)] if moe_block else \
+        [("up", gathered, overlap), ("down", element_bytes, overlap)]
+    backward = [(name, element_bytes if name in ("qkv", "up") or (moe_block and name == "down") else gathered, on)
+                for name, _, on in forward]  # a row linear's output gradient is gathered, a column one's scattered
+    return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
+
+
+def tp_micro_seconds(cfg: Config, work, link: Link, speed: float, speedup: float = 1.0) -> float:
+    """Exposed tp communication per micro-batch, collective by collective (tp_overlap.exposed_seconds): without the
+    overlap and FP8, plan/cost.py's ring term. `speed`: FLOP/s of the chunked GEMMs in the compute dtype, FP8 ones
+    `speedup` times faster; work: plan/cost.py's RankWork."""
+    m_cfg, t = cfg.model, cfg.parallel.tp
+    if t <= 1:
+        return 0.0
+    rows = work.rows
+    elements = rows * m_cfg.d_model  # a micro-batch's (b, T/cp, d) activation, gathered whole
+    gemm_speed = speed * speedup  # every overlapped linear is an FP8 linear when precision.fp8 is on
+    total = 0.0
+    for moe_block, blocks in block_kinds(m_cfg, work.layers).items():
+        shapes = {name: (k, n) for name, k, n, _ in block_linears(m_cfg, moe_block)}
+        for name, wire_bytes, overlapped in tp_collectives(cfg, work.element_bytes, moe_block):
+            k, n = shapes[name]
+            total += blocks * exposed_seconds(elements * wire_bytes, t, link.bandwidth * link.efficiency,
+                                              2 * rows * k * n / t / gemm_speed, overlapped, link.latency)
+    return total
+
+
+def chunked_matmul_seconds(cfg: Config, work, speed: float, speedup: float, slowdown: float) -> float:
+    """Seconds per micro-batch the overlap's chunked GEMMs add: the FLOPs of the linears whose collectives it hides
+    (their forward and input-gradient GEMMs, the forward again under full recomputation) at `speed` x `speedup`,
+    times slowdown - 1 (slowdown: the shape factor of rows over that of rows / tp)."""
+    m_cfg, p = cfg.model, cfg.parallel
+    if not p.tp_overlap or p.tp <= 1:
+        return 0.0
+    flops = 0.0
+    for moe_block, blocks in block_kinds(m_cfg, work.layers).items():
+        shapes = {name: (k, n) for name, k, n, _ in block_linears(m_cfg, moe_block)}
+        for name, _, overlapped in tp_collectives(cfg, work.element_bytes, moe_block):
+            k, n = shapes[name]
+            flops += blocks * 2 * work.rows * k * n / p.tp * overlapped
+    return flops / (speed * speedup) * (slowdown - 1)
+
+
+def precision_terms(cfg: Config, cluster: Cluster, work, compute: dict, comm: dict, shapes: tuple, links: dict,
+                    load: float) -> tuple[dict, dict, float]:
+    """plan/cost.py's hook: (compute, comm, seconds per step) with parallel.tp_overlap and precision.fp8 costed.
+    compute and comm: compute_seconds' and communication_seconds' dicts (new ones returned); shapes: gemm_shape_factor
+    at the micro-batch's rows and at rows / tp; links: {"tp", "cp", "dp"}: each group's Link (dp: the dp x cp
+    group); load: the busiest ep rank's expert load (1 without experts). The seconds per step: delayed scaling's
+    amax all-reduce over dp x cp."""
+    p, recipe, m = cfg.parallel, cfg.precision.fp8, work.micro_batches
+    if not p.tp_overlap and recipe == "none":
+        return compute, comm, 0.0
+    speedup = fp8_speedup(cluster, recipe)
+    speed = cluster.peak_flops * cluster.matmul_efficiency_at(work.rows) * shapes[0]
+    matmul = compute["matmul"] - fp8_matmul_saving(cfg, cluster, work.tokens / work.world, speed, load) + \
+        m * chunked_matmul_seconds(cfg, work, speed, speedup, shapes[0] / shapes[1])
+    casts, weight_casts = quantized_bytes(cfg, work.element_bytes, work.tokens / (p.dp * p.cp), work.layers)
+    elementwise = compute["elementwise"] + (casts + weight_casts) / cluster.hbm_bandwidth
+    per_micro, per_step = amax_all_reduces(cfg, work.layers)
+    tp = tp_micro_seconds(cfg, work, links["tp"], speed, speedup) + \
+        small_all_reduce(links["tp"], AMAX_BYTES, p.tp, per_micro + per_step / m)  # weights' once a step
+    cp_ring = comm["cp_ring"] + small_all_reduce(links["cp"], AMAX_BYTES, p.cp, per_micro)  # the token group
+    delayed = small_all_reduce(links["dp"], AMAX_BYTES * 3 * per_step, p.dp * p.cp) if recipe == "delayed" else 0.0
+    compute = {**compute, "matmul": matmul, "elementwise": elementwise,
+               "micro": (matmul + elementwise + compute["overhead"]) / m}
+    return compute, {**comm, "tp": tp, "cp_ring": cp_ring}, delayed
