@@ -27,7 +27,7 @@ def test_every_run_names_its_source_and_one_published_figure():
     assert not names & {run["name"] for run in RECORD["held_out"]}  # held-out runs are not fitted to
 
 
-@pytest.mark.parametrize("cluster, bound", [("a100", 0.06)])
+@pytest.mark.parametrize("cluster, bound", [("a100", 0.06), ("h100", 0.09)])
 def test_calibration_runs_stay_fitted(cluster, bound):
     """Each cluster's calibration runs stay within the mean error its fit reached (docs/planning.md: A100 4.6%, H100
     7.3%); no run beyond 22% (the H100 1.7B, over-predicted by 20%, is the worst)."""
