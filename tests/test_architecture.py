@@ -24,7 +24,7 @@ FLOORS = [
     ("mpitrain.parallel",),  # schedules, the pipeline executor, context and thread replicas
     ("mpitrain.checkpoint", "mpitrain.resilience"),  # saving, restoring, surviving faults
     ("mpitrain.generate", "mpitrain.train", "mpitrain.train_loop", "mpitrain.run", "mpitrain.plan",
-     "mpitrain.launcher", "mpitrain.doctor"),  # whole programs
+     "mpitrain.plan.cost_sharding", "mpitrain.launcher", "mpitrain.doctor"),  # whole programs
     ("mpitrain.lab", "mpitrain.cli", "mpitrain.cli_common", "mpitrain.cli_doctor", "mpitrain.cli_bench",
      "mpitrain.__main__"),  # the commands a person types
 ]

@@ -21,6 +21,9 @@ from mpitrain.errors import MpitrainError
 @click.option("--fp8", type=click.Choice(["none", "tensor", "delayed", "block", "mxfp8", "any"]), default="none",
               show_default=True, help="Search with FP8 GEMMs (precision.fp8) of this recipe, or of each (any); FP8 "
                                       "changes the numerics, so the search tries it only when asked.")
+@click.option("--allow", "allow", multiple=True, type=click.Choice(["quantized-comm"]),
+              help="Also search what changes the numerics: quantized-comm, ZeRO++'s int8/int4 gradient reductions "
+                   "and int8 ZeRO-3 gathers (parallel.zero_grad_reduce, zero_gather_dtype).")
 @click.option("--json", "as_json", is_flag=True, help="Print the evaluated layouts as JSON.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None, help="Write the best layout's config.")
 @click.option("--layout", "layout_text", default=None,
@@ -31,8 +34,8 @@ from mpitrain.errors import MpitrainError
 @click.option("-n", "ranks", type=int, default=2, show_default=True, help="calibrate: local MPI ranks to measure.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="calibrate: where to write (default: configs/clusters/this-machine.toml).")
-def plan_command(model, cluster, gpus, seq, global_batch, top, attention, fp8, as_json, emit_config, layout_text,
-                 layout_sets, ranks, out_path):
+def plan_command(model, cluster, gpus, seq, global_batch, top, attention, fp8, allow, as_json, emit_config,
+                 layout_text, layout_sets, ranks, out_path):
     """Which layout fits MODEL (preset or config) on CLUSTER (configs/clusters/NAME.toml), and how fast it runs.
     `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
     try:
@@ -41,12 +44,14 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, attention, fp8, a
             click.echo(evaluate_layout(model, cluster or "", layout_text or "", layout_sets, gpus, seq, global_batch,
                                        attention))
             return
-        _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8)
+        _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8,
+              allow)
     except MpitrainError as exc:  # a user error: one line on stderr, exit status 1
         raise click.ClickException(str(exc)) from None
 
 
-def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8="none"):
+def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit_config, ranks, out_path, fp8="none",
+          allow=()):
     # cli.py imports this module at start-up to list the command; the planner loads the model stack, so it is
     # imported when the command runs (mpitrain --help stays fast)
     from mpitrain.plan import search as planner
@@ -57,7 +62,7 @@ def _plan(model, cluster, gpus, seq, global_batch, top, attention, as_json, emit
         return
     if not cluster:
         raise click.UsageError("missing CLUSTER (h100, h200, a100, b200, this-machine or a .toml file)")
-    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch, attention, fp8)
+    cfg, name, spec, found, gpus = planner.plan(model, cluster, gpus, seq, global_batch, attention, fp8, tuple(allow))
     click.echo(planner.as_json(found, spec, top) if as_json else
                planner.report(found, spec, name, cfg, gpus, top, attention))
     if emit_config and found["fits"]:

@@ -58,11 +58,13 @@ from mpitrain.config import (
 from mpitrain.config_checks import validate_fp8_layout
 from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
+from mpitrain.layout_checks import validate_hierarchical_dp
 from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.parallel.pipeline import stage_layer_counts
 from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.cost_precision import bound_saving, precision_terms
+from mpitrain.plan.cost_sharding import hybrid_cp_seconds, node_shares, quantize_seconds, sharding_rings
 from mpitrain.plan.memory import (
     FUSED_DTYPES,
     default_attention,
@@ -142,7 +144,7 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     cfg.memory.recompute, cfg.memory.recompute_layers, cfg.memory.offload = layout.recompute, 0, layout.offload
     cfg.precision.compute = compute
     for check in (validate_tensor_parallel, validate_pipeline, validate_context_parallel,
-                  validate_moe, validate_fp8_layout):  # what a layout changes
+                  validate_moe, validate_fp8_layout, validate_hierarchical_dp):  # what a layout changes
         check(cfg)
     resolve_layout(cfg, layout.dp * layout.tp * layout.pp * layout.cp)
     return cfg
@@ -274,19 +276,21 @@ def estimate(base: Config, layout: Layout, cluster: Cluster, attention: str | No
                                                                       memory["transient"])
     optimizer = optimizer_seconds(cfg, cluster)
     skew = rank_skew_seconds(cfg, cluster, work, compute["micro"])
+    quantize = quantize_seconds(cfg, cluster, reduction_shares(cfg), work.micro_batches, work.element_bytes)
 
     m = work.micro_batches
     micro = compute["micro"] + comm["tp"] + comm["cp_ring"] + comm["ep_all_to_all"] + comm["pp_send"] + zero_micro
     bubble = schedule_bubble(p.schedule, p.pp, m, p.virtual_stages) if p.pp > 1 else 0.0
     # a rank idles while the others fill and drain the pipeline, work they do with the node to themselves
     pipeline = m * micro * (1 + bubble / (1 - bubble) / cluster.contention)
-    step = pipeline + reduce_exposed + fp8_step + gather_params + optimizer + skew + cluster.step_overhead_s
+    step = pipeline + reduce_exposed + fp8_step + gather_params + optimizer + skew + quantize + cluster.step_overhead_s
     parts = {"matmul": compute["matmul"], "elementwise": compute["elementwise"],
              "overhead": compute["overhead"] + cluster.step_overhead_s, "tp": m * comm["tp"],
              "cp_ring": m * comm["cp_ring"], "ep_all_to_all": m * comm["ep_all_to_all"],
              "pp_send": m * comm["pp_send"], "zero_exposed": m * zero_micro + gather_params,
              "dp_reduce": reduce_exposed + fp8_step, "bubble": pipeline - m * micro, "optimizer": optimizer,
-             "rank_skew": skew}
+             "rank_skew": skew,
+             "quantize": quantize}
     return {"layout": dict(layout.__dict__), "name": layout.describe(), "world": work.world, "micro_batches": m,
             "memory": memory, "fits": memory["total"] <= cluster.usable_bytes, "step_s": step, "parts": parts,
             "tokens_per_s": work.tokens / step,
@@ -313,7 +317,7 @@ def rank_memory(cfg: Config, cluster: Cluster, element_bytes: int, largest_unit:
     transient = p.bucket_mb * 2**20 * 2  # a bucket being reduced and the next one filling
     if p.zero == 3:  # the unit being computed and the prefetched next one, gathered whole
         transient += 2 * largest_unit * element_bytes
-    stages = stage_memory(cfg, attention)
+    stages = stage_memory(cfg, attention, cluster.gpus_per_node)
     held = max(stage["total"] for stage in stages.values())  # the fullest stage decides what fits
     total = held + transient
     return {"held": held, "transient": transient, "total": total, "rows": stages["first"]["bytes"],
@@ -326,7 +330,7 @@ def compute_seconds(cfg: Config, cluster: Cluster, work: RankWork, model_flops: 
     per micro-batch."""
     m_cfg, p, moe = cfg.model, cfg.parallel, work.moe
     hardware_flops = model_flops + recomputed_flops_per_token(m_cfg, work.layer_counts, cfg.memory.recompute)
-    if p.cp > 1 and p.cp_kind == "ring":  # ring attention's backward recomputes each pair's scores, S = Q K^T
+    if p.cp > 1 and p.cp_kind in ("ring", "hybrid"):  # ring attention's backward recomputes each pair's scores
         hardware_flops += 2.0 * m_cfg.d_model * m_cfg.seq_len * sum(work.layer_counts)
     if work.attention == "fused":
         hardware_flops -= fused_attention_discount(m_cfg, sum(work.layer_counts), cfg.memory.recompute != "none")
@@ -361,7 +365,7 @@ def elementwise_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
     # the forward's share of the traffic runs again under full recomputation (selective: attention's part)
     # (and under cp the ring's backward its probabilities, P = exp(S - lse))
     again = ({"full": 34 * m_cfg.d_model + scores, "selective": scores}.get(cfg.memory.recompute, 0.0) +
-             scores * (p.cp > 1 and p.cp_kind == "ring")) / p.tp * e / 2
+             scores * (p.cp > 1 and p.cp_kind in ("ring", "hybrid"))) / p.tp * e / 2
     # per token; every tp rank routes all
     routed_rows = MOE_ROW_PASSES * work.moe.top_k * m_cfg.d_model * e * work.moe_layers
     return (ELEMENTWISE_PASSES * per_token * work.layers + ELEMENTWISE_PASSES / 2 * again * work.layers +
@@ -388,6 +392,8 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
         attention_s = layers * 12 * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
                                                                                        cluster.matmul_efficiency)
         cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
+        if p.cp_kind == "hybrid":  # Ulysses inside the node, the ring across (plan/cost_sharding.py)
+            cp_micro = hybrid_cp_seconds(cfg, cluster, e, layers, attention_s)
 
     ep_link, ep_crosses = group_link(cluster, p.ep, p.etp or p.tp)  # ep: consecutive holders of other tokens
     ep_micro = 0.0
@@ -421,7 +427,7 @@ def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute
     """(ZeRO's exposed gathers and reduce-scatters per micro-batch, the step's exposed gradient reduction, ZeRO-1/2's
     parameter all-gather), in seconds."""
     p, e = cfg.parallel, work.element_bytes
-    reduced = reduction_rings(cfg, cluster)
+    reduced = sharding_rings(cfg, cluster, reduction_shares(cfg)) or reduction_rings(cfg, cluster)  # cost_sharding.py
     grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
     grad_bytes = max(grad_bytes, e)
     hidden_micro = cluster.comm_overlap * compute_micro * 2 / 3  # what a micro-batch's backward can hide
@@ -447,7 +453,8 @@ def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute
 def optimizer_seconds(cfg: Config, cluster: Cluster) -> float:
     """Adam's passes over this rank's shard of the state (over PCIe, both ways, when offloaded)."""
     p = cfg.parallel
-    shard = sum(count / (ranks if p.zero >= 1 else 1) for count, ranks in reduction_shares(cfg))
+    shard = sum(count / (ranks if p.zero >= 1 else 1)
+                for count, ranks in node_shares(cfg, reduction_shares(cfg), cluster.gpus_per_node))
     if cfg.memory.offload != "none":  # master weights and moments cross PCIe both ways, Adam runs on the host
         return shard * 2 * 12 / cluster.host_bandwidth + shard * ADAM_BYTES_PER_PARAM / cluster.host_bandwidth
     return shard * ADAM_BYTES_PER_PARAM / cluster.optimizer_bytes_per_s
@@ -480,12 +487,12 @@ def reduction_rings(cfg: Config, cluster: Cluster):
     return rings
 
 
-def stage_memory(cfg: Config, attention: str = "unfused") -> dict:
+def stage_memory(cfg: Config, attention: str = "unfused", gpus_per_node: int = 0) -> dict:
     """memory_report of the first pipeline stage (the embedding, the most micro-batches in flight) and, under
     pipelining, of the last (the head and its logits): {"first": ..., "last": ...}."""
     pp = cfg.parallel.pp
     ranks = {"first": 0, "last": pp - 1} if pp > 1 else {"first": 0}
-    return {name: memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank, attention)
+    return {name: memory_report(cfg, rank_param_count(cfg, pp_rank), pp_rank, attention, gpus_per_node)
             for name, pp_rank in ranks.items()}
 
 
@@ -505,5 +512,6 @@ def bottleneck(parts: dict, crosses: dict, p, cluster: Cluster) -> str:
              "pp_send": "pipeline sends", "zero_exposed": f"ZeRO-{p.zero} parameter gathers",
              "dp_reduce": "gradient reduction" + (" across nodes" if crosses["dp"] else ""),
              "bubble": f"pipeline bubble ({p.schedule}, pp {p.pp})", "optimizer": "optimizer step",
-             "rank_skew": "waiting on the slower rank at each synchronization"}
+             "rank_skew": "waiting on the slower rank at each synchronization",
+             "quantize": "quantizing and dequantizing ZeRO's messages"}
     return f"{words[kind]}: {share}"

@@ -41,7 +41,8 @@ PART_WORDS = {"matmul": "compute: matmuls", "elementwise": "compute: elementwise
               "cp_ring": "cp exchange (exposed)", "ep_all_to_all": "ep all-to-all (exposed)",
               "pp_send": "pipeline sends", "zero_exposed": "ZeRO gathers / reduce-scatters (exposed)",
               "dp_reduce": "dp gradient reduction (exposed)", "bubble": "pipeline bubble",
-              "optimizer": "optimizer step", "rank_skew": "waiting on the slower rank"}
+              "optimizer": "optimizer step", "rank_skew": "waiting on the slower rank",
+              "quantize": "ZeRO++ quantize / dequantize passes"}
 
 
 def parse_layout(text: str, sets: tuple = ()) -> dict:

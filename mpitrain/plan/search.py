@@ -5,8 +5,11 @@ The space: dp x tp x pp x cp = the GPUs, ep (from dp x cp, and the tp ranks' tok
 etp (1 or tp) for MoE; ZeRO stage; micro-batch; recomputation; pipeline schedule (1f1b,
 interleaved with 2, 4 or 8 chunks per rank, zb1p, zbv, dualpipev where a step has at least 2p micro-batches; gpipe
 has 1f1b's bubble with m instead of p micro-batches in flight, so it never wins); optimizer offload (tried only
-where the layout does not fit without it). Layouts mpitrain itself refuses (mpitrain.config's checks) are skipped;
-tp beyond a node is kept, so that the table can say what it costs.
+where the layout does not fit without it); where the gradient group (dp x cp) spans nodes with several of its
+ranks on each, the two-level reduction and ZeRO sharded over a node (parallel.dp_reduce, zero_shard), and where cp
+does, hybrid cp (plan/cost_sharding.py); ZeRO++'s quantized wire only when asked (allow: "quantized-comm"). Layouts
+mpitrain itself refuses (mpitrain.config's checks) are skipped; tp beyond a node is kept, so that the table can say
+what it costs.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from mpitrain.errors import ConfigError
 from mpitrain.plan.clusters import Cluster, load_cluster
 from mpitrain.plan.cost import Layout, cluster_attention, estimate, layout_config, step_lower_bound
 from mpitrain.plan.cost_precision import FP8_RECIPES, fp8_speedup
+from mpitrain.plan.cost_sharding import hybrid_cp_worth_trying, sync_settings
 from mpitrain.plan.presets import model_config
 
 GB = 1e9
@@ -36,7 +40,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
+def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster, allow: tuple = ()):
     """Every layout worth evaluating, cheapest in memory savings first within each mesh."""
     m = cfg.model
     experts = MoeSettings.of(m).experts
@@ -52,7 +56,7 @@ def candidate_layouts(cfg: Config, gpus: int, cluster: Cluster):
                     continue
                 dp = gpus // (tp * cp * pp)
                 for etp, ep in _expert_meshes(experts, dp * cp, tp):
-                    yield from _settings(cfg, Layout(dp, tp, pp, cp, ep, etp=etp), cluster)
+                    yield from _settings(cfg, Layout(dp, tp, pp, cp, ep, etp=etp), cluster, allow)
 
 
 def _expert_meshes(experts: int, holders: int, tp: int):
@@ -66,7 +70,7 @@ def _expert_meshes(experts: int, holders: int, tp: int):
             yield (tp, ep) if holders % ep == 0 else (1, ep)
 
 
-def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
+def _settings(cfg: Config, mesh: Layout, cluster: Cluster, allow: tuple = ()):
     schedules = [("1f1b", 1)] if mesh.pp == 1 else [("1f1b", 1), ("zb1p", 1)] + \
         [("interleaved", v) for v in INTERLEAVING if cfg.model.n_layer >= v * mesh.pp] + \
         ([("zbv", 2), ("dualpipev", 2)] if cfg.model.n_layer >= 2 * mesh.pp else [])
@@ -74,15 +78,17 @@ def _settings(cfg: Config, mesh: Layout, cluster: Cluster):
     recomputes = ["none", "full"] if mesh.cp > 1 else ["none", "selective", "full"]
     # Ulysses where the heads split over tp x cp (its all-to-alls against the ring's K/V passes; config refuses the
     # rest)
-    cp_kinds = ["ring"] + ["ulysses"] * (mesh.cp > 1 and cfg.model.n_head % (mesh.tp * mesh.cp) == 0)
+    cp_kinds = ["ring"] + ["ulysses"] * (mesh.cp > 1 and cfg.model.n_head % (mesh.tp * mesh.cp) == 0) + \
+        ["hybrid"] * hybrid_cp_worth_trying(cfg, mesh, cluster.gpus_per_node)  # cp across nodes: plan/cost_sharding.py
     for micro_batch, (schedule, v), zero, cp_kind in itertools.product(MICRO_BATCHES, schedules, zeros, cp_kinds):
         if cfg.train.global_batch % (mesh.dp * micro_batch):
             continue
         if schedule == "dualpipev" and cfg.train.global_batch // (mesh.dp * micro_batch) < 2 * mesh.pp:
             continue  # DualPipeV needs 2p micro-batches (mpitrain.config refuses fewer): not worth an estimate
         # recomputation only adds FLOPs: the search stops at the first mode that fits
-        yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
-                      etp=mesh.etp, cp_kind=cp_kind) for recompute in recomputes]
+        for sync in sync_settings(cfg, mesh, cluster.gpus_per_node, zero, allow):  # two-level, node shards, ZeRO++
+            yield [Layout(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.ep, zero, micro_batch, recompute, schedule, v,
+                          etp=mesh.etp, cp_kind=cp_kind, **sync) for recompute in recomputes]
 
 
 def precision_variants(cfg: Config, group: list[Layout], fp8: str, compute: str) -> list[list[Layout]]:
@@ -106,14 +112,14 @@ def _accepts(cfg: Config, layout: Layout, compute: str) -> bool:
 
 
 def search(cfg: Config, cluster: Cluster, gpus: int, attention: str | None = None, prune: bool = True,
-           fp8: str = "none") -> dict:
+           fp8: str = "none", allow: tuple = ()) -> dict:
     """All evaluated layouts: {'fits': [...] best first, 'too_big': [...] nearest first, 'refused': {why: count},
     'pruned': count}; attention: "fused", "unfused" or None, the cluster's default (plan/cost.py,
     cluster_attention). prune: skip the layouts whose step_lower_bound is already slower than the best layout that
     fits so far (they cannot win; benchmarks/bench_plan.py --search times the search with and without)."""
     fits, too_big, refused = [], [], {}
     best_step, pruned = float("inf"), 0
-    groups = [variant for group in candidate_layouts(cfg, gpus, cluster)
+    groups = [variant for group in candidate_layouts(cfg, gpus, cluster, allow)
               for variant in precision_variants(cfg, group, fp8, cluster.compute)]
     if prune:  # the most promising first, so that the best step found early rules out the most
         bounds = [step_lower_bound(cfg, group[0], cluster, attention) for group in groups]
@@ -197,7 +203,8 @@ def _why_slower(rival: dict, best: dict, cluster: Cluster) -> str:
              "ep_all_to_all": "all-to-all of routed tokens", "pp_send": "more pipeline sends",
              "zero_exposed": "ZeRO parameter gathers", "dp_reduce": "gradient reduction is exposed",
              "bubble": "a larger pipeline bubble", "optimizer": "a slower optimizer step",
-             "rank_skew": "more synchronizations, each waiting on the slower rank"}
+             "rank_skew": "more synchronizations, each waiting on the slower rank",
+             "quantize": "quantizing ZeRO's messages"}
     if grown == "matmul":
         recompute = rival["layout"]["recompute"]
         more = recompute != best["layout"]["recompute"] and recompute != "none"
@@ -286,7 +293,7 @@ def emit_config(cfg: Config, result: dict, cluster: Cluster, path: str | Path) -
 
 
 def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, global_batch: int | None,
-         attention: str | None = None, fp8: str = "none") -> tuple:
+         attention: str | None = None, fp8: str = "none", allow: tuple = ()) -> tuple:
     """Load MODEL (preset or config file) and CLUSTER, apply the overrides and search (attention: search's).
     Returns (cfg, name, cluster, found, gpus)."""
     cfg, name = model_config(model)
@@ -300,7 +307,7 @@ def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, globa
         cfg.train.global_batch = global_batch
     validate(cfg)
     fp8_speedup(cluster, "tensor" if fp8 == "any" else fp8)  # --fp8 on a cluster without FP8: one line, named
-    return cfg, name, cluster, search(cfg, cluster, gpus, attention, fp8=fp8), gpus
+    return cfg, name, cluster, search(cfg, cluster, gpus, attention, fp8=fp8, allow=allow), gpus
 
 
 def evaluate_layout(model: str, cluster_name: str, text: str, sets: tuple, gpus: int | None, seq: int | None,
