@@ -1,6 +1,7 @@
 """The GPU cost model against the published record (configs/clusters/record/published.toml, plan/record.py): the
-calibration runs it was fitted to stay fitted, each held-out run's published layout is predicted within 15% on
-average, and for Llama 3 405B on 8,192 H100 the planner's top layout is the published one or one it explains as
+calibration runs it was fitted to stay fitted (A100 and H100 apart), each held-out run's published layout is
+predicted within 15% on average, the pipeline's busiest-rank loads (plan/pipeline_cost.py) are the stage models'
+weights, and for Llama 3 405B on 8,192 H100 the planner's top layout is the published one or one it explains as
 faster, naming the part of the step that shrinks (and is no longer ZeRO-3 over 1,024 data-parallel ranks)."""
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ what the planner predicts for them, and the fit of the GPU clusters' constants t
 
 A run's prediction is the estimate of its published layout (plan/cost.py); the fields its source leaves out (the
 micro-batch, the interleaving depth, the recomputation where unstated) are the planner's fastest that fits. The
-published figure is either Megatron's achieved TFLOP/s per GPU (its Eq. 3 count, which includes the recomputed
-forward: 96 B s l h^2 (1 + s/6h + V/16lh) per step) or a model FLOPs utilisation (the planner's MFU).
+published figure is either achieved TFLOP/s per GPU in its source's count (PUBLISHED_COUNT: Narayanan's Eq. 3,
+which includes the recomputed forward, 96 B s l h^2 (1 + s/6h + V/16lh) per step; Megatron-Core's, which does not)
+or a model FLOPs utilisation (the planner's MFU).
 
     python -m mpitrain.plan.record           the table: each run's predicted and published figure, and the errors
     python -m mpitrain.plan.record --fit [a100|h100]   the grid search over the fitted constants on that cluster's
