@@ -68,7 +68,8 @@ def block_linears(m_cfg, moe_block: bool) -> list[tuple[str, int, int, int]]:
 
 def block_kinds(m_cfg, layers: int) -> dict[bool, int]:
     """How many of the first `layers` blocks are dense (False) and MoE (True)."""
-    moe = sum(MoeSettings.of(m_cfg).is_moe_block(index) for index in range(layers))
+    settings = MoeSettings.of(m_cfg)  # parsed once: the search asks for every layout
+    moe = sum(settings.is_moe_block(index) for index in range(layers)) if settings.experts else 0
     return {False: layers - moe, True: moe}
 
 
