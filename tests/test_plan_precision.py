@@ -141,3 +141,22 @@ def test_fp8_is_refused_on_a_cluster_without_fp8_and_searched_only_when_asked():
     assert precision_variants(cfg, group, "any", "bfloat16")[0][0].fp8 == "mxfp8"
     single = [dataclasses.replace(layout, tp=1, dp=8, etp=1) for layout in group]
     assert precision_variants(cfg, single, "tensor", "bfloat16")[0][0].tp_overlap is False
+
+
+def test_the_search_lower_bound_stays_below_the_estimate_with_overlap_and_fp8():
+    """The search prunes by step_lower_bound, which takes the FP8 GEMMs' saving without recomputation: it must stay
+    below the estimate of every layout the search now tries."""
+    from mpitrain.plan.search import candidate_layouts
+    cfg, _ = model_config("llama3-8b")
+    checked = 0
+    for group in list(candidate_layouts(cfg, 16, H100))[::41]:
+        for variant in precision_variants(cfg, group, "any", "bfloat16") + \
+                precision_variants(cfg, group, "tensor", "bfloat16"):
+            for layout in variant:
+                try:
+                    step = estimate(cfg, layout, H100)["step_s"]
+                except ConfigError:
+                    continue
+                assert step_lower_bound(cfg, layout, H100) <= step * (1 + 1e-9), layout
+                checked += layout.fp8 != "none"
+    assert checked > 8
