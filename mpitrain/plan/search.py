@@ -243,7 +243,9 @@ def attention_line(cluster: Cluster, attention: str | None = None) -> str:
 def report(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int,
            attention: str | None = None) -> str:
     """The findings, then which attention they assume (last: the table's rows stay where scripts read them)."""
-    return _findings(found, cluster, model_name, cfg, gpus, top) + "\n" + attention_line(cluster, attention)
+    fp8 = any(r["layout"]["fp8"] != "none" for r in found["fits"][:top])
+    return _findings(found, cluster, model_name, cfg, gpus, top) + "\n" + attention_line(cluster, attention) + \
+        ("\nMFU counts the bf16 peak; FP8 GEMMs assumed at the cluster's FP8 peak (docs/planning.md)" if fp8 else "")
 
 
 def _findings(found: dict, cluster: Cluster, model_name: str, cfg: Config, gpus: int, top: int) -> str:
@@ -306,7 +308,7 @@ def plan(model: str, cluster_name: str, gpus: int | None, seq: int | None, globa
     if global_batch:
         cfg.train.global_batch = global_batch
     validate(cfg)
-    fp8_speedup(cluster, "tensor" if fp8 == "any" else fp8)  # --fp8 on a cluster without FP8: one line, named
+    fp8_speedup(cluster, fp8)  # --fp8 on a cluster without FP8: one line naming it
     return cfg, name, cluster, search(cfg, cluster, gpus, attention, fp8=fp8, allow=allow), gpus
 
 
