@@ -107,15 +107,15 @@ def level_transfers(op: str, mode: str, elements: float, k: int, n: int, bytes_a
     "node"."""
     if mode == "flat":
         return [("inter" if n > 1 else "intra", *_ring(op, elements, k * n, bytes_at))]
-    inside, piece = ("intra", k), elements / k
+    piece = elements / k  # what each rank holds after the inside level: the across level's buffer
     if mode == "node" and op == "all_gather":
         return [("intra", *_ring(op, elements, k, bytes_at))]
     if op == "all_reduce" and mode == "two_level":
-        return [(inside[0], *_ring("reduce_scatter", elements, k, bytes_at)),
+        return [("intra", *_ring("reduce_scatter", elements, k, bytes_at)),
                 ("inter", *_ring("all_reduce", piece, n, bytes_at)),
-                (inside[0], *_ring("all_gather", elements, k, bytes_at))]
+                ("intra", *_ring("all_gather", elements, k, bytes_at))]
     across_op = "all_reduce" if mode == "node" else op  # node: the shard summed over its copies
-    return [(inside[0], *_ring(op, elements, k, bytes_at)), ("inter", *_ring(across_op, piece, n, bytes_at))]
+    return [("intra", *_ring(op, elements, k, bytes_at)), ("inter", *_ring(across_op, piece, n, bytes_at))]
 
 
 def _codec(parallel, op: str) -> str:

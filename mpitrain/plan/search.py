@@ -171,7 +171,7 @@ def alternatives(found: dict, cluster: Cluster) -> list[str]:
         return []
     best = found["fits"][0]
     lines = []
-    for key in ("tp", "pp", "cp", "ep", "zero", "recompute", "micro_batch"):
+    for key in ("tp", "pp", "cp", "ep", "zero", "recompute", "micro_batch", "dp_reduce", "zero_shard"):
         values = {r["layout"][key] for r in found["fits"] + found["too_big"]} - {best["layout"][key]}
         for value in sorted(values, key=str):
             same = [r for r in found["fits"] if r["layout"][key] == value]
