@@ -8,12 +8,15 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from mpitrain.comm.mesh import Degrees, split_by_node_members
 from mpitrain.comm.nodes import NodeLayout
 from mpitrain.config import Config
 from mpitrain.errors import ConfigError, LayoutError
+from mpitrain.layers import hybrid_attention
+from mpitrain.layers.cp_cores import RingCore
 from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.plan.clusters import Link, load_cluster
 from mpitrain.plan.cost import Layout, estimate
@@ -167,3 +170,14 @@ def test_the_search_tries_hybrid_cp_where_cp_crosses_nodes():
              for layout in group}
     assert (2, 8, "hybrid") in kinds and (4, 4, "hybrid") in kinds
     assert not any(kind == "hybrid" and tp * cp <= 8 for tp, cp, kind in kinds)  # inside a node: Ulysses
+
+
+def test_hybrid_activations_are_the_rings_where_the_kv_heads_divide_over_a_node():
+    """The planner's rank model counts hybrid cp as the ring (its groups are unknown there); the search tries hybrid
+    only where a node's a cp ranks divide a tp rank's K/V heads, where the two save the same bytes."""
+    def nbytes(arrays):
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in arrays)
+    for heads, kv_heads, inside in ((32, 8, 2), (32, 8, 8), (16, 4, 4), (64, 8, 4), (32, 2, 8)):
+        ring = nbytes(RingCore(None).saved_arrays(2, heads, kv_heads, 512, 128, np.float16))
+        hybrid = nbytes(hybrid_attention.saved_arrays(2, heads, kv_heads, 512, 128, inside, np.float16))
+        assert hybrid == ring if kv_heads % inside == 0 else hybrid > ring  # replicated K/V heads: more
