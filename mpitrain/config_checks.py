@@ -136,7 +136,7 @@ def validate(cfg) -> None:
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
     _validate_fp8(cfg)
-    _validate_quantized_zero(cfg)
+    validate_quantized_zero(cfg)
     require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
             f"config key fault.straggler_factor = {cfg.fault.straggler_factor} must be > 1 (slower than the median "
@@ -227,7 +227,7 @@ def _validate_schedules(cfg) -> None:
             f"start = {start} plus a whole number of increments of {increment}")
 
 
-def _validate_quantized_zero(cfg) -> None:
+def validate_quantized_zero(cfg) -> None:
     """ZeRO++'s quantized collectives (state/zero_quantized.py): which ZeRO stage and dtype they need."""
     p = cfg.parallel
     require(p.zero_quant_block >= 2 and p.zero_quant_block % 2 == 0,

@@ -21,6 +21,7 @@ from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.plan.clusters import Link, load_cluster
 from mpitrain.plan.cost import Layout, estimate
 from mpitrain.plan.cost_sharding import QUANTIZED_COMM, ranks_per_node, sharding_rings
+from mpitrain.plan.layout import layout_for, parse_layout
 from mpitrain.plan.presets import model_config
 from mpitrain.plan.search import candidate_layouts
 from mpitrain.state.hierarchical import cross_node_bytes
@@ -181,3 +182,12 @@ def test_hybrid_activations_are_the_rings_where_the_kv_heads_divide_over_a_node(
         ring = nbytes(RingCore(None).saved_arrays(2, heads, kv_heads, 512, 128, np.float16))
         hybrid = nbytes(hybrid_attention.saved_arrays(2, heads, kv_heads, 512, 128, inside, np.float16))
         assert hybrid == ring if kv_heads % inside == 0 else hybrid > ring  # replicated K/V heads: more
+
+
+@pytest.mark.parametrize("text, key", [("dp16 zero1 gather-int8", "parallel.zero_gather_dtype"),
+                                       ("dp16 zero0 grad-int8", "parallel.zero_grad_reduce"),
+                                       ("dp16 zero0 shard-node", "parallel.zero_shard")])
+def test_a_layout_mpitrain_refuses_is_refused_by_the_estimate_naming_the_key(text, key):
+    cfg, _ = model_config("llama3-8b")
+    with pytest.raises(ConfigError, match=key):
+        estimate(cfg, layout_for(parse_layout(text), 16)[0], load_cluster("h100"))

@@ -55,7 +55,7 @@ from mpitrain.config import (
     validate_pipeline,
     validate_tensor_parallel,
 )
-from mpitrain.config_checks import validate_fp8_layout
+from mpitrain.config_checks import validate_fp8_layout, validate_quantized_zero
 from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
 from mpitrain.layout_checks import validate_hierarchical_dp
@@ -144,7 +144,8 @@ def layout_config(base: Config, layout: Layout, compute: str) -> Config:
     cfg.memory.recompute, cfg.memory.recompute_layers, cfg.memory.offload = layout.recompute, 0, layout.offload
     cfg.precision.compute = compute
     for check in (validate_tensor_parallel, validate_pipeline, validate_context_parallel,
-                  validate_moe, validate_fp8_layout, validate_hierarchical_dp):  # what a layout changes
+                  validate_moe, validate_fp8_layout, validate_hierarchical_dp,
+                  validate_quantized_zero):  # what a layout changes
         check(cfg)
     resolve_layout(cfg, layout.dp * layout.tp * layout.pp * layout.cp)
     return cfg
