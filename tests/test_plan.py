@@ -155,8 +155,9 @@ def test_70b_on_64_h100_is_deterministic_and_keeps_tp_inside_a_node(monkeypatch)
     monkeypatch.setattr(memory, "_build_rank_model", lambda cfg, pp_rank: builds.append(pp_rank) or build(cfg, pp_rank))
     _cfg, _name, cluster, found, _gpus = plan("llama3-70b", "h100", 64, None, None)
     # interleaving 2, 4 and 8 deep and zbv doubled the space, dualpipev adds a V beside zbv's; layouts the step's
-    # lower bound rules out are skipped
-    assert len(found["fits"]) + len(found["too_big"]) <= 4500 and len(builds) <= 640, (len(found["fits"]), len(builds))
+    # lower bound rules out are skipped (at H100's fitted 0.65 of the peak the bound prunes less: 6,765 evaluated
+    # against 4,051 at 0.70, in the same 7 s of CPU, the rank models built being the costly part)
+    assert len(found["fits"]) + len(found["too_big"]) <= 7500 and len(builds) <= 640, (len(found["fits"]), len(builds))
     best = found["fits"][0]
     assert best["layout"]["tp"] <= cluster.gpus_per_node and not best["crosses"]["tp"]
     assert 0.2 < best["mfu"] < 0.7  # the range published 70B runs on H100 report (MFU 38-55%)
