@@ -222,11 +222,13 @@ def _seconds(value: float) -> str:
 
 
 def format_table(found: dict, cluster: Cluster, top: int) -> str:
-    header = (f"{'#':>2}  {'layout':<44} {'mem/rank GB':>11} {'headroom':>9} {'step s':>8} {'tokens/s':>10} "
+    rows = found["fits"][:top]
+    width = max([44] + [len(r["name"]) for r in rows])  # the names grow with the settings beyond the mesh
+    header = (f"{'#':>2}  {'layout':<{width}} {'mem/rank GB':>11} {'headroom':>9} {'step s':>8} {'tokens/s':>10} "
               f"{'MFU':>6}  bottleneck")
     lines = [header]
-    for i, r in enumerate(found["fits"][:top], 1):
-        lines.append(f"{i:>2}  {r['name']:<44} {r['memory']['total'] / GB:>11.1f} "
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>2}  {r['name']:<{width}} {r['memory']['total'] / GB:>11.1f} "
                      f"{r['memory']['headroom'] / GB:>8.1f}G {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} "
                      f"{100 * r['mfu']:>5.1f}%  {r['bottleneck']}")
     return "\n".join(lines)
