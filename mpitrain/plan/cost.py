@@ -14,15 +14,12 @@ Time of one step on the slowest rank (the first pipeline stage):
               all-gather + optimizer (passes over its state at optimizer_bandwidth; over PCIe when offloaded)
               + rank skew + step_overhead_s
 
-Collectives are rings, as groups count them: all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) latency steps,
-all-gather and reduce-scatter (n-1)/n in n-1. A group runs on the intra-node link when all its ranks share a node
-(mesh order pp, dp, cp, tp with tp fastest: a group of size n and stride s spans n*s consecutive ranks), else on
-the inter-node link. Gradient reduction overlaps the backward of the micro-batch that produces it (as far as the
-cluster's comm_overlap lets it: 0 where collectives need the computing cores); tp collectives sit on the critical
-path. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0), with r the rows (tokens of a
-micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the cluster file
-measured its own (`plan calibrate`). bubble is the schedule's textbook fraction (parallel/schedule_costs.py); the
-fill and drain run faster by the cluster's contention where ranks share a host's memory (1 on GPUs).
+The communication terms (rings, the links groups run on, cp's ring and all-to-alls, gradient reduction) are
+plan/cost_comm.py's. GEMM efficiency falls for thin shapes: efficiency * r/(r + r0) * c/(c + c0), with r the rows
+(tokens of a micro-batch) and c the columns (d_model / tp) of a rank's GEMMs; r0 = 256 and c0 = 128 unless the
+cluster file measured its own (`plan calibrate`). bubble is the schedule's textbook fraction
+(parallel/schedule_costs.py); the fill and drain run faster by the cluster's contention where ranks share a host's
+memory (1 on GPUs).
 
 Rank skew: ranks that synchronize wait for the slowest. Between two synchronizing operations (a tp collective, a cp
 ring step, an ep all-to-all, a ZeRO-2/3 unit's reduce-scatter or gather, a pipeline send, the step's gradient
@@ -60,11 +57,19 @@ from mpitrain.config_moe import MoeSettings, validate_moe
 from mpitrain.errors import ConfigError
 from mpitrain.layout_checks import validate_hierarchical_dp
 from mpitrain.parallel import schedule_costs
-from mpitrain.parallel.context import cp_bytes_per_step
 from mpitrain.parallel.pipeline import stage_layer_counts
-from mpitrain.plan.clusters import Cluster, Link
+from mpitrain.plan.clusters import Cluster
+from mpitrain.plan.cost_comm import (  # noqa: F401 (ring, reduction_rings, ulysses_bytes_...: importers' names)
+    communication_seconds,
+    gradient_sync_seconds,
+    group_link,
+    pp_link_messages,
+    reduction_rings,
+    ring,
+    ulysses_bytes_per_micro_batch,
+)
 from mpitrain.plan.cost_precision import bound_saving, precision_terms
-from mpitrain.plan.cost_sharding import hybrid_cp_seconds, node_shares, quantize_seconds, sharding_rings
+from mpitrain.plan.cost_sharding import node_shares, quantize_seconds
 from mpitrain.plan.memory import (
     FUSED_DTYPES,
     default_attention,
@@ -202,28 +207,6 @@ def step_lower_bound(base: Config, layout: Layout, cluster: Cluster, attention: 
 def schedule_bubble(kind: str, pp: int, micro_batches: int, virtual_stages: int) -> float:
     """parallel/schedule_costs.py's bubble fraction of the schedule as built."""
     return float(schedule_costs.bubble(kind, pp, micro_batches, virtual_stages))
-
-
-def pp_link_messages(kind: str, pp: int, virtual_stages: int) -> float:
-    """Messages per micro-batch, both ways, on each link between neighbouring pipeline ranks: schedule_costs' count
-    for the whole pipeline over its links, p - 1 in a line (1f1b: 2; a V: 4, both chunks each way), p where
-    interleaving wraps the last rank back to the first."""
-    links = pp if kind == "interleaved" and virtual_stages > 1 else pp - 1
-    return schedule_costs.messages_per_micro_batch(kind, pp, virtual_stages) / links
-
-
-def group_link(cluster: Cluster, size: int, stride: int) -> tuple[Link, bool]:
-    """The link a group of `size` ranks `stride` apart runs on, and whether it crosses nodes."""
-    crosses = size > 1 and size * stride > cluster.gpus_per_node
-    return (cluster.inter if crosses else cluster.intra), crosses
-
-
-def ring(link: Link, op: str, nbytes: float, n: int, times: float = 1.0) -> float:
-    """Seconds of `times` ring collectives of an `nbytes` buffer over n ranks."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    factor, steps = (2 * (n - 1) / n, 2 * (n - 1)) if op == "all_reduce" else ((n - 1) / n, n - 1)
-    return times * link.seconds(factor * nbytes, steps)
 
 
 @dataclass(frozen=True)
@@ -373,84 +356,6 @@ def elementwise_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
             routed_rows) * work.tokens / (p.dp * p.cp) / cluster.hbm_bandwidth
 
 
-def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tuple[dict, dict]:
-    """Seconds per micro-batch of the collectives on the critical path ({"tp", "cp_ring", "ep_all_to_all",
-    "pp_send"}), and which groups cross nodes ({"tp", "cp", "ep", "dp", "pp"})."""
-    m_cfg, p, t, e, layers = cfg.model, cfg.parallel, cfg.train, work.element_bytes, work.layers
-    activation = t.micro_batch * (m_cfg.seq_len // p.cp) * m_cfg.d_model * e  # one micro-batch's (b, T/c, d)
-    tp_link, tp_crosses = group_link(cluster, p.tp, 1)
-    tp_micro = ring(tp_link, "all_gather", activation, p.tp, work.tp_per_layer * layers)
-
-    cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
-    cp_micro = 0.0
-    if p.cp > 1 and p.cp_kind == "ulysses":  # not hidden: the attention waits for its heads
-        steps = (2 if cfg.memory.recompute == "full" else 1) * 2 * layers * (p.cp - 1)
-        cp_micro = cp_link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
-    elif p.cp > 1:
-        kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
-        kv_full = 2 * t.micro_batch * m_cfg.seq_len * kv_width * e
-        ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
-        attention_s = layers * 12 * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
-                                                                                       cluster.matmul_efficiency)
-        cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
-        if p.cp_kind == "hybrid":  # Ulysses inside the node, the ring across (plan/cost_sharding.py)
-            cp_micro = hybrid_cp_seconds(cfg, cluster, e, layers, attention_s)
-
-    ep_link, ep_crosses = group_link(cluster, p.ep, p.etp or p.tp)  # ep: consecutive holders of other tokens
-    ep_micro = 0.0
-    if work.moe.experts and p.ep > 1:
-        routed = work.rows * work.moe.top_k * m_cfg.d_model * e
-        ep_micro = 4 * work.moe_layers * ep_link.seconds((p.ep - 1) / p.ep * routed, p.ep - 1)
-
-    pp_link, pp_crosses = group_link(cluster, p.pp, p.tp * p.cp * p.dp)
-    message = activation / (p.tp if p.sequence_parallel else 1)
-    pp_messages = pp_link_messages(p.schedule, p.pp, p.virtual_stages) if p.pp > 1 else 0
-    pp_micro = pp_messages * pp_link.seconds(message, 1)
-
-    dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
-    crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
-    return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
-
-
-def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) -> float:
-    """Bytes one rank sends on the cp group's all-to-alls per micro-batch under parallel.cp_kind = 'ulysses':
-    parallel/context.py's cp_bytes_per_step over this rank's `layers` attention blocks (Q/K/V and O in forward, dO
-    and dQ/dK/dV in backward, each (c-1)/c of this rank's tensors; full recomputation repeats the forward's)."""
-    m, p = cfg.model, cfg.parallel
-    kv_heads = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
-    sent = cp_bytes_per_step("ulysses", cfg.train.micro_batch, m.seq_len, m.n_head // p.tp, kv_heads, m.head_dim,
-                             element_bytes, p.cp, blocks=layers, recompute=cfg.memory.recompute)
-    return sent["all_to_all"]
-
-
-def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float,
-                          transient: float) -> tuple[float, float, float]:
-    """(ZeRO's exposed gathers and reduce-scatters per micro-batch, the step's exposed gradient reduction, ZeRO-1/2's
-    parameter all-gather), in seconds."""
-    p, e = cfg.parallel, work.element_bytes
-    reduced = sharding_rings(cfg, cluster, reduction_shares(cfg)) or reduction_rings(cfg, cluster)  # cost_sharding.py
-    grad_bytes = 4 if cfg.precision.grad_reduce == "float32" or e > 4 else 2
-    grad_bytes = max(grad_bytes, e)
-    hidden_micro = cluster.comm_overlap * compute_micro * 2 / 3  # what a micro-batch's backward can hide
-    zero_micro = 0.0
-    if p.zero == 3:  # gathered in forward and again in backward, hidden behind the compute they precede
-        gathers = reduced("all_gather", e, 2)
-        zero_micro = max(0.0, gathers - cluster.comm_overlap * compute_micro)
-    if p.zero in (2, 3):  # reduce-scatter every micro-batch, behind that micro-batch's backward
-        reduce_micro = reduced("reduce_scatter", grad_bytes)
-        zero_micro += max(0.0, reduce_micro - hidden_micro)
-        reduce_exposed = min(reduce_micro, hidden_micro) * 0.05  # the last bucket
-    else:
-        reduce_s = reduced("all_reduce" if p.zero == 0 else "reduce_scatter", grad_bytes)
-        reduce_exposed = max(0.0, reduce_s - hidden_micro) + \
-            cluster.comm_overlap * reduce_s * min(1.0, transient / max(rank_param_count(cfg) * e, 1))  # last bucket
-    # ZeRO-1/2's updated parameters are gathered bucket by bucket ahead of the next step's first forward (Megatron's
-    # --overlap-param-gather), hidden behind that micro-batch's forward as far as comm_overlap lets
-    gather_params = max(0.0, reduced("all_gather", e) - cluster.comm_overlap * compute_micro / 3) \
-        if p.zero in (1, 2) else 0.0
-    return zero_micro, reduce_exposed, gather_params
-
-
 def optimizer_seconds(cfg: Config, cluster: Cluster) -> float:
     """Adam's passes over this rank's shard of the state (over PCIe, both ways, when offloaded)."""
     p = cfg.parallel
@@ -472,20 +377,6 @@ def rank_skew_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_mic
         (pp_link_messages(p.schedule, p.pp, p.virtual_stages) if p.pp > 1 else 0)
     compute = work.micro_batches * compute_micro
     return cluster.skew_at(compute / (work.micro_batches * syncs_micro + 1)) * compute
-
-
-def reduction_rings(cfg: Config, cluster: Cluster):
-    """rings(op, bytes_per_param, times=1): seconds of ring collectives over this rank's gradients or parameters,
-    each share over its own group (plan/memory.py reduction_shares): the dense ones over dp x cp, experts under
-    ep > 1 over expert_dp (the expert mesh's outer axis: ranks etp * ep apart)."""
-    p = cfg.parallel
-    strides = (p.tp, (p.etp or p.tp) * p.ep)  # the dense share first, then the experts'
-    shares = [(count, ranks, group_link(cluster, ranks, stride)[0])
-              for (count, ranks), stride in zip(reduction_shares(cfg), strides)]
-
-    def rings(op: str, bytes_per_param: float, times: float = 1.0) -> float:
-        return sum(ring(link, op, count * bytes_per_param, ranks, times) for count, ranks, link in shares)
-    return rings
 
 
 def stage_memory(cfg: Config, attention: str = "unfused", gpus_per_node: int = 0) -> dict:
