@@ -135,7 +135,7 @@ def validate(cfg) -> None:
             "the norm over the replicas, so a rank's own fault could not be told from the data's")
     require(cfg.optim.min_lr <= cfg.optim.lr or cfg.optim.lr == 0, "optim.min_lr must be <= optim.lr")
     _validate_schedules(cfg)
-    _validate_fp8(cfg)
+    validate_fp8_layout(cfg)
     validate_quantized_zero(cfg)
     require(cfg.logging.wandb_project.strip() != "", "config key logging.wandb_project is empty; name a W&B project")
     require(cfg.fault.straggler_factor == 0 or cfg.fault.straggler_factor > 1,
@@ -148,27 +148,20 @@ def validate(cfg) -> None:
         require(not cfg.data.synthetic, "config keys data.mix and data.synthetic = true exclude each other")
 
 
-def _validate_fp8(cfg) -> None:
-    """precision.fp8: an exact emulation on the CPU (mpitrain/layers/fp8.py); on train.device = "cuda" its GEMMs go
-    through cuBLASLt where it takes the recipe (mpitrain/layers/fp8_lt.py; untested on a device, the banner says
-    so). LoRA's adapters run in the compute dtype on the unquantized input. Any compute dtype is allowed: the fp8
-    values are multiplied in fp32 (float64 under float64) and only the GEMM outputs are stored in the compute dtype;
-    with float16 the loss scale is absorbed by the output gradients' own fp8 scale, so it changes no fp8 code."""
+def validate_fp8_layout(cfg) -> None:
+    """precision.fp8: what the layout must allow (block scales whole on every tp shard, the rows each GEMM shares);
+    the planner asks the same of a layout it costs. On the CPU an exact emulation (mpitrain/layers/fp8.py); on
+    train.device = "cuda" its GEMMs go through cuBLASLt where it takes the recipe (mpitrain/layers/fp8_lt.py;
+    untested on a device, the banner says so). LoRA's adapters run in the compute dtype on the unquantized input.
+    Any compute dtype is allowed: the fp8 values are multiplied in fp32 (float64 under float64) and only the GEMM
+    outputs are stored in the compute dtype; with float16 the loss scale is absorbed by the output gradients' own
+    fp8 scale, so it changes no fp8 code."""
     fp8 = cfg.precision.fp8
     if fp8 == "none":
         return
     if fp8 in ("block", "mxfp8"):
         _validate_fp8_blocks(cfg, 128 if fp8 == "block" else 32)
     _validate_fp8_rows(cfg)
-
-
-def validate_fp8_layout(cfg) -> None:
-    """precision.fp8's checks of the layout alone (block scales whole on every tp shard, the rows each GEMM
-    shares), without the device check: what the planner asks of a layout it costs for a GPU."""
-    if cfg.precision.fp8 in ("block", "mxfp8"):
-        _validate_fp8_blocks(cfg, 128 if cfg.precision.fp8 == "block" else 32)
-    if cfg.precision.fp8 != "none":
-        _validate_fp8_rows(cfg)
 
 
 def _validate_fp8_rows(cfg) -> None:

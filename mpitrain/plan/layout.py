@@ -12,12 +12,13 @@ from __future__ import annotations
 import re
 from dataclasses import fields, replace
 
+from mpitrain.config_checks import ALLOWED
 from mpitrain.errors import ConfigError
 from mpitrain.parallel.schedule import V_KINDS
 from mpitrain.plan.cost import Layout
 
 GB = 1e9
-SCHEDULES = ("1f1b", "gpipe", "zb1p", "zbv", "dualpipev", "interleaved")
+SCHEDULES = ALLOWED["parallel.schedule"]
 NUMBERED = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp", "zero": "zero",
             "mb": "micro_batch", "v": "virtual_stages"}
 SET_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
@@ -27,10 +28,9 @@ SET_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "para
             "parallel.zero_gather_dtype": "zero_gather_dtype", "parallel.zero_grad_reduce": "zero_grad_reduce",
             "parallel.tp_overlap": "tp_overlap", "precision.fp8": "fp8",
             "train.micro_batch": "micro_batch", "memory.recompute": "recompute", "memory.offload": "offload"}
-CHOICES = {"recompute": ("none", "selective", "full"), "offload": ("none", "host", "disk"),
-           "schedule": SCHEDULES, "cp_kind": ("ring", "ulysses", "hybrid"), "dp_reduce": ("flat", "two_level"),
-           "zero_shard": ("world", "node"), "zero_gather_dtype": ("same", "int8", "fp8"),
-           "zero_grad_reduce": ("exact", "int8", "int4"), "fp8": ("none", "tensor", "delayed", "block", "mxfp8")}
+# the values each named field takes: the config's own lists, so that --layout accepts what a config does
+CHOICES = {field: ALLOWED[key] for key, field in SET_KEYS.items()
+           if key in ALLOWED and all(isinstance(value, str) for value in ALLOWED[key])}
 # the settings' tokens (Layout.extras) and the fields they set
 FLAG_TOKENS = {"two-level": {"dp_reduce": "two_level"}, "shard-node": {"zero_shard": "node"},
                "tp-overlap": {"tp_overlap": True}}
