@@ -110,3 +110,11 @@ def test_stage_loads_are_the_matmul_weights_each_pipeline_rank_holds(n_layer, pp
         tables = embedding * ((rank == 0) + (rank == head_rank != 0))
         weights = rank_param_count(cfg, rank) - tables + m.vocab_size * m.d_model * (rank == head_rank)
         assert weights == pytest.approx(load * block, abs=2 * m.d_model + 1), (rank, loads)
+
+
+def test_fit_on_a_cluster_without_calibration_runs_is_one_line(capsys):
+    from mpitrain.plan.record import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--fit", "b200"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--fit b200" in err and "a100, h100" in err and "Traceback" not in err

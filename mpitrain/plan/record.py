@@ -167,11 +167,16 @@ def main(argv=None) -> None:
     parser.add_argument("--fit", metavar="CLUSTER", nargs="?", const="a100",
                         help="grid-search the fitted constants on CLUSTER's calibration runs (a100 or h100)")
     args = parser.parse_args(argv)
-    record = load_record()
+    try:
+        record = load_record()
+    except ConfigError as exc:  # an unreadable record file: its one line, exit status 1
+        parser.exit(1, f"{exc}\n")
     if args.fit:
         runs = [run for run in record["calibration"] if run["cluster"] == args.fit]
-        if not runs:
-            raise ConfigError(f"--fit {args.fit}: {RECORD} has no calibration run on that cluster")
+        if not runs:  # a user's mistake: argparse's one line and exit status 2, no traceback
+            fitted = sorted({run["cluster"] for run in record["calibration"]})
+            parser.error(f"--fit {args.fit}: {RECORD} has no calibration run on that cluster (it has: "
+                         f"{', '.join(fitted)})")
         values, error = fit(runs, load_cluster(args.fit))
         print(f"fitted on {len(runs)} {args.fit} runs: {values}, mean |error| {100 * error:.1f}%")
         return
