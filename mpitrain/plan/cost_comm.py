@@ -63,7 +63,7 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
     cp_micro = 0.0
     if p.cp > 1 and p.cp_kind == "ulysses":  # not hidden: the attention waits for its heads
-        steps = (2 if cfg.memory.recompute == "full" else 1) * 2 * layers * (p.cp - 1)
+        steps = layers * ulysses_all_to_alls(cfg.memory.recompute) * (p.cp - 1)
         cp_micro = cp_link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
     elif p.cp > 1:
         kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
@@ -89,6 +89,12 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
     return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
+
+
+def ulysses_all_to_alls(recompute: str) -> int:
+    """All-to-alls one attention block runs per micro-batch under Ulysses (module docstring): Q/K/V and the output
+    in forward, dO and dQ/dK/dV in backward, and the forward's two again under memory.recompute = full."""
+    return 2 * (2 if recompute == "full" else 1) + 2
 
 
 def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) -> float:
