@@ -270,6 +270,31 @@ def test_training_through_the_fake_cublaslt_trains_as_the_emulation(recipe):
     assert len(fake.calls) == 2 * 2 * per_micro_batch  # steps x micro-batches
 
 
+@pytest.mark.parametrize("recipe", ["tensor", "block"])
+def test_moe_experts_through_the_fake_cublaslt_train_as_the_emulation(recipe):
+    """The routed experts' GEMMs go through Fp8Lt too where an expert's rows allow: 2 experts, top 2, so each takes
+    every token (32 rows a micro-batch, a multiple of 16); one step beside the emulation's, as above."""
+    from mpi4py import MPI
+
+    from mpitrain.config import load_config
+    from mpitrain.train import Trainer
+
+    def step(fake):
+        settings = [*TRAIN, f"precision.fp8={recipe}", "model.moe={experts = 2, top_k = 2}"]
+        trainer = Trainer(load_config("configs/tiny.toml", settings), MPI.COMM_SELF)
+        for g in trainer.fp8_gemms:
+            g.lt = None if fake is None else fp8_gemm.Fp8Lt(fake)
+        return trainer.train_step(0)
+
+    fake = FakeCublasLt()
+    emulated, through_lt = step(None), step(fake)
+    assert through_lt.loss == pytest.approx(emulated.loss, rel=1e-6)
+    assert through_lt.grad_norm == pytest.approx(emulated.grad_norm, rel=1e-4)
+    ff = 4 * 256  # the experts' width: only their GEMMs have it
+    expert_calls = [c for c in fake.calls if ff in (c["m"], c["n"], c["k"])]
+    assert len(expert_calls) == 2 * 2 * 2 * (3 if recipe == "tensor" else 2)  # micro-batches x experts x (fc, proj)
+
+
 def close_to(got, expected, limit: float = 2e-3) -> None:
     """Within `limit` of the largest expected value: Hopper's FP8 tensor cores accumulate in steps of limited
     precision before cuBLASLt adds them in fp32, so not float32's rounding."""

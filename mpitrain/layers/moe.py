@@ -250,7 +250,8 @@ class MoE:
         return y
 
     def _fp8_keys(self, weight: str, e: int) -> tuple[str, str]:
-        """The Fp8Gemms keys of expert e's GEMM input and weight (gate and up share their input and its scale)."""
+        """The Fp8Gemms keys of expert e's GEMM input and weight (gate and up share their input and its scale),
+        named by the global expert: layout-independent checkpoints."""
         shared = self.ups[0] if weight in self.ups else weight
         return f"{shared}.{self.ep.first + e}.x", f"{weight}.{self.ep.first + e}"
 
@@ -259,24 +260,21 @@ class MoE:
         columns, down by input rows)."""
         if self.fp8 is None:
             return x, w
-        shared = self.ups[0] if weight in self.ups else weight  # gate and up share their input and its scale
-        expert = self.ep.first + e
-        return (self.fp8.inputs([f"{shared}.{expert}.x"], [x])[0],
-                self.fp8.weights([f"{weight}.{expert}"], [w], -1 if weight in self.ups else -2)[0])
+        x_key, w_key = self._fp8_keys(weight, e)
+        return self.fp8.inputs([x_key], [x])[0], self.fp8.weights([w_key], [w], -1 if weight in self.ups else -2)[0]
 
     def _expert_linear_backward(self, params, grads, weights: list[str], e: int, x, d_ys):
         """The input gradient of expert e's linears `weights` (one input x, outputs' gradients d_ys); their weight
         gradients (none when frozen) and their adapters' gradients added."""
         gemm_input, gemm_weights = x, [params[w][e] for w in weights]
         gemm_grads = list(d_ys)
-        if self.fp8 is not None:
-            expert = self.ep.first + e  # operands named by the global expert: layout-independent checkpoints
-            gemm_input = self.fp8.inputs([f"{weights[0]}.{expert}.x"], [x])[0]
-            gemm_weights = self.fp8.weights([f"{w}.{expert}" for w in weights], gemm_weights,
-                                            -1 if weights[0] in self.ups else -2)
-            gemm_grads = self.fp8.output_grads([f"{w}.{expert}.dy" for w in weights], gemm_grads)
         keys = [self._fp8_keys(w, e) for w in weights]  # (input, weight) per linear
         grad_keys = [f"{key}.dy" for _, key in keys]
+        if self.fp8 is not None:
+            gemm_input = self.fp8.inputs([keys[0][0]], [x])[0]
+            gemm_weights = self.fp8.weights([key for _, key in keys], gemm_weights,
+                                            -1 if weights[0] in self.ups else -2)
+            gemm_grads = self.fp8.output_grads(grad_keys, gemm_grads)
         dx = fp8_lt.linear_input_grad(self.fp8, [key for _, key in keys], gemm_weights, grad_keys, gemm_grads).astype(
             x.dtype, copy=False)
         for w, dy, gemm_grad, (x_key, _), dy_key in zip(weights, d_ys, gemm_grads, keys, grad_keys):
