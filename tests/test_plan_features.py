@@ -119,13 +119,16 @@ LATENCY_ONLY = Link(bandwidth=1e30, efficiency=1.0, latency=1.0)  # seconds = la
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_ulysses_all_to_alls_per_block_are_the_models(recompute):
-    """The planner's Ulysses latency steps per micro-batch: the all-to-alls a block's forward and backward run (Q/K/V
-    and the output, dO and dQ/dK/dV; full recomputation's forward again), c - 1 steps each, on every block."""
-    counted = cp_messages_per_block("ulysses", recompute, 4)
-    assert counted == {"all_to_all": 6 if recompute == "full" else 4}
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_cp_messages_per_block_are_the_models(kind, recompute):
+    """The planner's cp latency steps per micro-batch are the messages a block's forward and backward send: Ulysses'
+    all-to-alls (Q/K/V and the output, dO and dQ/dK/dV) of c - 1 steps each, the ring's K/V and dK/dV hops; full
+    recomputation sends the forward's again, selective keeps what the exchanges delivered."""
+    counted = cp_messages_per_block(kind, recompute, 4)
+    assert counted == {"ulysses": {"all_to_all": 6 if recompute == "full" else 4},
+                       "ring": {"cp_ring": (4 if recompute == "full" else 3) * (4 - 1)}}[kind]
     cfg, _ = model_config("llama3-8b")
-    cluster = replace(load_cluster("h100"), intra=LATENCY_ONLY, inter=LATENCY_ONLY)
-    result = estimate(cfg, Layout(dp=1, tp=1, pp=1, cp=4, cp_kind="ulysses", zero=1, recompute=recompute), cluster)
-    steps = result["micro_batches"] * cfg.model.n_layer * counted["all_to_all"] * (4 - 1)
-    assert result["parts"]["cp_ring"] == pytest.approx(steps, rel=1e-12)
+    cluster = replace(load_cluster("h100"), intra=LATENCY_ONLY, inter=LATENCY_ONLY, comm_overlap=0.0)
+    result = estimate(cfg, Layout(dp=1, tp=1, pp=1, cp=4, cp_kind=kind, zero=1, recompute=recompute), cluster)
+    steps = counted["all_to_all"] * (4 - 1) if kind == "ulysses" else counted["cp_ring"]
+    assert result["parts"]["cp_ring"] == pytest.approx(result["micro_batches"] * cfg.model.n_layer * steps, rel=1e-12)

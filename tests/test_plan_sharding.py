@@ -27,6 +27,7 @@ from mpitrain.plan.search import candidate_layouts
 from mpitrain.state.hierarchical import cross_node_bytes
 from mpitrain.state.hierarchical_quantized import cross_node_step_bytes
 from mpitrain.state.zero_quantized import QuantizedComm
+from tests.test_plan_features import LATENCY_ONLY, cp_messages_per_block
 
 FREE = Link(bandwidth=1e30, efficiency=1.0, latency=0.0)  # seconds ~ 0
 ONE_BYTE_PER_S = Link(bandwidth=1.0, efficiency=1.0, latency=0.0)  # seconds = bytes
@@ -128,6 +129,21 @@ def test_hybrid_cp_bytes_on_each_link_are_context_cp_bytes_per_step(recompute):
     for intra, inter, counter in ((FREE, ONE_BYTE_PER_S, "cp_ring"), (ONE_BYTE_PER_S, FREE, "all_to_all")):
         result = estimate(cfg, layout, replace(base, intra=intra, inter=inter))
         assert result["parts"]["cp_ring"] == pytest.approx(result["micro_batches"] * sent[counter], rel=1e-9)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_hybrid_cp_latency_steps_are_the_models_messages(recompute):
+    """cp 4 as 2 cp ranks on each of 2 nodes: the all-to-alls inside the node (4 per block, 6 under full
+    recomputation) and the ring's hops across, as many as a block's forward and backward send."""
+    counted = cp_messages_per_block("hybrid", recompute, 4, inside=2)
+    cfg, _ = model_config("llama3-8b")
+    layout = Layout(dp=1, tp=1, pp=1, cp=4, zero=1, recompute=recompute, cp_kind="hybrid")
+    base = replace(load_cluster("h100"), gpus_per_node=2, comm_overlap=0.0)
+    for intra, inter, steps in ((LATENCY_ONLY, FREE, counted["all_to_all"] * (2 - 1)),
+                                (FREE, LATENCY_ONLY, counted["cp_ring"])):
+        result = estimate(cfg, layout, replace(base, intra=intra, inter=inter))
+        assert result["parts"]["cp_ring"] == pytest.approx(result["micro_batches"] * cfg.model.n_layer * steps,
+                                                           rel=1e-12)
 
 
 def test_new_parts_add_up_and_node_shards_hold_more():

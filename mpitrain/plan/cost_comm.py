@@ -9,7 +9,8 @@ cluster's comm_overlap lets it: 0 where collectives need the computing cores); t
 path.
 
 Context parallelism, per block and micro-batch on the cp group: the ring passes K/V c - 1 hops in forward and K/V
-and the dK/dV accumulator c - 1 hops each in backward, hidden behind the attention they feed. Ulysses runs
+and the dK/dV accumulator c - 1 hops each in backward (`ring_messages`, layers/ring_attention.py), hidden behind the
+attention they feed (a forward run's Q K^T and P V, backward's four gradient matmuls). Ulysses runs
 `ulysses_all_to_alls` all-to-alls of c - 1 steps each, exposed (the attention waits for its heads): Q/K/V in one
 buffer and the output back in forward, dO and dQ/dK/dV in backward (layers/ulysses_attention.py), the forward's
 again under full recomputation (selective keeps the exchanged arrays, layers/recompute.py). Their bytes are
@@ -60,20 +61,8 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     tp_link, tp_crosses = group_link(cluster, p.tp, 1)
     tp_micro = ring(tp_link, "all_gather", activation, p.tp, work.tp_per_layer * layers)
 
-    cp_link, cp_crosses = group_link(cluster, p.cp, p.tp)
-    cp_micro = 0.0
-    if p.cp > 1 and p.cp_kind == "ulysses":  # not hidden: the attention waits for its heads
-        steps = layers * ulysses_all_to_alls(cfg.memory.recompute) * (p.cp - 1)
-        cp_micro = cp_link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
-    elif p.cp > 1:
-        kv_width = m_cfg.kv_heads * m_cfg.head_dim // p.tp if m_cfg.kv_heads % p.tp == 0 else m_cfg.head_dim
-        kv_full = 2 * t.micro_batch * m_cfg.seq_len * kv_width * e
-        ring_s = layers * 3 * cp_link.seconds((p.cp - 1) / p.cp * kv_full, p.cp - 1)
-        attention_s = layers * 12 * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / (cluster.peak_flops *
-                                                                                       cluster.matmul_efficiency)
-        cp_micro = max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
-        if p.cp_kind == "hybrid":  # Ulysses inside the node, the ring across (plan/cost_sharding.py)
-            cp_micro = hybrid_cp_seconds(cfg, cluster, e, layers, attention_s)
+    cp_crosses = group_link(cluster, p.cp, p.tp)[1]
+    cp_micro = cp_seconds(cfg, cluster, work)
 
     ep_link, ep_crosses = group_link(cluster, p.ep, p.etp or p.tp)  # ep: consecutive holders of other tokens
     ep_micro = 0.0
@@ -89,6 +78,37 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     dp_crosses = group_link(cluster, p.dp * p.cp, p.tp)[1]
     crosses = {"tp": tp_crosses, "cp": cp_crosses, "ep": ep_crosses and p.ep > 1, "dp": dp_crosses, "pp": pp_crosses}
     return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
+
+
+def cp_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
+    """Exposed seconds per micro-batch of context parallelism's messages (module docstring): Ulysses' all-to-alls,
+    the ring's K/V passes beyond the attention they hide behind, or hybrid's both (plan/cost_sharding.py)."""
+    m_cfg, p, e, layers, recompute = cfg.model, cfg.parallel, work.element_bytes, work.layers, cfg.memory.recompute
+    if p.cp == 1:
+        return 0.0
+    link = group_link(cluster, p.cp, p.tp)[0]
+    if p.cp_kind == "ulysses":  # not hidden: the attention waits for its heads
+        steps = layers * ulysses_all_to_alls(recompute) * (p.cp - 1)
+        return link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
+    # the attention the ring hides behind: Q K^T and P V in each forward run (4 rows T d / tp FLOPs), the four
+    # gradient matmuls of backward (8)
+    forward_runs = 2 if recompute == "full" else 1
+    attention_s = layers * (4 * forward_runs + 8) * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / \
+        (cluster.peak_flops * cluster.matmul_efficiency)
+    if p.cp_kind == "hybrid":  # Ulysses inside the node, the ring across (plan/cost_sharding.py)
+        return hybrid_cp_seconds(cfg, cluster, e, layers, attention_s)
+    kv_heads = m_cfg.kv_heads // p.tp if m_cfg.kv_heads % p.tp == 0 else 1
+    sent = cp_bytes_per_step("ring", cfg.train.micro_batch, m_cfg.seq_len, m_cfg.n_head // p.tp, kv_heads,
+                             m_cfg.head_dim, e, p.cp, blocks=layers, recompute=recompute)["cp_ring"]
+    ring_s = link.seconds(sent, layers * ring_messages(recompute, p.cp))
+    return max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
+
+
+def ring_messages(recompute: str, cp: int) -> int:
+    """Messages one rank sends per attention block and micro-batch on a ring of cp ranks (module docstring): K/V
+    c - 1 hops in forward, K/V and the dK/dV accumulator c - 1 hops each in backward, the forward's again under
+    memory.recompute = full."""
+    return ((2 if recompute == "full" else 1) + 2) * (cp - 1)
 
 
 def ulysses_all_to_alls(recompute: str) -> int:
