@@ -105,3 +105,9 @@ def test_the_search_lower_bound_never_exceeds_the_estimate():
                 assert step_lower_bound(cfg, layout, cluster) <= result["step_s"] * (1 + 1e-9), layout
                 checked += 1
         assert checked > 8
+
+
+@pytest.mark.parametrize("option", [["--fp8", "tensor"], ["--allow", "quantized-comm"]])
+def test_the_search_options_beside_a_layout_are_refused_not_ignored(option):
+    result = CliRunner().invoke(plan_command, ["llama3-8b", "h100", "--layout", "dp8 tp2", *option])
+    assert result.exit_code == 2 and "fp8-tensor" in result.output and "Traceback" not in result.output

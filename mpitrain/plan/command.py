@@ -40,6 +40,9 @@ def plan_command(model, cluster, gpus, seq, global_batch, top, attention, fp8, a
     `mpitrain plan calibrate` measures this machine into configs/clusters/this-machine.toml."""
     try:
         if layout_text is not None or layout_sets:
+            if fp8 != "none" or allow:  # the search's options: a layout names its own settings
+                raise click.UsageError("--fp8 and --allow choose what the search tries; with --layout name the "
+                                       "setting in it (fp8-tensor, grad-int8) or --set it (precision.fp8=tensor)")
             from mpitrain.plan.search import evaluate_layout  # the model stack: loaded when the command runs
             click.echo(evaluate_layout(model, cluster or "", layout_text or "", layout_sets, gpus, seq, global_batch,
                                        attention))
