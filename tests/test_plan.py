@@ -254,6 +254,12 @@ def test_bad_optional_cluster_key_is_one_line(tmp_path):
     bad.write_text("skew_intervals_s = [1.0, 0.01]\nskew_at_intervals = [0.05, 0.1]\n" + text)  # not ascending
     with pytest.raises(ConfigError, match="skew_intervals_s"):
         load_cluster(str(bad))
+    for key, line in (("fp8_peak_flops", "fp8_peak_flops = 1979e12"), ("bandwidth", "bandwidth = 450e9"),
+                      ("gpus_per_node", "gpus_per_node = 8")):  # not a number: named, no float() traceback
+        assert line in text
+        bad.write_text(text.replace(line, f'{key} = "fast"', 1))
+        with pytest.raises(ConfigError, match=f"{key} = 'fast' is not a number"):
+            load_cluster(str(bad))
 
 
 def test_efficiency_measured_per_micro_batch_size_is_interpolated_in_log_rows(tmp_path):

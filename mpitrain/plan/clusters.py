@@ -99,6 +99,15 @@ OPTIONAL = {"gemm_rows_half": 256.0, "gemm_cols_half": 128.0, "unit_overhead_s":
             "optimizer_bandwidth": 0.0, "comm_overlap": 1.0, "contention": 1.0}
 
 
+def _number(table: dict, key: str, path, default=None) -> float:
+    """table[key] (default where absent) as a float; ConfigError naming the key and the file where it is not one."""
+    value = table.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"cluster file {path}: {key} = {value!r} is not a number") from None
+
+
 def load_cluster(name_or_path: str) -> Cluster:
     """A cluster file by path, or by name under configs/clusters/ ('h100', 'this-machine')."""
     path = Path(name_or_path)
@@ -121,16 +130,17 @@ def load_cluster(name_or_path: str) -> Cluster:
         absent = [k for k in ("bandwidth", "efficiency", "latency") if k not in values]
         if absent:
             raise ConfigError(f"cluster file {path}: [{section}] lacks {', '.join(absent)}")
-        links[section] = Link(float(values["bandwidth"]), float(values["efficiency"]), float(values["latency"]))
-    numbers = {key: float(raw[key]) for key in KEYS[2:] if key != "compute"}
+        links[section] = Link(*(_number(values, key, path) for key in ("bandwidth", "efficiency", "latency")))
+    numbers = {key: _number(raw, key, path) for key in KEYS[2:] if key != "compute"}
     bad = [key for key, value in numbers.items() if not value > 0] + \
           [f"{s}.{k}" for s, link in links.items() for k, v in vars(link).items() if not v > 0]
-    if bad or int(raw["gpus_per_node"]) < 1:
+    if bad or int(_number(raw, "gpus_per_node", path)) < 1:
         raise ConfigError(f"cluster file {path}: {', '.join(bad) or 'gpus_per_node'} must be > 0")
-    optional = {key: float(raw.get(key, default)) for key, default in OPTIONAL.items()}
+    optional = {key: _number(raw, key, path, default) for key, default in OPTIONAL.items()}
+    fp8_peak = _number(raw, "fp8_peak_flops", path, 0.0)  # absent: no FP8 tensor cores
     negative = [key for key, value in optional.items() if not value >= 0] + \
         ["comm_overlap"] * (optional["comm_overlap"] > 1) + ["contention"] * (optional["contention"] < 1) + \
-        ["fp8_peak_flops"] * (not float(raw.get("fp8_peak_flops", 0.0)) >= 0)
+        ["fp8_peak_flops"] * (not fp8_peak >= 0)
     if negative:
         raise ConfigError(f"cluster file {path}: {', '.join(negative)} must be >= 0 (comm_overlap at most 1, "
                           "contention at least 1)")
@@ -141,7 +151,8 @@ def load_cluster(name_or_path: str) -> Cluster:
                 any(not (value > 0 if least == "positive" else value >= 0) for value in measured):
             raise ConfigError(f"cluster file {path}: {points} (positive, ascending) and {values} ({least}) must be "
                               "lists of numbers of the same length")
-    return cluster_from_numbers({**raw, **numbers, **optional}, links["intra"], links["inter"], str(path))
+    return cluster_from_numbers({**raw, **numbers, **optional, "fp8_peak_flops": fp8_peak}, links["intra"],
+                                links["inter"], str(path))
 
 
 def cluster_from_numbers(numbers: dict, intra, inter, source: str) -> Cluster:
