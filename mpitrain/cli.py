@@ -12,7 +12,7 @@ from mpitrain.cli_bench import bench
 from mpitrain.cli_common import CONFIG_ARG, SET_OPTION, user_errors
 from mpitrain.cli_doctor import doctor
 from mpitrain.config_rules import SCHEDULE_KINDS, positive_degree
-from mpitrain.errors import MpitrainError
+from mpitrain.errors import ConfigError, MpitrainError
 from mpitrain.lab.command import lab_command
 from mpitrain.launcher import default_run_dir, find_mpiexec, rank_environment, run_locations, warn_unset_threads
 from mpitrain.plan.command import plan_command
@@ -254,21 +254,29 @@ def ckpt_import(hf_dir, out):
 @click.option("--dry-run", "shapes_only", is_flag=True,
               help="Also build this rank's state and optimizer through the training code with arrays that hold no "
                    "memory, and print their bytes beside the formulas' (any model size).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+              help="Ranks per node, where parallel.zero_shard = node shards ZeRO over one node's ranks (default: as "
+                   "MPITRAIN_FAKE_NODES splits the -n ranks).")
 @user_errors
-def memory(config, overrides, world_size, attention, shapes_only):
+def memory(config, overrides, world_size, attention, shapes_only, gpus_per_node):
     """Per-rank bytes of parameters, gradients, optimizer state and activations for CONFIG's layout."""
     from mpitrain.config import load_config, resolve_layout
     from mpitrain.plan.memory import default_attention, memory_report, rank_param_count
 
     cfg = load_config(config, overrides)
     resolve_layout(cfg, world_size)
+    gpus_per_node = memory_node_size(cfg, world_size, gpus_per_node)
     n_params = rank_param_count(cfg)
     attention = attention or default_attention(cfg.precision.compute, on_gpu=cfg.train.device == "cuda")
-    report = memory_report(cfg, n_params, attention=attention)
+    report = memory_report(cfg, n_params, attention=attention, gpus_per_node=gpus_per_node)
     shares = [f"its 1/{cfg.parallel.tp} tensor-parallel share"] if cfg.parallel.tp > 1 else []
     shares += ["of the first pipeline stage"] if cfg.parallel.pp > 1 else []
     where = f" (this rank's: {', '.join(shares)})" if shares else ""
     ranks = f"dp x cp N = {cfg.parallel.dp} x {cfg.parallel.cp}" if cfg.parallel.cp > 1 else f"dp N = {cfg.parallel.dp}"
+    if cfg.parallel.zero_shard == "node":  # the shards' N is a node's ranks of the group
+        from mpitrain.plan.cost_sharding import dp_levels
+        shard = dp_levels(cfg.parallel, gpus_per_node)[0]
+        ranks = f"{ranks.replace(' N =', '')}, N = {shard} (ZeRO sharded inside nodes of {gpus_per_node} GPUs)"
     click.echo(f"{config}: {n_params:,} parameters (Psi){where}, ZeRO-{cfg.parallel.zero}, {ranks}, "
                f"{cfg.precision.compute} (e = {report['e']} bytes), micro-batch {cfg.train.micro_batch} x "
                f"{cfg.model.seq_len} tokens; per rank:")
@@ -277,7 +285,25 @@ def memory(config, overrides, world_size, attention, shapes_only):
     click.echo(f"  {'total':<12} {report['total'] / 2**20:>10.2f} MiB")
     if shapes_only:
         from mpitrain.plan.dryrun import dry_run, format_dry_run
-        click.echo(format_dry_run(dry_run(cfg)))
+        click.echo(format_dry_run(dry_run(cfg, gpus_per_node=gpus_per_node or None)))
+
+
+def memory_node_size(cfg, world_size: int, gpus_per_node: int | None) -> int:
+    """The ranks per node `mpitrain memory` counts with: --gpus-per-node, else as MPITRAIN_FAKE_NODES splits the
+    world (the dry run's and the training code's nodes on one machine), else 0 (one node). parallel.zero_shard = node
+    shards by node, so it is refused without a node size rather than counted world-sharded."""
+    from mpitrain.comm.nodes import fake_node_count
+    if gpus_per_node is not None:
+        if gpus_per_node < world_size and world_size % gpus_per_node:
+            raise ConfigError(f"--gpus-per-node {gpus_per_node} does not divide the {world_size} ranks (-n)")
+        return min(gpus_per_node, world_size)
+    fake = fake_node_count(world_size)
+    if fake:
+        return world_size // fake
+    if cfg.parallel.zero_shard == "node" and cfg.parallel.zero >= 1:
+        raise ConfigError("parallel.zero_shard = 'node' shards ZeRO over one node's ranks: give the node size with "
+                          "--gpus-per-node N (or MPITRAIN_FAKE_NODES)")
+    return 0
 
 
 main.add_command(plan_command)  # mpitrain plan MODEL CLUSTER, mpitrain plan calibrate (mpitrain/plan/command.py)

@@ -10,10 +10,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from mpitrain.cli import main
 from mpitrain.comm.mesh import Degrees, split_by_node_members
 from mpitrain.comm.nodes import NodeLayout
-from mpitrain.config import Config
+from mpitrain.config import Config, load_config, resolve_layout
 from mpitrain.errors import ConfigError, LayoutError
 from mpitrain.layers import hybrid_attention
 from mpitrain.layers.cp_cores import RingCore
@@ -22,6 +24,7 @@ from mpitrain.plan.clusters import Link, load_cluster
 from mpitrain.plan.cost import Layout, estimate
 from mpitrain.plan.cost_sharding import QUANTIZED_COMM, ranks_per_node, sharding_rings
 from mpitrain.plan.layout import layout_for, parse_layout
+from mpitrain.plan.memory import memory_report, rank_param_count
 from mpitrain.plan.presets import model_config
 from mpitrain.plan.search import candidate_layouts
 from mpitrain.state.hierarchical import cross_node_bytes
@@ -207,3 +210,29 @@ def test_a_layout_mpitrain_refuses_is_refused_by_the_estimate_naming_the_key(tex
     cfg, _ = model_config("llama3-8b")
     with pytest.raises(ConfigError, match=key):
         estimate(cfg, layout_for(parse_layout(text), 16)[0], load_cluster("h100"))
+
+
+NODE_SHARDED = ["memory", "configs/tiny.toml", "-n", "8", "--set", "parallel.zero=1", "--set",
+                "parallel.zero_shard=node", "--set", "train.global_batch=32"]
+
+
+def test_memory_command_counts_node_shards_with_the_node_size_and_refuses_without_one():
+    """`mpitrain memory` under zero_shard = node: the optimizer row sharded over a node's ranks (--gpus-per-node, or
+    MPITRAIN_FAKE_NODES as the dry run and the training code split the world), never silently over the world."""
+    runner = CliRunner()
+    refused = runner.invoke(main, NODE_SHARDED, env={"MPITRAIN_FAKE_NODES": None})
+    assert refused.exit_code == 1 and "--gpus-per-node" in refused.output and \
+        len(refused.output.strip().splitlines()) == 1, refused.output
+    uneven = runner.invoke(main, [*NODE_SHARDED, "--gpus-per-node", "3"], env={"MPITRAIN_FAKE_NODES": None})
+    assert uneven.exit_code == 1 and "--gpus-per-node 3" in uneven.output, uneven.output
+    cfg = load_config("configs/tiny.toml", ["parallel.zero=1", "parallel.zero_shard=node", "train.global_batch=32"])
+    resolve_layout(cfg, 8)
+    node, world = (memory_report(cfg, rank_param_count(cfg), gpus_per_node=k)["bytes"]["optimizer"] for k in (4, 8))
+    assert node == 2 * world  # dp 8: shards over the 4 ranks of a node hold twice the world's
+    row = f"  optimizer    {node / 2**20:>10.2f} MiB"
+    for args, env in ((["--gpus-per-node", "4"], {"MPITRAIN_FAKE_NODES": None}), ([], {"MPITRAIN_FAKE_NODES": "2"})):
+        done = runner.invoke(main, [*NODE_SHARDED, *args, "--dry-run"], env=env)
+        assert done.exit_code == 0, done.output
+        assert "N = 4 (ZeRO sharded inside nodes of 4 GPUs)" in done.output and row in done.output, done.output
+        dry = done.output.split("dry run")[1].splitlines()[1:]
+        assert len(dry) == 3 and all(line.endswith("equal") for line in dry), done.output
