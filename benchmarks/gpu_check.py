@@ -241,21 +241,19 @@ FEATURE_NODES = {"MPITRAIN_FAKE_NODES": "2"}
 
 def features(work: Path, limit_s: float, clock=time.monotonic) -> dict:
     """FP8's check (its own limit), then each FEATURE_RUNS layout on the GPU against the CPU reference, in the time
-    the stage has left."""
+    the stage has left: a failed FP8 check fails the stage but still leaves the layouts their runs."""
     start, runs = clock(), {}
     fp8 = fp8_check(min(FP8_LIMIT_S, limit_s))
-    if not fp8["passed"]:
-        return {"passed": False, "failed_run": "fp8", **fp8_numbers(fp8), "fp8": fp8}
+    found = {**fp8_numbers(fp8), "fp8": fp8, **({} if fp8["passed"] else {"failed_run": "fp8"})}
     for name, settings in FEATURE_RUNS.items():
         left = limit_s - (clock() - start)
         status, output = train(work / name, 4, ("train.device=cuda", "train.collectives=nccl", *settings), left,
                                FEATURE_NODES)
         if status:
-            return {"passed": False, "failed_run": name, "status": status, "runs": runs,
+            return {"passed": False, **found, "failed_run": name, "status": status, "runs": runs,
                     **failed_output(status, output)}
         runs[name] = {**compare_runs(work / "cpu-reference", work / name), "host_staged": "share a GPU" in output}
-    return {"passed": all(run["parity_1e-10"] for run in runs.values()), **fp8_numbers(fp8), "fp8": fp8,
-            "runs": runs}
+    return {"passed": fp8["passed"] and all(run["parity_1e-10"] for run in runs.values()), **found, "runs": runs}
 
 
 def fp8_numbers(fp8: dict) -> dict:

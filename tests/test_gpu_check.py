@@ -470,3 +470,13 @@ def test_a_call_runs_its_stages_and_ends_with_the_summary(tmp_path):
     assert done.returncode == (0 if environment_passed else 1)
     assert lines[-2] == ("GPU CHECK PASSED" if environment_passed else "GPU CHECK FAILED: environment")
     assert json.loads(lines[-1])["results"]["nccl"]["checks_passed"] == 22
+
+
+def test_a_failed_fp8_check_fails_the_features_stage_but_its_layouts_still_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "fp8_check", lambda limit_s: {
+        "passed": False, "fp8_speedup": None, "fp8_worst_error": 0.5, "fp8_parity_limit": 5e-3})
+    monkeypatch.setattr(gpu_check, "train", lambda *args: (0, ""))
+    monkeypatch.setattr(gpu_check, "compare_runs", lambda *args: {"parity_1e-10": True})
+    result = gpu_check.features(tmp_path, 60.0)
+    assert not result["passed"] and result["failed_run"] == "fp8" and result["fp8_worst_error"] == 0.5
+    assert set(result["runs"]) == set(gpu_check.FEATURE_RUNS)
