@@ -171,6 +171,32 @@ def test_cublaslt_route_equals_the_emulations_gemms(recipe):
     assert modes == ({SCALE_MODES["VEC128_32F"]} if recipe == "block" else {SCALE_MODES["SCALAR_32F"]})
 
 
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block"])
+def test_token_rows_are_padded_to_16_and_the_padding_dropped(recipe):
+    """24 token rows: each GEMM goes to the fake with 32 (zero rows appended: the forward's and dgrad's M, wgrad's
+    reduction), and the results are the emulation's, of the real rows' shape: padded rows that reached the output,
+    or were not zero in wgrad's sum, would fail the comparison."""
+    fake = FakeCublasLt()
+    g = gemms(recipe, fake)
+    x, w, dy = operands(recipe, m=24)
+    xq, wq, dyq = g.inputs(["w.x"], [x])[0], g.weights(["w"], [w], -1)[0], g.output_grads(["w.dy"], [dy])[0]
+    y = fp8_lt.linear_forward(g, ("w.x", "w"), xq, wq)[0]
+    expected = ops.linear_forward(xq, wq)[0]
+    assert y.shape == expected.shape == (2, 12, 128)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    dx, expected = fp8_lt.linear_input_grad(g, ["w"], [wq], ["w.dy"], [dyq]), ops.linear_input_grad([wq], [dyq])
+    assert dx.shape == expected.shape == (2, 12, 256)
+    np.testing.assert_allclose(dx, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    dw, dw_emulated = np.zeros_like(w), np.zeros_like(w)
+    fp8_lt.add_weight_grad(g, ("w.x", "w.dy"), dw, xq, dyq)
+    ops.add_weight_grad(dw_emulated, xq, dyq)
+    np.testing.assert_allclose(dw, dw_emulated, rtol=1e-5, atol=1e-5 * np.abs(dw_emulated).max())
+    wgrad = [(256, 128, 32)] if recipe != "block" else []
+    assert [(c["m"], c["n"], c["k"]) for c in fake.calls] == [(32, 128, 256), (32, 256, 128)] + wgrad
+    padded = fp8_lt.pad_tokens(np.ones((24, 3)), 0)
+    assert padded.shape == (32, 3) and not padded[24:].any() and fp8_lt.pad_tokens(padded, 0) is padded
+
+
 def test_an_older_micro_batchs_operand_is_encoded_with_its_own_scale():
     fake = FakeCublasLt()
     g = gemms("tensor", fake)
@@ -188,7 +214,7 @@ def test_an_older_micro_batchs_operand_is_encoded_with_its_own_scale():
 def test_wrong_descriptors_are_refused_and_odd_shapes_stay_emulated():
     fake = FakeCublasLt()
     g = gemms("tensor", fake)
-    x, w, _ = operands("tensor", m=24, k=256, n=128)  # 24 rows: not a multiple of 16
+    x, w, _ = operands("tensor", m=32, k=136, n=128)  # K = 136: not a multiple of 16 (only token rows are padded)
     xq, wq = g.inputs(["w.x"], [x])[0], g.weights(["w"], [w], -1)[0]
     np.testing.assert_array_equal(fp8_lt.linear_forward(g, ("w.x", "w"), xq, wq)[0], ops.linear_forward(xq, wq)[0])
     assert fake.calls == []
@@ -272,15 +298,16 @@ def test_training_through_the_fake_cublaslt_trains_as_the_emulation(recipe):
 
 @pytest.mark.parametrize("recipe", ["tensor", "block"])
 def test_moe_experts_through_the_fake_cublaslt_train_as_the_emulation(recipe):
-    """The routed experts' GEMMs go through Fp8Lt too where an expert's rows allow: 2 experts, top 2, so each takes
-    every token (32 rows a micro-batch, a multiple of 16); one step beside the emulation's, as above."""
+    """The routed experts' GEMMs go through Fp8Lt too: 4 experts, top 2, so each takes a share of a micro-batch's
+    64 picks that is seldom a multiple of 16, padded with zero rows (layers/fp8_lt.py); one step beside the
+    emulation's, as above."""
     from mpi4py import MPI
 
     from mpitrain.config import load_config
     from mpitrain.train import Trainer
 
     def step(fake):
-        settings = [*TRAIN, f"precision.fp8={recipe}", "model.moe={experts = 2, top_k = 2}"]
+        settings = [*TRAIN, f"precision.fp8={recipe}", "model.moe={experts = 4, top_k = 2}"]
         trainer = Trainer(load_config("configs/tiny.toml", settings), MPI.COMM_SELF)
         for g in trainer.fp8_gemms:
             g.lt = None if fake is None else fp8_gemm.Fp8Lt(fake)
@@ -292,7 +319,10 @@ def test_moe_experts_through_the_fake_cublaslt_train_as_the_emulation(recipe):
     assert through_lt.grad_norm == pytest.approx(emulated.grad_norm, rel=1e-4)
     ff = 4 * 256  # the experts' width: only their GEMMs have it
     expert_calls = [c for c in fake.calls if ff in (c["m"], c["n"], c["k"])]
-    assert len(expert_calls) == 2 * 2 * 2 * (3 if recipe == "tensor" else 2)  # micro-batches x experts x (fc, proj)
+    assert len(expert_calls) == 2 * 4 * 2 * (3 if recipe == "tensor" else 2)  # micro-batches x experts x (fc, proj)
+    # each expert's rows, padded, in its fc forward and its proj dgrad: more than the 2 x 64 real ones (padding ran)
+    padded_rows = sum(c["m"] for c in expert_calls if (c["n"], c["k"]) == (ff, 256)) // 2
+    assert padded_rows > 2 * 64
 
 
 def close_to(got, expected, limit: float = 2e-3) -> None:
