@@ -1,22 +1,32 @@
-"""The planner's terms for parallel.tp_overlap and precision.fp8 (plan/cost_precision.py), each checked against the
-feature's own formula: the exposed tp time is layers/tp_overlap.py's exposed_seconds per collective, the chunked
-GEMMs cost gemm_shape_factor at rows / tp, the FP8 GEMM FLOPs are profile/flops.py's matmul weights, the fp8 memory
-row is layers/fp8.py's fp8_extra_bytes; and what each recipe adds (casts, amax all-reduces, fp8 gathers) moves
-exactly its own part of the step."""
+"""The planner's terms for parallel.tp_overlap and precision.fp8 (plan/cost_precision.py): the exposed tp time is
+layers/tp_overlap.py's exposed_seconds per collective, the chunked GEMMs cost gemm_shape_factor at rows / tp, the FP8
+GEMM FLOPs are profile/flops.py's matmul weights; the FP8 quantization calls, amax all-reduces, elements cast and
+delayed amaxes are those a one-process run makes (counted through stand-in groups), and each moves exactly its own
+part of the step. The fp8 memory row and gathers are checked against a tp 2 run in tests/test_fp8.py."""
 from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
+import numpy as np
 import pytest
 from click.testing import CliRunner
+from mpi4py import MPI
 
+from mpitrain.config import load_config
 from mpitrain.errors import ConfigError
-from mpitrain.layers.fp8 import TRANSPOSED_COPY, fp8_extra_bytes, fp8_linears
+from mpitrain.layers.fp8 import Fp8Gemms, end_delayed_step, fp8_extra_bytes, operand_dtype
 from mpitrain.layers.tp_overlap import exposed_seconds
 from mpitrain.plan.clusters import load_cluster
 from mpitrain.plan.command import plan_command
 from mpitrain.plan.cost import Layout, estimate, gemm_shape_factor, layout_config, ring, step_lower_bound
-from mpitrain.plan.cost_precision import fp8_flops_per_token
+from mpitrain.plan.cost_precision import (
+    AMAX_BYTES,
+    amax_all_reduces,
+    delayed_amaxes,
+    fp8_flops_per_token,
+    quantized_bytes,
+)
 from mpitrain.plan.presets import model_config
 from mpitrain.plan.search import precision_variants
 from mpitrain.profile.flops import block_matmul_weights
@@ -92,8 +102,10 @@ def test_fp8_memory_row_is_fp8_extra_bytes_and_its_gemms_run_at_the_fp8_peak(rec
     cfg = llama()
     plain, fp8 = run(cfg), run(cfg, fp8=recipe)
     extra = sum(fp8_extra_bytes(layout_config(cfg, Layout(**MESH, fp8=recipe), "bfloat16")).values())
-    assert fp8["memory"]["rows"]["fp8"] == extra > 0
-    assert fp8["memory"]["total"] - plain["memory"]["total"] == pytest.approx(extra, rel=1e-12)
+    assert fp8["memory"]["rows"].get("fp8", 0) == extra and (extra > 0) == (recipe in ("tensor", "delayed"))
+    wider = fp8["memory"]["rows"]["activations"] - plain["memory"]["rows"]["activations"]
+    assert wider > 0  # qkv's and up's saved inputs in float32 (tests/test_fp8.py: equal to a run's saved bytes)
+    assert fp8["memory"]["total"] - plain["memory"]["total"] == pytest.approx(extra + wider, rel=1e-12)
     # the FP8 GEMMs' FLOPs on a rank, at the bf16 speed and at twice it (H100: 1979 / 989 TFLOP/s)
     rows, world, tokens = 8192, 16, 16 * 8192
     gemm_s = 6 * 32 * block_matmul_weights(cfg.model) * tokens / world / speed_at(rows, 4)
@@ -103,27 +115,76 @@ def test_fp8_memory_row_is_fp8_extra_bytes_and_its_gemms_run_at_the_fp8_peak(rec
     assert bound <= fp8["step_s"]
 
 
-def test_quantization_casts_amax_all_reduces_and_fp8_gathers():
-    """Each recipe's extra traffic, recomputed here from the module docstring's counts."""
+class CountingGroup:
+    """A tp or cp group of 2 inside one process: counts Fp8Gemms' amax all-reduces and the amaxes they carry (the max
+    over two equal copies: the values stay)."""
+    size = 2
+
+    def __init__(self):
+        self.calls = self.amaxes = 0
+
+    def all_reduce(self, amaxes, op):
+        self.calls, self.amaxes = self.calls + 1, self.amaxes + amaxes.size
+
+
+class CountingGemms(Fp8Gemms):
+    """Fp8Gemms that also counts the elements it quantizes."""
+    elements = 0
+
+    def _operands(self, keys, arrays, fmt, weight):
+        self.elements += sum(a.size for a in arrays)
+        return super()._operands(keys, arrays, fmt, weight)
+
+
+MOE = "model.moe={experts = 4, top_k = 2}"
+
+
+@pytest.mark.parametrize("settings", [[], ["memory.recompute=full"], ["model.arch=llama"],
+                                      ["model.arch=llama", MOE], [MOE, "memory.recompute=full"]])
+def test_amax_all_reduces_casts_and_delayed_amaxes_are_what_a_run_calls(settings):
+    """One delayed step of the tiny model in float64 with stand-in tp and cp groups of 2: the amax all-reduces per
+    micro-batch (tp: every quantization call, 18 per Llama block, 26 under full recomputation; cp: the inputs' and
+    output gradients'), the amaxes they carry, the elements cast and the amaxes delayed scaling reduces over dp at the
+    step's end are the planner's counts."""
+    cfg = load_config("configs/tiny.toml", ["data.synthetic=true", "precision.compute=float64", "train.steps=1",
+                                            "logging.peak_flops=1e9", "precision.fp8=delayed", *settings])
+    from mpitrain.train import Trainer
+    trainer, tp, cp, dp = Trainer(cfg, MPI.COMM_SELF), CountingGroup(), CountingGroup(), CountingGroup()
+    for gemms in trainer.fp8_gemms:
+        gemms.group, gemms.token_group, gemms.__class__ = tp, cp, CountingGemms
+    trainer.train_step(0)
+    end_delayed_step(trainer.fp8_gemms, {"dp_cp": dp, "expert_dp": dp})
+    m, layers = cfg.train.global_batch // cfg.train.micro_batch, cfg.model.n_layer
+    assert amax_all_reduces(cfg, layers) == {"tp": (tp.calls / m, tp.amaxes / m), "cp": (cp.calls / m, cp.amaxes / m)}
+    assert delayed_amaxes(cfg, layers) == dp.amaxes == sum(len(g.delayed) for g in trainer.fp8_gemms)
+    elements = sum(g.elements for g in trainer.fp8_gemms)  # each read twice (amax, cast), written dequantized
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    assert quantized_bytes(cfg, 8, tokens, layers, m) == elements * (2 * 8 + 8)
+    if settings == ["model.arch=llama"]:
+        assert (tp.calls / m / layers, cp.calls / m / layers) == (18, 10)
+
+
+def test_the_estimate_moves_by_the_counted_casts_gathers_and_all_reduces():
+    """Each recipe's extra traffic in the estimate is the counted term: casts over HBM, the amax all-reduces over tp
+    (and delayed's over dp), and the sequence-parallel gathers of dequantized float32 operands (4 bytes, not 2)."""
     cfg = llama()
     plain, block, tensor, delayed = (run(cfg, fp8=r) for r in ("none", "block", "tensor", "delayed"))
     m, blocks, t, tokens = plain["micro_batches"], 16, 4, 16 * 8192 // 2  # tokens through one dp rank
-    elements = sum(k + n for k, n in LINEARS.values()) / t  # per token: each input and output gradient
-    weights = sum(k * n for linear in fp8_linears(layout_config(cfg, Layout(**MESH, fp8="block"), "bfloat16"))
-                  for k, n in linear)
-    for result, reads in ((block, 2), (tensor, 4)):  # bf16 read once (twice for current scaling's amax pass)
-        recipe = "block" if result is block else "tensor"
-        moved = blocks * tokens * elements * (reads + 2) + weights * (reads + TRANSPOSED_COPY[recipe])
+    for result, recipe in ((block, "block"), (tensor, "tensor")):
+        moved = quantized_bytes(layout_config(cfg, Layout(**MESH, fp8=recipe), "bfloat16"), 2, tokens, blocks, m)
         assert result["parts"]["elementwise"] - plain["parts"]["elementwise"] == pytest.approx(
             moved / H100.hbm_bandwidth, rel=1e-9)
-    # the 4 gathers per block (attention's and MLP's input, out's and down's output gradient) move 1 byte, not 2
-    gathered = 4 * blocks * m * (t - 1) / t * 8192 * 4096 * (2 - 1) / (H100.intra.bandwidth * H100.intra.efficiency)
-    assert plain["parts"]["tp"] - block["parts"]["tp"] == pytest.approx(gathered, rel=1e-9)
-    # per-tensor scales: an amax all-reduce over tp per linear's input and output gradient, its weight's once a step
-    amax = ring(H100.intra, "all_reduce", 4, t, (2 * m + 1) * 4 * blocks)
+    # the 4 gathers per block (attention's and MLP's input, out's and down's output gradient): dequantized operands
+    wide = np.dtype(operand_dtype(np.zeros(1, ml_dtypes.bfloat16))).itemsize
+    gathered = 4 * blocks * m * (t - 1) / t * 8192 * 4096 * (wide - 2) / (H100.intra.bandwidth * H100.intra.efficiency)
+    assert block["parts"]["tp"] - plain["parts"]["tp"] == pytest.approx(gathered, rel=1e-9)
+    layout_cfg = layout_config(cfg, Layout(**MESH, fp8="tensor"), "bfloat16")
+    calls, amaxes = amax_all_reduces(layout_cfg, blocks)["tp"]
+    assert calls == 18 * blocks  # the test above counts 18 in a run's Llama block
+    amax = ring(H100.intra, "all_reduce", AMAX_BYTES * amaxes / calls, t, calls * m)
     assert tensor["parts"]["tp"] - block["parts"]["tp"] == pytest.approx(amax, rel=1e-9)
-    # delayed: one all-reduce of every operand's amax (input, weight, output gradient per linear) over dp a step
-    history = ring(H100.intra, "all_reduce", 4 * 3 * 4 * blocks, 2)
+    history = ring(H100.intra, "all_reduce", AMAX_BYTES * delayed_amaxes(layout_cfg, blocks), 2)
+    assert delayed_amaxes(layout_cfg, blocks) == 18 * blocks
     assert delayed["parts"]["dp_reduce"] - tensor["parts"]["dp_reduce"] == pytest.approx(history, rel=1e-9)
 
 

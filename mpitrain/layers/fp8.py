@@ -224,7 +224,7 @@ class Fp8Gemms:
         self.token_group = token_group if token_group is not None and token_group.size > 1 else None
         self.delayed: dict[str, DelayedScaling] = {}
         self.scales: dict[str, tuple[float, float]] = {}
-        self.weight_elements: dict[str, int] = {}  # per weight: what a GPU run caches in fp8 (fp8_extra_bytes)
+        self.weight_elements: dict[str, int] = {}  # per weight: its elements (the tests count a cached base by it)
         self.data_group = "dp_cp"  # the mesh group of the ranks holding the same weights (experts: "expert_dp")
         self.recording = True  # training forwards record amaxes (delayed) and scales; scales_only turns it off
         self.cache_weights = False
@@ -371,8 +371,7 @@ def scale_summary(gemms: list[Fp8Gemms]) -> dict[str, tuple[float, float]]:
     return {f"{g.name}.{key}": value for g in gemms for key, value in g.scales.items()}
 
 
-# -- memory: what a GPU run of a recipe holds beyond the compute-dtype model (mpitrain memory, plan/memory.py)
-TRANSPOSED_COPY = {"tensor": 2, "delayed": 2, "block": 1, "mxfp8": 2}  # fp8 weight copies a recipe caches
+# -- memory: what a run of a recipe holds beyond the compute-dtype model (mpitrain memory, plan/memory.py)
 
 
 def fp8_linears(cfg) -> list[list[tuple[int, int]]]:
@@ -394,23 +393,21 @@ def fp8_linears(cfg) -> list[list[tuple[int, int]]]:
 
 
 def fp8_extra_bytes(cfg) -> dict[str, int]:
-    """Bytes per rank an FP8 recipe adds on a GPU: the weights cached in fp8 (1 byte an element, twice where the
-    recipe keeps a transposed / column-wise copy for the backward GEMMs), their scales (float32 per tensor or per
-    128x128 block, e8m0 per 32 elements; activations' and gradients' scales live and die with their GEMM, only the
-    per-tensor recipes keep theirs) and the amax history (delayed: float32 x history per operand: each linear's
-    input, and each weight and its output gradient). Zeros for precision.fp8 = "none"."""
+    """Bytes per rank an FP8 recipe keeps between steps (fp8_linears' operands): the per-tensor recipes' latest
+    scales (RECENT_SCALES (scale, scale_inv) float32 pairs per operand key: each linear's input, each weight and its
+    output gradient), delayed scaling's amax history (float32 x precision.fp8_history per key) and, under block and
+    mxfp8, a frozen base's (LoRA) cached dequantized weights (float32, float64 under a float64 compute dtype). No fp8
+    weight copy is kept otherwise: weights are quantized again in each forward and backward, and block and MX scales
+    live and die with their call. The wider inputs that column-parallel linears save are activations
+    (plan/memory.py fp8_saved_widening). Zeros for precision.fp8 = "none"."""
     recipe = cfg.precision.fp8
     if recipe == "none":
-        return {"fp8_weights": 0, "fp8_scales": 0, "amax_history": 0}
+        return {"fp8_scales": 0, "amax_history": 0, "cached_weights": 0}
     linears = fp8_linears(cfg)
-    shapes = [shape for linear in linears for shape in linear]
-    operands = sum(1 + 2 * len(linear) for linear in linears)
-    if recipe == "block":
-        scales = sum(-(-k // TILE) * -(-n // TILE) * 4 for k, n in shapes)
-    elif recipe == "mxfp8":
-        scales = sum(-(-k // MX_BLOCK) * n + k * -(-n // MX_BLOCK) for k, n in shapes)  # both copies' scales
-    else:
-        scales = operands * 4
-    history = operands * 4 * cfg.precision.fp8_history if recipe == "delayed" else 0
-    return {"fp8_weights": sum(k * n for k, n in shapes) * TRANSPOSED_COPY[recipe], "fp8_scales": scales,
-            "amax_history": history}
+    keys = sum(1 + 2 * len(linear) for linear in linears)
+    per_tensor = recipe in ("tensor", "delayed")
+    cached = cfg.lora.rank > 0 and not per_tensor  # Fp8Gemms.cache_weights, as apply_fp8 sets it
+    width = 8 if cfg.precision.compute == "float64" else 4  # operand_dtype
+    return {"fp8_scales": keys * RECENT_SCALES * 2 * 4 if per_tensor else 0,
+            "amax_history": keys * 4 * cfg.precision.fp8_history if recipe == "delayed" else 0,
+            "cached_weights": sum(k * n for linear in linears for k, n in linear) * width if cached else 0}

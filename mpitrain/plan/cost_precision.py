@@ -16,32 +16,32 @@ on FP8 operands; the embedding, the head, the attention core and the router stay
 GEMMs run at the cluster's `fp8_peak_flops` times the fraction of it the bf16 GEMMs reach of theirs
 (matmul_efficiency and the shape curve), times FP8_ACHIEVED_RELATIVE: a model assumption, not a measurement (no
 real FP8 GEMM has run here: docs/planning.md). A cluster without an FP8 peak (A100) refuses precision.fp8.
-Quantization is elementwise HBM traffic: every FP8 linear's input and output gradient is read (twice under
-`tensor`: an amax pass, then the cast; once under the others, whose scale is known or whose tiles are scaled in
-registers) and written as two fp8 copies (row-wise for one GEMM, column-wise for the weight gradient); the weights
-once per step into the cached copies fp8_extra_bytes counts (TRANSPOSED_COPY). Under sequence parallelism an
-FP8 linear's input and its output gradient are quantized before their gather (docs/fp8.md), so those gathers move
-one byte an element. The per-tensor recipes all-reduce each operand's amax over tp (and activations' and
-gradients' over cp), one latency-bound all-reduce per operand and micro-batch, the weights' once per step; delayed
-scaling adds one all-reduce of every operand's amax over dp x cp per step. Memory: plan/memory.py's `fp8` row,
-fp8_extra_bytes.
+Quantization is elementwise HBM traffic, counted as the code quantizes (quantize_calls, tested
+against the calls a run makes): a column-parallel linear quantizes its input once and its weights in the forward and
+again in the backward, a row-parallel one its input and weight in both, every linear its output gradient once, full
+recomputation the forward's operands again; each call reads its operand twice (the amax pass, then the cast) and
+writes the dequantized values (float32, float64 under a float64 compute dtype: layers/fp8.py operand_dtype). Under
+sequence parallelism the linears gather those dequantized operands (4 bytes an element under bf16, not fp8 codes:
+gathering codes is not built), and a row linear with a bias (gpt2) gathers its output gradient again, unquantized,
+for the bias gradient. The per-tensor recipes all-reduce the amaxes of each call over tp (float64, one per tensor of
+the call), of inputs and output gradients over cp too; delayed scaling adds one all-reduce over dp x cp a step of
+every operand's amax (delayed_amaxes). Memory: plan/memory.py's `fp8` row (layers/fp8.py fp8_extra_bytes) and the
+dequantized inputs column-parallel linears save (fp8_saved_widening).
 """
 from __future__ import annotations
 
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
-from mpitrain.layers.fp8 import TRANSPOSED_COPY, fp8_linears
 from mpitrain.layers.tp_overlap import exposed_seconds
 from mpitrain.plan.clusters import Cluster, Link
 
 # FP8 GEMMs reach this times the fraction of the FP8 peak that bf16 GEMMs reach of the bf16 peak (an assumption:
 # 1 = the same fraction; docs/planning.md)
 FP8_ACHIEVED_RELATIVE = 1.0
-ACTIVATION_COPIES = 2  # fp8 copies of a quantized input or output gradient: row-wise, and column-wise for dW
-AMAX_BYTES = 4  # one float32 amax per operand on the wire
-# `mpitrain plan --fp8 any`: the first the config accepts. block is never slower (no amax all-reduce, one read per
-# cast) and never larger (one weight copy, scales per 128x128) than the others here; mxfp8 then (no all-reduce)
+AMAX_BYTES = 8  # one float64 amax per tensor of a call on the wire (Fp8Gemms._tensor_amaxes)
+# `mpitrain plan --fp8 any`: the first the config accepts. block and mxfp8 are never slower than the per-tensor
+# recipes here (no amax all-reduce) nor larger (no scales or history kept); block first, its scale grid is coarser
 FP8_RECIPES = ("block", "mxfp8", "delayed", "tensor")
 
 
@@ -109,32 +109,76 @@ def bound_saving(base: Config, recipe: str, cluster: Cluster, tokens_per_rank: f
     return fp8_matmul_saving(base, cluster, tokens_per_rank, speed, 1.0, recipe, "none")
 
 
-def quantized_bytes(cfg: Config, element_bytes: int, tokens_per_rank: float, layers: int) -> tuple[float, float]:
-    """(per step over all micro-batches, per step once) HBM bytes one rank's FP8 quantization moves: its inputs and
-    output gradients (tokens_per_rank: the tokens of the step through this rank's dp x cp share), and its weights
-    into their cached fp8 copies (module docstring)."""
-    recipe, m_cfg, p = cfg.precision.fp8, cfg.model, cfg.parallel
-    if recipe == "none":
-        return 0.0, 0.0
-    read = element_bytes * (2 if recipe == "tensor" else 1)
-    per_element = read + ACTIVATION_COPIES
-    again = cfg.memory.recompute == "full"  # the recomputed forward quantizes each input again
-    elements = 0.0  # per token, on this rank's blocks, split over tp
+def operand_bytes(element_bytes: int) -> int:
+    """Bytes an element of a dequantized FP8 operand takes: float32, float64 under precision.compute = float64
+    (layers/fp8.py operand_dtype)."""
+    return max(4, element_bytes)
+
+
+def quantize_calls(cfg: Config, name: str, weights: int, expert: bool) -> list[tuple[str, int]]:
+    """One FP8 linear's quantizations per micro-batch as layers/linear.py and layers/moe.py call Fp8Gemms: (operand
+    x / w / dy, tensors in the call); `weights` weights share the input (Q/K/V 3, gate/up 2). Each call reduces its
+    amaxes in one all-reduce over tp (x and dy over cp too) under the per-tensor recipes."""
+    if name in ("qkv", "up") and not expert:  # column-parallel: the input once (saved dequantized), W in both passes
+        forward, backward = [("x", 1), ("w", weights)], [("w", weights), ("dy", weights)]
+    elif expert and name == "up":  # an expert's gate and up each quantize the shared input and their weight
+        forward, backward = [("x", 1), ("w", 1)] * weights, [("x", 1), ("w", weights), ("dy", weights)]
+    else:  # row-parallel, an expert's down: the input and weight again in the backward
+        forward, backward = [("x", 1), ("w", 1)], [("x", 1), ("w", 1), ("dy", 1)]
+    return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
+
+
+def rank_linears(cfg: Config, layers: int):
+    """(blocks, name, K, N, picks, weights sharing the input, copies on this rank, expert) of the FP8 linears of the
+    first `layers` blocks: an expert linear once per expert of this ep rank."""
+    m_cfg, moe = cfg.model, MoeSettings.of(cfg.model)
     for moe_block, blocks in block_kinds(m_cfg, layers).items():
-        for _, k, n, picks in block_linears(m_cfg, moe_block):
-            elements += blocks * picks * (k * (2 if again else 1) + n) / p.tp
-    weights = sum(k * n for linear in fp8_linears(cfg) for k, n in linear)
-    return elements * tokens_per_rank * per_element, weights * (read + TRANSPOSED_COPY[recipe])
+        for name, k, n, picks in block_linears(m_cfg, moe_block):
+            expert = moe_block and name in ("up", "down")
+            weights = 3 if name == "qkv" else (2 if m_cfg.arch == "llama" else 1) if name == "up" else 1
+            yield blocks, name, k, n, picks, weights, moe.experts // cfg.parallel.ep if expert else 1, expert
 
 
-def amax_all_reduces(cfg: Config, layers: int) -> tuple[int, int]:
-    """(per micro-batch, per step) amax all-reduces of one rank under the per-tensor recipes: one per FP8 linear's
-    input and output gradient (the input again under full recomputation), one per weight once a step; 0 for the
-    block and MX recipes, whose scales need no reduction."""
-    if cfg.precision.fp8 not in ("tensor", "delayed"):
-        return 0, 0
-    linears = 4 * layers
-    return linears * (3 if cfg.memory.recompute == "full" else 2), linears
+def quantized_bytes(cfg: Config, element_bytes: int, tokens_per_rank: float, layers: int,
+                    micro_batches: int) -> float:
+    """HBM bytes one rank's FP8 quantization moves per step (tokens_per_rank: the step's tokens through this rank's
+    dp x cp share): each call of quantize_calls reads its operand twice (its amax or tile amaxes, then the cast) and
+    writes the dequantized values at operand_bytes; weights every micro-batch, a frozen block / mxfp8 weight (LoRA's
+    base, cached) never."""
+    recipe, t = cfg.precision.fp8, cfg.parallel.tp
+    if recipe == "none":
+        return 0.0
+    cached = cfg.lora.rank > 0 and recipe in ("block", "mxfp8")
+    total = 0.0  # elements per step
+    for blocks, name, k, n, picks, weights, copies, expert in rank_linears(cfg, layers):
+        for operand, keys in quantize_calls(cfg, name, weights, expert):
+            if operand == "x":  # an expert's calls share the tokens its picks send: copies cancel
+                total += blocks * tokens_per_rank * picks * k / t
+            elif operand == "dy":
+                total += blocks * tokens_per_rank * picks * n * keys / weights / t
+            elif not cached:
+                total += blocks * copies * micro_batches * k * n * keys / weights / t
+    return total * (2 * element_bytes + operand_bytes(element_bytes))
+
+
+def amax_all_reduces(cfg: Config, layers: int) -> dict[str, tuple[int, int]]:
+    """{"tp": (all-reduces, amaxes), "cp": (...)} of one rank per micro-batch under the per-tensor recipes: one per
+    quantize_calls call over tp, the x and dy calls over cp too; zeros for block and mxfp8 (no reduction)."""
+    counts = {"tp": [0, 0], "cp": [0, 0]}
+    if cfg.precision.fp8 in ("tensor", "delayed"):
+        for blocks, name, _, _, _, weights, copies, expert in rank_linears(cfg, layers):
+            for operand, keys in quantize_calls(cfg, name, weights, expert):
+                for group in ("tp", "cp") if operand != "w" else ("tp",):
+                    counts[group][0] += blocks * copies
+                    counts[group][1] += blocks * copies * keys
+    return {group: (calls, keys) for group, (calls, keys) in counts.items()}
+
+
+def delayed_amaxes(cfg: Config, layers: int) -> int:
+    """Amaxes delayed scaling reduces over dp x cp at a step's end (fp8_delayed.end_delayed_step): one per operand
+    key, each linear's input and each of its weights and their output gradients (per expert of this ep rank)."""
+    return sum(blocks * copies * (1 + 2 * weights) for blocks, _, _, _, _, weights, copies, _ in
+               rank_linears(cfg, layers))
 
 
 def small_all_reduce(link: Link, nbytes: float, n: int, times: float = 1.0) -> float:
@@ -144,16 +188,19 @@ def small_all_reduce(link: Link, nbytes: float, n: int, times: float = 1.0) -> f
 
 def tp_collectives(cfg: Config, element_bytes: int, moe_block: bool) -> list[tuple[str, float, bool]]:
     """One block's tp collectives per micro-batch: (the linear whose GEMM the overlap hides it under, bytes per
-    element on the wire, overlapped). Gathers of an FP8 linear's input or output gradient move fp8 codes; a MoE
-    block's MLP collectives are the plain ones, in the compute dtype."""
+    element on the wire, overlapped). An FP8 linear gathers its dequantized input (forward) or output gradient
+    (a row linear's backward) at operand_bytes; a row linear with a bias (gpt2) gathers its unquantized output
+    gradient again for the bias gradient (layers/linear.py); a MoE block's MLP collectives are the plain ones."""
     fp8 = cfg.precision.fp8 != "none"
     overlap = cfg.parallel.tp_overlap
-    gathered = 1 if fp8 else element_bytes
+    gathered = operand_bytes(element_bytes) if fp8 else element_bytes
     forward = [("qkv", gathered, overlap), ("out", element_bytes, overlap)]
     forward += [("up", element_bytes, False), ("down", element_bytes, False)] if moe_block else \
         [("up", gathered, overlap), ("down", element_bytes, overlap)]
     backward = [(name, element_bytes if name in ("qkv", "up") or (moe_block and name == "down") else gathered, on)
                 for name, _, on in forward]  # a row linear's output gradient is gathered, a column one's scattered
+    if fp8 and cfg.model.arch == "gpt2":  # the bias gradient's gather, plain
+        backward += [("out", element_bytes, False)] + ([] if moe_block else [("down", element_bytes, False)])
     return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
 
 
@@ -207,13 +254,18 @@ def precision_terms(cfg: Config, cluster: Cluster, work, compute: dict, comm: di
     speed = cluster.peak_flops * cluster.matmul_efficiency_at(work.rows) * shapes[0]
     matmul = compute["matmul"] - fp8_matmul_saving(cfg, cluster, work.tokens / work.world, speed, load) + \
         m * chunked_matmul_seconds(cfg, work, speed, speedup, shapes[0] / shapes[1])
-    casts, weight_casts = quantized_bytes(cfg, work.element_bytes, work.tokens / (p.dp * p.cp), work.layers)
-    elementwise = compute["elementwise"] + (casts + weight_casts) / cluster.hbm_bandwidth
-    per_micro, per_step = amax_all_reduces(cfg, work.layers)
-    tp = tp_micro_seconds(cfg, work, links["tp"], speed, speedup) + \
-        small_all_reduce(links["tp"], AMAX_BYTES, p.tp, per_micro + per_step / m)  # weights' once a step
-    cp_ring = comm["cp_ring"] + small_all_reduce(links["cp"], AMAX_BYTES, p.cp, per_micro)  # the token group
-    delayed = small_all_reduce(links["dp"], AMAX_BYTES * 3 * per_step, p.dp * p.cp) if recipe == "delayed" else 0.0
+    casts = quantized_bytes(cfg, work.element_bytes, work.tokens / (p.dp * p.cp), work.layers, m)
+    elementwise = compute["elementwise"] + casts / cluster.hbm_bandwidth
+    amax = amax_all_reduces(cfg, work.layers)  # per micro-batch: (all-reduces, amaxes) over tp and over cp
+
+    def amax_seconds(group: str, n: int) -> float:
+        calls, keys = amax[group]
+        return small_all_reduce(links[group], AMAX_BYTES * keys / calls, n, calls) if calls else 0.0
+
+    tp = tp_micro_seconds(cfg, work, links["tp"], speed, speedup) + amax_seconds("tp", p.tp)
+    cp_ring = comm["cp_ring"] + amax_seconds("cp", p.cp)  # the token group
+    delayed = small_all_reduce(links["dp"], AMAX_BYTES * delayed_amaxes(cfg, work.layers), p.dp * p.cp) \
+        if recipe == "delayed" else 0.0
     compute = {**compute, "matmul": matmul, "elementwise": elementwise,
                "micro": (matmul + elementwise + compute["overhead"]) / m}
     return compute, {**comm, "tp": tp, "cp_ring": cp_ring}, delayed

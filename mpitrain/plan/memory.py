@@ -39,6 +39,7 @@ from mpitrain.comm.mesh import Degrees
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.fp8 import fp8_extra_bytes
+from mpitrain.layers.linear import ColumnParallelLinear
 from mpitrain.layers.moe import rank_experts
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.ring_attention import lse_dtype
@@ -99,6 +100,7 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int =
     p = cfg.parallel
     b = micro_batch or cfg.train.micro_batch
     per_micro_batch, shared = saved_bytes_per_micro_batch(cfg, b, pp_rank)
+    per_micro_batch += fp8_saved_widening(cfg, b, pp_rank)  # precision.fp8: dequantized inputs saved wider
     if attention == "fused":
         per_micro_batch -= fused_attention_saving(cfg, b, pp_rank)
     if p.pp == 1:
@@ -108,6 +110,26 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int =
     holdings = _stage_holdings(p.schedule, p.pp, micro_batches, p.virtual_stages)[pp_rank]
     peak = max(per_micro_batch * saved + deferred * waiting for saved, waiting in holdings)
     return int(peak / p.virtual_stages + shared)
+
+
+def fp8_saved_widening(cfg: Config, micro_batch: int, pp_rank: int = 0) -> int:
+    """precision.fp8: the bytes one micro-batch's saved state grows by because a column-parallel linear (qkv, a dense
+    MLP's up) saves the dequantized input it gathered, float32 (layers/fp8.py operand_dtype) where the compute dtype
+    is narrower; in blocks that keep their saved state (selective and full recomputation enter the input again,
+    unquantized), and not where LoRA adapters make the linear save its unquantized input (layers/linear.py)."""
+    itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
+    if cfg.precision.fp8 == "none" or itemsize >= 4:
+        return 0
+    model = rank_model(cfg, pp_rank)
+    seq_len = cfg.model.seq_len // cfg.parallel.cp  # as GPT.saved_bytes declares
+    elements = 0
+    for unit in (model.units[i] for chunk in model.chunks for i in chunk):
+        if getattr(unit, "recompute", None) != "none":  # not a block, or a recomputed one
+            continue
+        for linear in (unit.attention.qkv, getattr(unit.mlp, "up", None)):  # MoE: its experts quantize routed rows
+            if isinstance(linear, ColumnParallelLinear) and not linear.adapters:
+                elements += sum(math.prod(shape) for shape, _ in linear.saved_arrays(micro_batch, seq_len, None))
+    return elements * (4 - itemsize)
 
 
 SHARED_INPUTS = ({"wq", "wk", "wv"}, {"w_fc", "w_gate", "w_up"}, {"expert_w_gate", "expert_w_up"})
@@ -351,6 +373,8 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
     stage = "the first" if pp_rank == 0 else "the last" if pp_rank == p.pp - 1 else f"pipeline rank {pp_rank}'s"
     in_flight = "one micro-batch" if p.pp == 1 else f"{stage} stage's micro-batches in flight under {p.schedule}"
     formulas["activations"] = f"saved state of {in_flight} (mpitrain/plan/memory.py)"
+    if fp8_saved_widening(cfg, cfg.train.micro_batch, pp_rank):
+        formulas["activations"] += f", precision.fp8 = {cfg.precision.fp8!r}: qkv / up inputs saved as float32"
     formulas["params"] += _moe_note(cfg) + expert_mesh_note(cfg)  # model.moe: experts held here, both meshes
     if p.cp > 1:
         formulas["activations"] += f", {cfg.model.seq_len // p.cp} of {cfg.model.seq_len} tokens (parallel.cp)"
@@ -365,7 +389,7 @@ def memory_report(cfg: Config, n_params: int, pp_rank: int = 0, attention: str =
         rows["state"] -= moved
         rows["offloaded"], formulas["offloaded"] = moved, where
         formulas["state"] += ", less the offloaded row"
-    fp8 = fp8_extra_bytes(cfg)  # precision.fp8: its cached fp8 weights, scales and amax history
+    fp8 = fp8_extra_bytes(cfg)  # precision.fp8: its scales, amax history, a frozen base's cached weights
     if any(fp8.values()):
         rows["fp8"] = sum(fp8.values())
         formulas["fp8"] = f"precision.fp8 = {cfg.precision.fp8!r}: " + ", ".join(
