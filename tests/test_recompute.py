@@ -14,6 +14,7 @@ import pytest
 from mpitrain.backend import make_backend, nbytes_of
 from mpitrain.config import LoraConfig, ModelConfig, load_config
 from mpitrain.errors import ConfigError
+from mpitrain.layers.fp8 import apply_fp8
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.model.gpt import GPT
 from mpitrain.plan.memory import activation_bytes
@@ -25,10 +26,11 @@ VARIANTS = {"gpt2": {}, "llama": {"arch": "llama", "n_kv_head": 2}}
 
 
 def one_step(cfg: ModelConfig, mode: str, layers: int = 0, dtype="float64", batch: int = 2, backward=True,
-             lora=None):
+             lora=None, fp8="none"):
     """Loss, gradients, measured and declared saved bytes of one micro-batch through the model in one process."""
     backend = make_backend("cpu", dtype)
     model = GPT(cfg, backend, lora=lora)
+    apply_fp8(model.units, fp8)
     apply_recompute(model, mode, layers)
     state = ReplicatedState(model.layouts, backend, 0)
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (batch, cfg.seq_len))
@@ -58,6 +60,18 @@ def test_recomputation_with_lora_adapters_is_bitwise():
     assert np.any(grads)
     for mode in ("selective", "full"):
         other_loss, other_grads, _, _ = one_step(cfg, mode, lora=lora)
+        assert other_loss == loss and np.array_equal(other_grads, grads), mode
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_recomputation_under_fp8_multiplies_the_forwards_quantized_inputs_bitwise(recipe):
+    """Selective recomputation enters qkv's and up's inputs again quantized as the forward did (per-tensor recipes:
+    by the forward's kept amax), so their weight gradients are bitwise those without recomputation."""
+    cfg = ModelConfig(**SMALL, **VARIANTS["llama"])
+    loss, grads, _, _ = one_step(cfg, "none", fp8=recipe)
+    assert loss != one_step(cfg, "none")[0]  # FP8 changed the step
+    for mode in ("selective", "full"):
+        other_loss, other_grads, _, _ = one_step(cfg, mode, fp8=recipe)
         assert other_loss == loss and np.array_equal(other_grads, grads), mode
 
 

@@ -231,14 +231,22 @@ class Fp8Gemms:
         self.cached: dict[str, np.ndarray] = {}  # weight key -> its dequantized fp8 values (cache_weights)
         self.lt = None  # a kernels/fp8_gemm.Fp8Lt for host arrays (tests' fake binding); CuPy finds nvmath's itself
         self.recent_scales: dict[str, list] = {}  # per-tensor key -> its latest (scale, scale_inv), newest first
+        self.amaxes: dict[str, float] = {}  # per-tensor key -> the amax its latest call scaled by (keep_input)
 
     @property
     def group_size(self) -> int:
         return self.group.size if self.group is not None else 1
 
-    def inputs(self, keys, arrays, fmt: str = "e4m3") -> list:
-        """Activations (fmt e4m3) or output gradients (e5m2), (..., K): scaled along their last axis."""
-        return self._operands(keys, arrays, fmt, weight=False)
+    def inputs(self, keys, arrays, fmt: str = "e4m3", amaxes=None) -> list:
+        """Activations (fmt e4m3) or output gradients (e5m2), (..., K): scaled along their last axis. `amaxes`
+        (per-tensor recipes): scale by these, as an earlier call did (keep_input), instead of reducing new ones."""
+        return self._operands(keys, arrays, fmt, weight=False, amaxes=amaxes)
+
+    def keep_input(self, key: str):
+        """What quantizing an input again to its latest call's values takes (selective recomputation keeps it): the
+        amax that call scaled by under the per-tensor recipes (its all-reduce and history look-up are not repeated),
+        None under block and mxfp8, whose scales come again from the same values."""
+        return self.amaxes[key] if self.recipe in ("tensor", "delayed") else None
 
     def output_grads(self, keys, arrays) -> list:
         return self._operands(keys, arrays, "e5m2", weight=False)
@@ -258,13 +266,15 @@ class Fp8Gemms:
             self.cached.update(zip([key for key, _ in missing], fresh))
         return [self.cached[key] for key in keys]
 
-    def _operands(self, keys, arrays, fmt: str, weight: bool) -> list:
+    def _operands(self, keys, arrays, fmt: str, weight: bool, amaxes=None) -> list:
         wide = [a.astype(operand_dtype(a), copy=False) for a in arrays]
         if self.recipe in ("tensor", "delayed"):
-            amaxes = self._tensor_amaxes(keys, wide, weight)
+            if amaxes is None:
+                amaxes = self._tensor_amaxes(keys, wide, weight)
             quantized = [quantize_tensor(a, fmt, amax) for a, amax in zip(wide, amaxes)]
             for key, amax in zip(keys, amaxes):
                 self._remember_scale(key, tensor_scale(amax, fmt))
+                self.amaxes[key] = amax
         elif self.recipe == "block":
             quantized = [quantize_blocks(a if weight else as_matrix(a), fmt, (TILE, TILE) if weight else (1, TILE))
                          for a in wide]

@@ -113,6 +113,19 @@ class ColumnParallelLinear:
             weight_grads(work, grads, deferred, self.tp)
         return pending.wait()
 
+    def kept_scale(self):
+        """What `enter_again` needs to quantize the input as the latest forward did (Fp8Gemms.keep_input); None
+        without FP8 or where adapters make forward save the unquantized input."""
+        return None if self.fp8 is None or self.adapters else self.fp8.keep_input(self.weights[0] + ".x")
+
+    def enter_again(self, x, kept_scale=None):
+        """Forward's saved input of x, without running the linear (selective recomputation): entered (gathered under
+        SP) as forward entered it, quantized first to the same fp8 values, by `kept_scale` (kept_scale's value at
+        that forward) under the per-tensor recipes: no amax all-reduce, the same codes."""
+        if self.fp8 is not None and not self.adapters:
+            x = self.fp8.inputs([self.weights[0] + ".x"], [x], amaxes=None if kept_scale is None else [kept_scale])[0]
+        return self.tp.enter(x)
+
     def _fp8_route(self, weight: str) -> tuple:
         """The end of an FP8 linear's weight-gradient work item (run_weight_grads), () otherwise."""
         return () if self.fp8 is None else (self.fp8, (self.weights[0] + ".x", weight + ".dy"))

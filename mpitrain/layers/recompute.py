@@ -8,7 +8,10 @@
              Kept: the norms' inputs (the block input and the residual after attention), q, k, v (after RoPE) and the
              MLP nonlinearity's input(s). Recomputed: the norms and their entry into the tp region (the sequence
              all-gather under SP, as Megatron does), the attention scores, softmax and probs @ v, and the
-             nonlinearity's output. No linear is run again.
+             nonlinearity's output. No linear is run again. Under precision.fp8 the qkv and MLP-up inputs are
+             quantized again before that entry, to the forward's fp8 values: the per-tensor recipes keep the amax
+             the forward scaled by (a float each, so no amax all-reduce runs again), block and mxfp8 take their
+             tile scales again from the same values.
              An MoE layer keeps its routing (probabilities, log-sum-exp, picks, the exchange's counts), its experts'
              dispatched inputs, their nonlinearities' inputs and the combined expert output: no router, expert
              matmul or all-to-all runs again, only the nonlinearities (MoE.keep_selective).
@@ -62,12 +65,13 @@ def forward(block, params, x, ctx):
     attention, attention_saved = block.attention.forward(params, h1, ctx)
     x1 = x + attention
     h2, _ = block.norm2.forward(params, x1)
+    qkv_scale = block.attention.qkv.kept_scale()  # read before another forward quantizes again
     mlp, mlp_saved = block.mlp.forward(params, h2, ctx)
-    kept.update(x1=x1, core=block.attention.keep_selective(attention_saved))
+    kept.update(x1=x1, core=block.attention.keep_selective(attention_saved), qkv_scale=qkv_scale)
     if isinstance(block.mlp, MoE):
         kept["moe"] = block.mlp.keep_selective(mlp_saved)
     else:
-        kept["activation"] = mlp_saved["activation"]
+        kept.update(activation=mlp_saved["activation"], up_scale=block.mlp.up.kept_scale())
     return x1 + mlp, kept
 
 
@@ -78,7 +82,7 @@ def restore(block, params, kept) -> dict:
         return block.forward_all(params, kept["x"], ctx)[1]
     h1, norm1 = block.norm1.forward(params, kept["x"])
     core, out = block.attention.restore_selective(kept["core"], ctx)
-    attention = {"qkv": block.attention.qkv.tp.enter(h1), "core": core, "out": out}
+    attention = {"qkv": block.attention.qkv.enter_again(h1, kept["qkv_scale"]), "core": core, "out": out}
     if block.attention.rope:
         attention["rope"] = kept["rope"]
     h2, norm2 = block.norm2.forward(params, kept["x1"])
@@ -87,7 +91,7 @@ def restore(block, params, kept) -> dict:
     else:
         activation = kept["activation"]
         act = ops.swiglu_forward(*activation)[0] if block.mlp.gated else ops.gelu_forward(activation)[0]
-        mlp = {"up": block.mlp.up.tp.enter(h2), "activation": activation, "down": act}
+        mlp = {"up": block.mlp.up.enter_again(h2, kept["up_scale"]), "activation": activation, "down": act}
     return {"norm1": norm1, "attention": attention, "norm2": norm2, "mlp": mlp}
 
 
