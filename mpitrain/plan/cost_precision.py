@@ -19,7 +19,8 @@ real FP8 GEMM has run here: docs/planning.md). A cluster without an FP8 peak (A1
 Quantization is elementwise HBM traffic, counted as the code quantizes (quantize_calls, tested
 against the calls a run makes): a column-parallel linear quantizes its input once and its weights in the forward and
 again in the backward, a row-parallel one its input and weight in both, every linear its output gradient once, full
-recomputation the forward's operands again; each call reads its operand twice (the amax pass, then the cast) and
+recomputation the forward's operands again, selective recomputation the column-parallel inputs again at the amax
+the forward kept (no all-reduce); each call reads its operand twice (the amax pass, then the cast) and
 writes the dequantized values (float32, float64 under a float64 compute dtype: layers/fp8.py operand_dtype). Under
 sequence parallelism the linears gather those dequantized operands (4 bytes an element under bf16, not fp8 codes:
 gathering codes is not built), and a row linear with a bias (gpt2) gathers its output gradient again, unquantized,
@@ -118,9 +119,12 @@ def operand_bytes(element_bytes: int) -> int:
 def quantize_calls(cfg: Config, name: str, weights: int, expert: bool) -> list[tuple[str, int]]:
     """One FP8 linear's quantizations per micro-batch as layers/linear.py and layers/moe.py call Fp8Gemms: (operand
     x / w / dy, tensors in the call); `weights` weights share the input (Q/K/V 3, gate/up 2). Each call reduces its
-    amaxes in one all-reduce over tp (x and dy over cp too) under the per-tensor recipes."""
+    amaxes in one all-reduce over tp (x and dy over cp too) under the per-tensor recipes, except "x_kept": a
+    column-parallel input quantized again at the amax its forward kept (memory.recompute = selective)."""
     if name in ("qkv", "up") and not expert:  # column-parallel: the input once (saved dequantized), W in both passes
         forward, backward = [("x", 1), ("w", weights)], [("w", weights), ("dy", weights)]
+        if cfg.memory.recompute == "selective":  # layers/recompute.py restore
+            backward = [("x_kept", 1)] + backward
     elif expert and name == "up":  # an expert's gate and up each quantize the shared input and their weight
         forward, backward = [("x", 1), ("w", 1)] * weights, [("x", 1), ("w", weights), ("dy", weights)]
     else:  # row-parallel, an expert's down: the input and weight again in the backward
@@ -152,7 +156,7 @@ def quantized_bytes(cfg: Config, element_bytes: int, tokens_per_rank: float, lay
     total = 0.0  # elements per step
     for blocks, name, k, n, picks, weights, copies, expert in rank_linears(cfg, layers):
         for operand, keys in quantize_calls(cfg, name, weights, expert):
-            if operand == "x":  # an expert's calls share the tokens its picks send: copies cancel
+            if operand in ("x", "x_kept"):  # an expert's calls share the tokens its picks send: copies cancel
                 total += blocks * tokens_per_rank * picks * k / t
             elif operand == "dy":
                 total += blocks * tokens_per_rank * picks * n * keys / weights / t
@@ -168,7 +172,7 @@ def amax_all_reduces(cfg: Config, layers: int) -> dict[str, tuple[int, int]]:
     if cfg.precision.fp8 in ("tensor", "delayed"):
         for blocks, name, _, _, _, weights, copies, expert in rank_linears(cfg, layers):
             for operand, keys in quantize_calls(cfg, name, weights, expert):
-                for group in ("tp", "cp") if operand != "w" else ("tp",):
+                for group in {"x_kept": (), "w": ("tp",)}.get(operand, ("tp", "cp")):
                     counts[group][0] += blocks * copies
                     counts[group][1] += blocks * copies * keys
     return {group: (calls, keys) for group, (calls, keys) in counts.items()}
