@@ -307,6 +307,8 @@ PARITY_JOB = """
 
     results = {recipe: {layout: run(recipe, layout) for layout in LAYOUTS}
                for recipe in ["tensor", "delayed", "block", "mxfp8"]}
+    results["selective"] = {recipe: run(recipe, "tp2_sp", ["memory.recompute=selective"])  # exact: as without it
+                            for recipe in ["tensor", "delayed", "block", "mxfp8"]}
     results["none"] = {"one": run("none", "one")}
     results["bf16_tp2"] = {recipe: bf16_tp2(recipe) for recipe in ("none", "tensor")}
     results["lora"] = {recipe: {layout: run(recipe, layout, LORA) for layout in ("one", "tp2_sp")}
@@ -344,6 +346,17 @@ def test_every_layout_computes_the_one_process_scales_and_losses(parity, recipe)
         assert 0 < held["scale_bytes"] <= planned["fp8_scales"] if recipe in ("tensor", "delayed") else \
             held["scale_bytes"] == 0, layout
     assert reference["losses"][0] == pytest.approx(parity["none"]["one"]["losses"][0], rel=1e-2)  # before updates
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
+def test_selective_recomputation_under_tp_and_sp_trains_as_without_it(parity, recipe):
+    """tp 2 + sequence parallelism: qkv's and up's inputs, entered (gathered) again by selective recomputation, are
+    quantized again to the forward's values (at the forward's amax), so the second step's loss (after one update of
+    weight gradients that multiply them) and the scales are those without recomputation (tests/test_recompute.py:
+    bitwise gradients in one process)."""
+    plain, selective = parity[recipe]["tp2_sp"], parity["selective"][recipe]
+    assert selective["losses"] == pytest.approx(plain["losses"], rel=1e-12, abs=0)
+    assert selective["scales"] == plain["scales"]
 
 
 @pytest.mark.parametrize("recipe", ["tensor", "delayed", "block", "mxfp8"])
