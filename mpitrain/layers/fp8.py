@@ -246,7 +246,7 @@ class Fp8Gemms:
         """What quantizing an input again to its latest call's values takes (selective recomputation keeps it): the
         amax that call scaled by under the per-tensor recipes (its all-reduce and history look-up are not repeated),
         None under block and mxfp8, whose scales come again from the same values."""
-        return self.amaxes[key] if self.recipe in ("tensor", "delayed") else None
+        return float(self.amaxes[key]) if self.recipe in ("tensor", "delayed") else None  # a float: no array to count
 
     def output_grads(self, keys, arrays) -> list:
         return self._operands(keys, arrays, "e5m2", weight=False)
