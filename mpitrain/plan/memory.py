@@ -115,8 +115,9 @@ def activation_bytes(cfg: Config, micro_batch: int | None = None, pp_rank: int =
 def fp8_saved_widening(cfg: Config, micro_batch: int, pp_rank: int = 0) -> int:
     """precision.fp8: the bytes one micro-batch's saved state grows by because a column-parallel linear (qkv, a dense
     MLP's up) saves the dequantized input it gathered, float32 (layers/fp8.py operand_dtype) where the compute dtype
-    is narrower; in blocks that keep their saved state (selective and full recomputation enter the input again,
-    unquantized), and not where LoRA adapters make the linear save its unquantized input (layers/linear.py)."""
+    is narrower; in blocks that keep their saved state (selective and full recomputation enter the input again in
+    the block's backward, out of the kept state), and not where LoRA adapters make the linear save its unquantized
+    input (layers/linear.py)."""
     itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
     if cfg.precision.fp8 == "none" or itemsize >= 4:
         return 0
