@@ -380,3 +380,13 @@ def test_the_banner_says_where_fp8_gemms_run():
         assert line == f"fp8 block: emulated on the device ({why})"
     else:
         assert line.startswith("fp8 block: FP8 GEMMs through cuBLASLt: untested on a device")
+
+
+def test_an_optional_library_that_is_missing_or_broken_is_named_not_raised(tmp_path, monkeypatch):
+    from mpitrain.kernels.dispatch import import_optional
+    assert import_optional("mpitrain_no_such_module", "pip install it", "it") == (None, "pip install it")
+    (tmp_path / "mpitrain_broken_module.py").write_text("raise OSError('libfoo.so: cannot open')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module, why = import_optional("mpitrain_broken_module", "pip install it", "the broken library")
+    assert module is None and why == "the broken library failed to import (OSError: libfoo.so: cannot open)"
+    assert import_optional("json", "", "json")[0] is __import__("json")

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mpitrain.kernels.dispatch import import_optional
+
 CUDNN_DTYPES = ("bfloat16", "float16")
 # Head dims cuDNN's training SDPA (forward and backward) takes on sm80-sm90 across 9.x releases: multiples of 8 up
 # to 128 (wider ones depend on the release and the GPU: kept on cuBLAS rather than failing at planning)
@@ -68,13 +70,8 @@ def unsupported_reason(key: SdpaKey) -> str:
 
 def import_cudnn():
     """(the cudnn module, '') or (None, why not)."""
-    try:
-        import cudnn
-    except ImportError:
-        return None, "cuDNN not installed: pip install nvidia-cudnn-cu13 && pip install --no-deps nvidia-cudnn-frontend"
-    except Exception as exc:  # noqa: BLE001 (a broken install raises its own errors; say which)
-        return None, f"cuDNN frontend failed to import ({type(exc).__name__}: {exc})"
-    return cudnn, ""
+    return import_optional("cudnn", "cuDNN not installed: pip install nvidia-cudnn-cu13 && pip install --no-deps "
+                           "nvidia-cudnn-frontend", "cuDNN frontend")
 
 
 def row_major(dims) -> list[int]:

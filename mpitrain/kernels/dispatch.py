@@ -24,6 +24,18 @@ from mpitrain.layers.precision import computes_in_float32, low_precision_dtype
 GEMM_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 
 
+def import_optional(module: str, install_hint: str, what: str):
+    """(the module, '') or (None, why not) for an optional NVIDIA library: not installed (install_hint says how), or
+    installed but failing to import (a broken install raises its own errors; say which)."""
+    import importlib
+    try:
+        return importlib.import_module(module), ""
+    except ImportError:
+        return None, install_hint
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{what} failed to import ({type(exc).__name__}: {exc})"
+
+
 def cupy_status() -> tuple[bool, str]:
     """(usable, why not): CuPy importable and at least one GPU visible."""
     try:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.kernels.dispatch import import_optional
 
 CUDA_TYPE = {"e4m3": 28, "e5m2": 29, "float32": 0}  # cudaDataType_t: CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_32F
 COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -51,13 +52,8 @@ class Fp8Operand(NamedTuple):
 
 def import_cublaslt():
     """(nvmath's cublasLt binding module, '') or (None, why not)."""
-    try:
-        from nvmath.bindings import cublasLt
-    except ImportError:
-        return None, "nvmath-python not installed (pip install -e '.[cuda13]', or '.[cuda12]')"
-    except Exception as exc:  # noqa: BLE001 (a broken install raises its own errors; say which)
-        return None, f"nvmath-python failed to import ({type(exc).__name__}: {exc})"
-    return cublasLt, ""
+    return import_optional("nvmath.bindings.cublasLt",
+                           "nvmath-python not installed (pip install -e '.[cuda13]', or '.[cuda12]')", "nvmath-python")
 
 
 def fp8_bits(values, fmt: str):
