@@ -187,8 +187,8 @@ class Trainer:
         (run/resilience.py), told to every rank with the step's verdict."""
         cfg, state = self.cfg, self.state
         groups = self.mesh.all_groups()
-        for group in groups:
-            group.reset_counters()
+        for group in groups:  # from here the counters hold this step's bytes alone (StepResult.comm_bytes): what
+            group.reset_counters()  # ran before (an evaluation, a forward) is dropped, so a snapshot is no baseline
         self.breakdown.start_step()
         loss_scale = self.loss_scale.scale  # float16's dynamic loss scale; 1 otherwise
         batch = step + self.guard.data_offset  # batches skipped by rollbacks shift the step -> batch mapping

@@ -268,17 +268,20 @@ PARITY_JOB = """
     from mpitrain.backend import nbytes_of
     from mpitrain.config import load_config
     from mpitrain.train import Trainer
-    from mpitrain.layers.fp8 import scale_summary
+    from mpitrain.layers.fp8 import scale_summary, scales_only
     from mpitrain.plan.memory import activation_bytes
 
     world = MPI.COMM_WORLD
     BASE, LAYOUTS, LORA = __SETTINGS__
 
-    def run(recipe, layout, extra=()):
+    def run(recipe, layout, extra=(), evaluate_first=False):
         comm = world.Split(world.rank if layout == "one" else 0, world.rank)
         cfg = load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}"] + LAYOUTS[layout] + list(extra))
         trainer = Trainer(cfg, comm)
-        losses = [trainer.train_step(step).loss for step in range(cfg.train.steps)]
+        if evaluate_first:  # a fresh trainer's validation forwards before its first step change nothing
+            trainer.evaluate()
+        steps = [trainer.train_step(step) for step in range(cfg.train.steps)]
+        losses = [result.loss for result in steps]
         merged = {}
         for summary in world.allgather(scale_summary(trainer.fp8_gemms)):
             for key, (low, high) in summary.items():  # tp pieces: the whole tensor's smallest and largest scales
@@ -292,17 +295,18 @@ PARITY_JOB = """
                 "scale_bytes": sum(a.nbytes for g in trainer.fp8_gemms for recent in g.recent_scales.values()
                                    for pair in recent for a in pair)}
         comm.Free()
-        return {"losses": losses, "scales": merged, "rank0_holds": world.bcast(held)}
+        return {"losses": losses, "scales": merged, "rank0_holds": world.bcast(held),
+                "first_step_bytes": world.bcast(steps[0].comm_bytes)}
 
     def bf16_tp2(recipe):  # tp 2 + SP in bfloat16: one micro-batch's saved state, a step's tp gathers and scatters
         cfg = load_config("configs/tiny.toml", BASE + [f"precision.fp8={recipe}", "precision.compute=bfloat16"] +
                           LAYOUTS["tp2_sp"])
         trainer = Trainer(cfg, world)
-        before = trainer.mesh.tp.bytes_sent
-        trainer.train_step(0)
-        sent = {kind: trainer.mesh.tp.bytes_sent[kind] - before[kind] for kind in ("all_gather", "reduce_scatter")}
         tokens = np.random.default_rng(0).integers(0, 256, (cfg.train.micro_batch, cfg.model.seq_len))
-        saved = nbytes_of(trainer.model.forward(trainer.state, tokens, tokens)[1])
+        with scales_only(trainer.fp8_gemms):  # a forward outside training, before the step (not in its bytes)
+            saved = nbytes_of(trainer.model.forward(trainer.state, tokens, tokens)[1])
+        trainer.train_step(0)  # resets the counters first: after it they hold the step's bytes alone
+        sent = {kind: trainer.mesh.tp.bytes_sent[kind] for kind in ("all_gather", "reduce_scatter")}
         return {"saved": world.bcast(saved), "estimated": activation_bytes(cfg), "sent": world.bcast(sent)}
 
     results = {recipe: {layout: run(recipe, layout) for layout in LAYOUTS}
@@ -310,6 +314,7 @@ PARITY_JOB = """
     results["selective"] = {recipe: run(recipe, "tp2_sp", ["memory.recompute=selective"])  # exact: as without it
                             for recipe in ["tensor", "delayed", "block", "mxfp8"]}
     results["none"] = {"one": run("none", "one")}
+    results["evaluate_first"] = {recipe: run(recipe, "tp2_sp", evaluate_first=True) for recipe in ("tensor", "delayed")}
     results["bf16_tp2"] = {recipe: bf16_tp2(recipe) for recipe in ("none", "tensor")}
     results["lora"] = {recipe: {layout: run(recipe, layout, LORA) for layout in ("one", "tp2_sp")}
                        for recipe in ["tensor", "delayed", "block", "mxfp8"]}
@@ -381,7 +386,9 @@ def test_fp8_saved_inputs_and_tp_gathers_are_the_planned_bytes(parity):
     """tp 2 + sequence parallelism in bfloat16: a micro-batch's saved state is mpitrain memory's activation estimate
     to the byte with and without FP8 (qkv's and up's inputs saved dequantized, float32: 2 bytes more an element),
     and a step's tp gathers and scatters grow by the planner's tp_collectives bytes (the dequantized inputs and row
-    linears' output gradients gathered in float32, gpt2's output gradients gathered again for the bias)."""
+    linears' output gradients gathered in float32, gpt2's output gradients gathered again for the bias). The forward
+    runs first: the step's bytes are the tp counters after it (train_step resets them), not a difference from a
+    snapshot taken before it, which would take the forward's own gathers (one micro-batch's) off the step's."""
     from mpitrain.plan.cost_precision import tp_collectives
     none, tensor = parity["bf16_tp2"]["none"], parity["bf16_tp2"]["tensor"]
     for run in (none, tensor):
@@ -396,6 +403,18 @@ def test_fp8_saved_inputs_and_tp_gathers_are_the_planned_bytes(parity):
     micro_batches = cfg.train.global_batch // cfg.train.micro_batch
     grown = sum(tensor["sent"].values()) - sum(none["sent"].values())
     assert grown == blocks * micro_batches * per_element * rows * width / 2 > 0  # a ring all-gather: (t - 1) / t
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "delayed"])
+def test_an_evaluation_before_the_first_step_changes_nothing_under_tp_and_sp(parity, recipe):
+    """tp 2 + sequence parallelism: validation forwards on a fresh trainer (scales_only) leave no state behind that
+    its steps read (no cached gather, scale or amax): the same losses bit for bit, the same scales, and a first step
+    whose counted bytes are a fresh trainer's."""
+    plain, first = parity[recipe]["tp2_sp"], parity["evaluate_first"][recipe]
+    assert first["losses"] == plain["losses"]
+    assert first["scales"] == plain["scales"]
+    assert first["first_step_bytes"] == plain["first_step_bytes"]
+    assert plain["first_step_bytes"]["all_gather"] > 0
 
 
 def test_delayed_histories_survive_a_checkpoint_under_pp(tmp_path):

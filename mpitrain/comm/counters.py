@@ -12,6 +12,9 @@ each operation, whatever algorithm MPI really picks, so that tests and reports c
                                     traffic counters above stay exact
     cp_ring         B               isend(..., kind="cp_ring"): context parallelism's K/V ring (parallel/context.py)
 
+Trainer.train_step resets every group's counters at its start, so after a step they hold that step's bytes alone,
+whatever ran before it (an evaluation, a forward): read them after the step; a snapshot taken before it is no
+baseline (subtracting it would take the earlier calls' bytes off the step's).
 Totals are kept as exact fractions and rounded to the nearest integer when read. A group of size 1 sends nothing
 (every counter stays 0) and makes no MPI call: collectives become local copies or no-ops. Non-blocking operations
 are counted when issued.
