@@ -1,6 +1,8 @@
 """The planner's terms for the newer parallel features are each feature's own formula functions: DualPipeV's bubble,
 activations held and pipeline messages (parallel/schedule_costs.py); Ulysses' all-to-all bytes
-(parallel/context.py), and its all-to-alls per block as many as the model's own forward and backward run.
+(parallel/context.py), and its all-to-alls per block as many as the model's own forward and backward run; the tp
+collectives per block (count and bytes on the wire) as many as a block's forward and backward run under each
+recomputation mode.
 tests/test_plan_dryrun.py checks the rows the training code builds for the same layouts."""
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ import numpy as np
 import pytest
 
 from mpitrain.backend import make_backend
-from mpitrain.config import ModelConfig
+from mpitrain.comm.operations import Handle
+from mpitrain.config import ModelConfig, load_config
+from mpitrain.layers.fp8 import apply_fp8
 from mpitrain.layers.recompute import apply_recompute
+from mpitrain.layers.tensor_parallel import TensorParallel
 from mpitrain.model.gpt import GPT
 from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.context import ContextParallel, apply_context_parallel, cp_bytes_per_step, split_sequence
 from mpitrain.plan.clusters import Link, load_cluster
-from mpitrain.plan.cost import Layout, estimate, ulysses_bytes_per_micro_batch
+from mpitrain.plan.cost import Layout, RankWork, estimate, ring, ulysses_bytes_per_micro_batch
+from mpitrain.plan.cost_precision import tp_collectives
 from mpitrain.plan.layout import layout_for, parse_layout
 from mpitrain.plan.memory import _stage_holdings
 from mpitrain.plan.presets import model_config
@@ -132,3 +138,94 @@ def test_cp_messages_per_block_are_the_models(kind, recompute):
     result = estimate(cfg, Layout(dp=1, tp=1, pp=1, cp=4, cp_kind=kind, zero=1, recompute=recompute), cluster)
     steps = counted["all_to_all"] * (4 - 1) if kind == "ulysses" else counted["cp_ring"]
     assert result["parts"]["cp_ring"] == pytest.approx(result["micro_batches"] * cfg.model.n_layer * steps, rel=1e-12)
+
+
+class CountingTp(TensorParallel):
+    """A tp group of 2 in one process that counts the activation collectives (b, T, d) the layers run, by kind and
+    bytes per element on the wire, and moves nothing real: a gather repeats the rank's chunk, a reduce-scatter keeps
+    its half (the numbers are wrong, the calls are the code's). Parameter-gradient reductions (norm weights under SP,
+    the router's) are not activations: the planner leaves them out, so does the count."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__(None, sequence_parallel)
+        self.size, self.sent = 2, Counter()
+
+    def _count(self, kind: str, x):
+        if x.ndim == 3:
+            self.sent[kind, x.dtype.itemsize] += 1
+
+    def all_reduce(self, buf, op: str = "sum"):
+        self._count("all_reduce", buf)
+        return buf
+
+    def start_all_reduce(self, buf):
+        return Handle.completed(self.all_reduce(buf))
+
+    def gather_sequence(self, x):
+        self._count("all_gather", x)
+        return np.concatenate([x, x], axis=1)
+
+    def start_reduce_scatter_sequence(self, x):
+        self._count("reduce_scatter", x)
+        return Handle.completed(x[:, : x.shape[1] // 2])
+
+
+def tp_sent_per_block(cfg) -> Counter:
+    """The tp collectives of one block and micro-batch, (kind, bytes per element) -> count: a model of cfg's blocks
+    run forward and backward on a CountingTp, less the same with one block fewer (the embedding's and head's)."""
+    counts = []
+    for n_layer in (2, 1):
+        backend = make_backend("cpu", cfg.precision.compute)
+        tp = CountingTp(cfg.parallel.sequence_parallel)
+        model = GPT(replace(cfg.model, n_layer=n_layer), backend, tp=tp)
+        apply_fp8(model.units, cfg.precision.fp8)
+        apply_recompute(model, cfg.memory.recompute)
+        state = ReplicatedState(model.layouts, backend, 0)
+        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+        _, saved = model.forward(state, tokens, np.roll(tokens, -1, axis=1))
+        model.backward(state, saved, 1.0)
+        counts.append(tp.sent)
+    return counts[0] - counts[1]
+
+
+MOE = "model.moe={experts = 4, top_k = 2}"
+
+
+@pytest.mark.parametrize("model", [["model.arch=llama"], ["model.arch=llama", MOE], ["model.arch=gpt2"]])
+def test_tp_collectives_per_block_are_the_models(model):
+    """The planner's tp collectives per block and micro-batch are those a block runs (bf16, and FP8 gathering its
+    dequantized float32 operands): without sequence parallelism 4 all-reduces (6 under full recomputation), with it
+    the 4 gathers and 4 reduce-scatters, the forward's again under full, the 2 input gathers again under selective
+    (its restore enters qkv's and the MLP's inputs into the tp region again)."""
+    counted = {}
+    for recompute in ("none", "selective", "full"):
+        for sequence_parallel in (False, True):
+            for recipe in ("none", "tensor"):
+                settings = [f"precision.fp8={recipe}", f"memory.recompute={recompute}", "parallel.tp=2",
+                            "parallel.dp=1", f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
+                cfg = load_config("configs/tiny.toml", ["precision.compute=bfloat16", *settings, *model])
+                sent, case = tp_sent_per_block(cfg), (recompute, sequence_parallel, recipe)
+                gathers = sum(2 * n if kind == "all_reduce" else n for (kind, _), n in sent.items())
+                counted[case] = gathers
+                if recipe == "none":  # FP8's are cost_precision.py's list (the estimate runs on sequence parallelism)
+                    assert RankWork.of(cfg, "bfloat16").tp_per_layer == gathers, case
+                if sequence_parallel:  # cost_precision.py's list, collective by collective, with its wire bytes
+                    wire = Counter()
+                    for (_, nbytes), n in sent.items():
+                        wire[nbytes] += n
+                    planned = Counter(nbytes for _, nbytes, _ in tp_collectives(cfg, 2, MOE in model))
+                    assert planned == wire, case
+    assert [counted[mode, True, "none"] for mode in ("none", "selective", "full")] == [8, 10, 12]
+    assert [counted[mode, False, "none"] for mode in ("none", "selective", "full")] == [8, 8, 12]
+
+
+def test_selective_recomputation_under_sp_costs_its_two_gathers_again():
+    """The estimate's tp part under selective recomputation with sequence parallelism: 10 gathers per block and
+    micro-batch (8, and the 2 the restore runs again), on the plain ring."""
+    cfg, _ = model_config("llama3-8b")
+    cluster = load_cluster("h100")
+    plain, selective = (estimate(cfg, Layout(dp=2, tp=4, pp=2, zero=1, micro_batch=1, recompute=mode), cluster)
+                        for mode in ("none", "selective"))
+    activation = 8192 * cfg.model.d_model * 2
+    extra = selective["micro_batches"] * ring(cluster.intra, "all_gather", activation, 4, 2 * 16)
+    assert selective["parts"]["tp"] - plain["parts"]["tp"] == pytest.approx(extra, rel=1e-12)

@@ -66,6 +66,7 @@ from mpitrain.plan.cost_comm import (  # noqa: F401 (ring, reduction_rings, ulys
     pp_link_messages,
     reduction_rings,
     ring,
+    tp_collectives_per_block,
     ulysses_bytes_per_micro_batch,
 )
 from mpitrain.plan.cost_precision import bound_saving, precision_terms
@@ -222,7 +223,7 @@ class RankWork:
     moe: MoeSettings
     moe_layers: int  # of this pipeline rank's blocks
     units: int  # the rank's blocks, and the embedding and head (one each on the first and last stage)
-    tp_per_layer: int  # tp collectives per block and micro-batch: 2 gathers + 2 scatters, forward and backward
+    tp_per_layer: int  # tp collectives per block and micro-batch (cost_comm.py tp_collectives_per_block)
     attention: str = "unfused"  # "fused": cuDNN's SDPA (module docstring); ring attention (cp > 1) is never fused
 
     @classmethod
@@ -236,7 +237,7 @@ class RankWork:
                    rows=t.micro_batch * m_cfg.seq_len // p.cp, layer_counts=layer_counts, layers=layers, moe=moe,
                    moe_layers=sum(moe.is_moe_block(i) for i in range(layers)),
                    units=layers + (2 if p.pp == 1 else 1),
-                   tp_per_layer=12 if cfg.memory.recompute == "full" else 8,
+                   tp_per_layer=tp_collectives_per_block(cfg.memory.recompute, p.sequence_parallel),
                    attention=attention if p.cp == 1 else "unfused")
 
 

@@ -31,6 +31,17 @@ if TYPE_CHECKING:
     from mpitrain.plan.cost import RankWork
 
 
+def tp_collectives_per_block(recompute: str, sequence_parallel: bool) -> int:
+    """tp collectives one block runs per micro-batch, in all-gathers of one (b, T/cp, d) activation (an all-reduce
+    counts two): the attention's and the MLP's entry and exit, forward and backward (8); the forward's 4 again under
+    memory.recompute = full; under selective with sequence parallelism the qkv and MLP inputs' gathers again (their
+    entry into the tp region is recomputed, layers/recompute.py restore: 10). Without sequence parallelism entering is
+    a copy, nothing to recompute."""
+    if recompute == "full":
+        return 12
+    return 10 if recompute == "selective" and sequence_parallel else 8
+
+
 def pp_link_messages(kind: str, pp: int, virtual_stages: int) -> float:
     """Messages per micro-batch, both ways, on each link between neighbouring pipeline ranks: schedule_costs' count
     for the whole pipeline over its links, p - 1 in a line (1f1b: 2; a V: 4, both chunks each way), p where

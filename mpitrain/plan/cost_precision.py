@@ -4,8 +4,9 @@ plan/cost.py's estimate changes in its matmul, elementwise, tp and cp parts when
 Collective matmul (layers/tp_overlap.py). Under sequence parallelism each block runs, per micro-batch, 8 tp
 collectives of one (b, T/cp, d) activation: the attention's and the MLP's gather before their column-parallel
 linear and reduce-scatter after their row-parallel one, forward and backward (the forward's 4 again under full
-recomputation). With the overlap each runs as a ring of t - 1 steps under the chunked matmul of its own linear
-(the forward GEMM, or in backward the input-gradient GEMM), and leaves `exposed_seconds` on the critical path: per
+recomputation, its 2 gathers again under selective: plain ones, no matmul to hide under). With the overlap each
+runs as a ring of t - 1 steps under the chunked matmul of its own linear (the forward GEMM, or in backward the
+input-gradient GEMM), and leaves `exposed_seconds` on the critical path: per
 step, its latency and chunk bytes beyond one chunk's matmul. The chunked GEMMs have rows / t rows, so they run at
 gemm_shape_factor(rows / t) instead of (rows): the matmul part grows by their FLOPs times the difference. A MoE
 block's experts keep the plain gather and reduce-scatter (layers/moe.py enters the tp region unchunked), so only
@@ -194,7 +195,9 @@ def tp_collectives(cfg: Config, element_bytes: int, moe_block: bool) -> list[tup
     """One block's tp collectives per micro-batch: (the linear whose GEMM the overlap hides it under, bytes per
     element on the wire, overlapped). An FP8 linear gathers its dequantized input (forward) or output gradient
     (a row linear's backward) at operand_bytes; a row linear with a bias (gpt2) gathers its unquantized output
-    gradient again for the bias gradient (layers/linear.py); a MoE block's MLP collectives are the plain ones."""
+    gradient again for the bias gradient (layers/linear.py); a MoE block's MLP collectives are the plain ones.
+    Selective recomputation under sequence parallelism gathers qkv's and the MLP's inputs again in backward, plainly
+    (layers/recompute.py restore): qkv's and a dense up's quantized first (dequantized on the wire), the MoE's not."""
     fp8 = cfg.precision.fp8 != "none"
     overlap = cfg.parallel.tp_overlap
     gathered = operand_bytes(element_bytes) if fp8 else element_bytes
@@ -205,6 +208,8 @@ def tp_collectives(cfg: Config, element_bytes: int, moe_block: bool) -> list[tup
                 for name, _, on in forward]  # a row linear's output gradient is gathered, a column one's scattered
     if fp8 and cfg.model.arch == "gpt2":  # the bias gradient's gather, plain
         backward += [("out", element_bytes, False)] + ([] if moe_block else [("down", element_bytes, False)])
+    if cfg.memory.recompute == "selective" and cfg.parallel.sequence_parallel:
+        backward += [("qkv", gathered, False), ("up", element_bytes if moe_block else gathered, False)]
     return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
 
 
