@@ -121,3 +121,38 @@ def test_default_attention_is_fused_only_on_a_gpu_in_bf16_or_fp16():
     assert [default_attention(compute, on_gpu) for compute, on_gpu in
             [("bfloat16", True), ("float16", True), ("float32", True), ("bfloat16", False)]] == \
         ["fused", "fused", "unfused", "unfused"]
+
+
+MOE = "model.moe={experts = 4, top_k = 2, every = 2}"
+
+
+@pytest.mark.parametrize("model", [["model.arch=llama", "model.n_kv_head=2", MOE], ["model.arch=gpt2"]],
+                         ids=["llama-moe", "gpt2"])
+def test_deferred_weight_gradient_bytes_are_what_a_split_backward_holds(model):
+    """zb1p's deferred work per micro-batch (deferred_bytes_per_micro_batch) is the bytes of the work items a
+    one-process backward with `deferred` leaves, to the byte, in bf16: the FP8 linears' dequantized x and dy in
+    float32 under precision.fp8 (twice the bf16 bytes), the head's in bf16; a MoE layer's router and experts take
+    their weight gradients at once and leave nothing."""
+    import numpy as np
+
+    from mpitrain.backend import make_backend, nbytes_of
+    from mpitrain.config import load_config, resolve_layout
+    from mpitrain.layers.fp8 import apply_fp8
+    from mpitrain.model.gpt import GPT
+    from mpitrain.plan.memory import deferred_bytes_per_micro_batch
+    from mpitrain.state.replicated import ReplicatedState
+    held = {}
+    for recipe in ("none", "tensor"):
+        cfg = load_config("configs/tiny.toml", ["precision.compute=bfloat16", f"precision.fp8={recipe}", *model])
+        resolve_layout(cfg, 1)
+        backend = make_backend("cpu", "bfloat16")
+        gpt = GPT(cfg.model, backend)
+        apply_fp8(gpt.units, recipe)
+        state = ReplicatedState(gpt.layouts, backend, 0)
+        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len))
+        _, saved = gpt.forward(state, tokens, np.roll(tokens, -1, axis=1))
+        deferred = {}
+        gpt.backward(state, saved, 1.0, deferred=deferred)
+        held[recipe] = nbytes_of(deferred)
+        assert deferred_bytes_per_micro_batch(cfg, cfg.train.micro_batch) == held[recipe], recipe
+    assert held["tensor"] > held["none"]  # the float32 operands really are counted

@@ -40,7 +40,7 @@ from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.layers.fp8 import fp8_extra_bytes
 from mpitrain.layers.linear import ColumnParallelLinear
-from mpitrain.layers.moe import rank_experts
+from mpitrain.layers.moe import MoE, rank_experts
 from mpitrain.layers.recompute import apply_recompute
 from mpitrain.layers.ring_attention import lse_dtype
 from mpitrain.layers.tensor_parallel import TensorParallel
@@ -138,21 +138,26 @@ SHARED_INPUTS = ({"wq", "wk", "wv"}, {"w_fc", "w_gate", "w_up"}, {"expert_w_gate
 
 def deferred_bytes_per_micro_batch(cfg: Config, micro_batch: int, pp_rank: int = 0) -> int:
     """The weight-gradient work zb1p defers per micro-batch on pipeline rank pp_rank: each matmul weight's output
-    gradient and its input (one input for weights that read the same one: q/k/v, gate/up) over b * T/cp rows; an
-    expert's rows are top_k/experts of them; the head reads the tied embedding transposed. The embedding's lookup
-    table defers nothing."""
+    gradient and its input (one input for weights that read the same one: q/k/v, gate/up) over b * T/cp rows; the
+    head reads the tied embedding transposed. The embedding's lookup table defers nothing, nor does a MoE layer
+    (layers/moe.py takes its router's and experts' weight gradients in B). Under precision.fp8 the FP8 linears'
+    items hold their dequantized x and dy (layers/linear.py), float32 (layers/fp8.py operand_dtype); the head and
+    LoRA's adapters hold the compute dtype."""
     rows = micro_batch * cfg.model.seq_len // cfg.parallel.cp
-    return int(rows * _deferred_per_row(cfg, pp_rank) * np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize)
+    itemsize = np.dtype(COMPUTE_DTYPES[cfg.precision.compute]).itemsize
+    plain, fp8 = _deferred_per_row(cfg, pp_rank)
+    return int(rows * (plain * itemsize + fp8 * max(4, itemsize)))
 
 
-def _deferred_per_row(cfg: Config, pp_rank: int) -> float:
-    """Elements of deferred work per row of a micro-batch (deferred_bytes_per_micro_batch), cached by shape."""
-    key = shape_key(cfg, pp_rank)
+def _deferred_per_row(cfg: Config, pp_rank: int) -> tuple[float, float]:
+    """Elements of deferred work per row of a micro-batch (deferred_bytes_per_micro_batch): (in the compute dtype,
+    in the FP8 linears' operand dtype), cached by shape and whether precision.fp8 is on."""
+    fp8_on = cfg.precision.fp8 != "none"
+    key = (shape_key(cfg, pp_rank), fp8_on)
     if key in _DEFERRED:
         return _DEFERRED[key]
     model = rank_model(cfg, pp_rank)
-    moe = MoeSettings.of(cfg.model)
-    elements = 0.0
+    elements = {False: 0.0, True: 0.0}  # widened by FP8 or not
     for unit in model.units:
         name = unit.layout.name
         if name == "embed":
@@ -161,17 +166,30 @@ def _deferred_per_row(cfg: Config, pp_rank: int) -> float:
         if name == "head":  # (d, V/t) of its own, or the embedding's (V/t, d) borrowed
             tables = [spec.shape for layout in model.layouts for spec in layout.specs if spec.name == "wte"]
             vocab = next((math.prod(spec.shape) for spec in weights), None) or math.prod(tables[0])
-            elements += cfg.model.d_model + vocab // cfg.model.d_model
+            elements[False] += cfg.model.d_model + vocab // cfg.model.d_model
             continue
+        fp8_weights = _fp8_weights(unit) if fp8_on else set()
+        moe = getattr(unit, "mlp", None)
+        moe_weights = {spec.name for spec in moe.specs} if isinstance(moe, MoE) else set()
         read = set()
         for spec in weights:
+            if spec.name in moe_weights:
+                continue
             n_in, n_out = spec.shape[-2:]
-            share = moe.top_k / moe.experts * spec.shape[0] if len(spec.shape) == 3 else 1  # of a row
             group = next((frozenset(g) for g in SHARED_INPUTS if spec.name in g), spec.name)
-            elements += share * n_out + (share * n_in if group not in read else 0)
+            elements[spec.name in fp8_weights] += n_out + (n_in if group not in read else 0)
             read.add(group)
-    _DEFERRED[key] = elements
-    return elements
+    _DEFERRED[key] = (elements[False], elements[True])
+    return _DEFERRED[key]
+
+
+def _fp8_weights(block) -> set:
+    """The weights of a block's FP8 linears (layers/fp8.py apply_fp8): the attention's qkv and out, a dense MLP's up
+    and down."""
+    linears = [block.attention.qkv, block.attention.out]
+    if not isinstance(block.mlp, MoE):
+        linears += [block.mlp.up, block.mlp.down]
+    return {name for linear in linears for name in getattr(linear, "weights", [getattr(linear, "weight", None)])}
 
 
 def saved_bytes_per_micro_batch(cfg: Config, micro_batch: int, pp_rank: int = 0) -> tuple[int, int]:
@@ -229,7 +247,7 @@ _RANK_MODELS: dict = {}  # shape key -> model: mpitrain plan evaluates thousands
 _SAVED: dict = {}  # (shape key, micro-batch) -> saved_bytes
 _PARAMS: dict = {}  # shape key -> rank_param_count
 _SPLIT: dict = {}  # shape key -> split_frozen of the layouts
-_DEFERRED: dict = {}  # shape key -> zb1p's deferred elements per row
+_DEFERRED: dict = {}  # (shape key, fp8 on) -> zb1p's deferred elements per row (compute dtype, fp8 operands)
 _SHARES: dict = {}  # shape key -> (dense, expert) trainable parameters: a walk over every spec, once per shape
 
 
