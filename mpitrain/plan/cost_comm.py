@@ -18,8 +18,6 @@ parallel/context.py cp_bytes_per_step's; hybrid cp is plan/cost_sharding.py's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mpitrain.config import Config
 from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.context import cp_bytes_per_step
@@ -27,8 +25,7 @@ from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.cost_sharding import hybrid_cp_seconds, sharding_rings
 from mpitrain.plan.memory import rank_param_count, reduction_shares
 
-if TYPE_CHECKING:
-    from mpitrain.plan.cost import RankWork
+# `work` below is plan/cost.py's RankWork (what one rank does in a step), passed in: cost.py imports this module
 
 
 def tp_collectives_per_block(recompute: str, sequence_parallel: bool) -> int:
@@ -64,7 +61,7 @@ def ring(link: Link, op: str, nbytes: float, n: int, times: float = 1.0) -> floa
     return times * link.seconds(factor * nbytes, steps)
 
 
-def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tuple[dict, dict]:
+def communication_seconds(cfg: Config, cluster: Cluster, work) -> tuple[dict, dict]:
     """Seconds per micro-batch of the collectives on the critical path ({"tp", "cp_ring", "ep_all_to_all",
     "pp_send"}), and which groups cross nodes ({"tp", "cp", "ep", "dp", "pp"})."""
     m_cfg, p, t, e, layers = cfg.model, cfg.parallel, cfg.train, work.element_bytes, work.layers
@@ -91,7 +88,7 @@ def communication_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> tupl
     return {"tp": tp_micro, "cp_ring": cp_micro, "ep_all_to_all": ep_micro, "pp_send": pp_micro}, crosses
 
 
-def cp_seconds(cfg: Config, cluster: Cluster, work: RankWork) -> float:
+def cp_seconds(cfg: Config, cluster: Cluster, work) -> float:
     """Exposed seconds per micro-batch of context parallelism's messages (module docstring): Ulysses' all-to-alls,
     the ring's K/V passes beyond the attention they hide behind, or hybrid's both (plan/cost_sharding.py)."""
     m_cfg, p, e, layers, recompute = cfg.model, cfg.parallel, work.element_bytes, work.layers, cfg.memory.recompute
@@ -139,7 +136,7 @@ def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) 
     return sent["all_to_all"]
 
 
-def gradient_sync_seconds(cfg: Config, cluster: Cluster, work: RankWork, compute_micro: float,
+def gradient_sync_seconds(cfg: Config, cluster: Cluster, work, compute_micro: float,
                           transient: float) -> tuple[float, float, float]:
     """(ZeRO's exposed gathers and reduce-scatters per micro-batch, the step's exposed gradient reduction, ZeRO-1/2's
     parameter all-gather), in seconds."""
