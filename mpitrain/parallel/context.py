@@ -117,6 +117,19 @@ def cp_bytes_per_block(kind: str, batch: int, seq_len: int, heads: int, kv_heads
     return {"cp_ring": ring, "all_to_all": all_to_all}
 
 
+def ring_messages(recompute: str, cp: int) -> int:
+    """Messages one rank sends per attention block and micro-batch on a ring of cp ranks (those of
+    cp_bytes_per_block): K/V c - 1 hops in forward, K/V and the dK/dV accumulator c - 1 hops each in backward, the
+    forward's again under memory.recompute = full."""
+    return ((2 if recompute == "full" else 1) + 2) * (cp - 1)
+
+
+def ulysses_all_to_alls(recompute: str) -> int:
+    """All-to-alls one attention block runs per micro-batch under Ulysses (those of cp_bytes_per_block): Q/K/V and
+    the output in forward, dO and dQ/dK/dV in backward, and the forward's two again under memory.recompute = full."""
+    return 2 * (2 if recompute == "full" else 1) + 2
+
+
 def cp_bytes_per_step(kind: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
                       element_bytes: int, cp_size: int, inside: int = 1, blocks: int = 1, micro_batches: int = 1,
                       recompute: str = "none") -> dict[str, float]:

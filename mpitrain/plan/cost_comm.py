@@ -9,18 +9,18 @@ cluster's comm_overlap lets it: 0 where collectives need the computing cores); t
 path.
 
 Context parallelism, per block and micro-batch on the cp group: the ring passes K/V c - 1 hops in forward and K/V
-and the dK/dV accumulator c - 1 hops each in backward (`ring_messages`, layers/ring_attention.py), hidden behind the
-attention they feed (a forward run's Q K^T and P V, backward's four gradient matmuls). Ulysses runs
-`ulysses_all_to_alls` all-to-alls of c - 1 steps each, exposed (the attention waits for its heads): Q/K/V in one
-buffer and the output back in forward, dO and dQ/dK/dV in backward (layers/ulysses_attention.py), the forward's
-again under full recomputation (selective keeps the exchanged arrays, layers/recompute.py). Their bytes are
-parallel/context.py cp_bytes_per_step's; hybrid cp is plan/cost_sharding.py's.
+and the dK/dV accumulator c - 1 hops each in backward (parallel/context.py `ring_messages`,
+layers/ring_attention.py), hidden behind the attention they feed (a forward run's Q K^T and P V, backward's four
+gradient matmuls). Ulysses runs `ulysses_all_to_alls` all-to-alls of c - 1 steps each, exposed (the attention waits
+for its heads): Q/K/V in one buffer and the output back in forward, dO and dQ/dK/dV in backward
+(layers/ulysses_attention.py), the forward's again under full recomputation (selective keeps the exchanged arrays,
+layers/recompute.py). Their bytes are parallel/context.py cp_bytes_per_step's; hybrid cp is plan/cost_sharding.py's.
 """
 from __future__ import annotations
 
 from mpitrain.config import Config
 from mpitrain.parallel import schedule_costs
-from mpitrain.parallel.context import cp_bytes_per_step
+from mpitrain.parallel.context import cp_bytes_per_step, ring_messages, ulysses_all_to_alls
 from mpitrain.plan.clusters import Cluster, Link
 from mpitrain.plan.cost_sharding import hybrid_cp_seconds, sharding_rings
 from mpitrain.plan.memory import rank_param_count, reduction_shares
@@ -110,19 +110,6 @@ def cp_seconds(cfg: Config, cluster: Cluster, work) -> float:
                              m_cfg.head_dim, e, p.cp, blocks=layers, recompute=recompute)["cp_ring"]
     ring_s = link.seconds(sent, layers * ring_messages(recompute, p.cp))
     return max(0.0, ring_s - cluster.comm_overlap * attention_s)  # hidden behind the attention it feeds
-
-
-def ring_messages(recompute: str, cp: int) -> int:
-    """Messages one rank sends per attention block and micro-batch on a ring of cp ranks (module docstring): K/V
-    c - 1 hops in forward, K/V and the dK/dV accumulator c - 1 hops each in backward, the forward's again under
-    memory.recompute = full."""
-    return ((2 if recompute == "full" else 1) + 2) * (cp - 1)
-
-
-def ulysses_all_to_alls(recompute: str) -> int:
-    """All-to-alls one attention block runs per micro-batch under Ulysses (module docstring): Q/K/V and the output
-    in forward, dO and dQ/dK/dV in backward, and the forward's two again under memory.recompute = full."""
-    return 2 * (2 if recompute == "full" else 1) + 2
 
 
 def ulysses_bytes_per_micro_batch(cfg: Config, element_bytes: int, layers: int) -> float:

@@ -40,7 +40,7 @@ import math
 
 from mpitrain.comm.quantized import wire_nbytes
 from mpitrain.errors import ConfigError
-from mpitrain.parallel.context import cp_bytes_per_step
+from mpitrain.parallel.context import cp_bytes_per_step, ring_messages, ulysses_all_to_alls
 
 FLOAT32_BYTES = 4  # the partial sums a quantized reduction decodes into
 
@@ -210,10 +210,10 @@ def hybrid_cp_seconds(cfg, cluster, element_bytes: int, layers: int, attention_s
     inside = cp_ranks_per_node(p, cluster.gpus_per_node)
     across = p.cp // inside
     sent = hybrid_cp_bytes(cfg, element_bytes, layers, inside)
-    forward_runs = 2 if cfg.memory.recompute == "full" else 1
-    all_to_all = cluster.intra.seconds(sent["all_to_all"], (forward_runs + 1) * 2 * layers * (inside - 1))
+    recompute = cfg.memory.recompute
+    all_to_all = cluster.intra.seconds(sent["all_to_all"], layers * ulysses_all_to_alls(recompute) * (inside - 1))
     ring_link = cluster.inter if across > 1 else cluster.intra
-    ring_s = ring_link.seconds(sent["cp_ring"], (forward_runs + 2) * layers * (across - 1))
+    ring_s = ring_link.seconds(sent["cp_ring"], layers * ring_messages(recompute, across))
     return all_to_all + max(0.0, ring_s - cluster.comm_overlap * attention_s)
 
 
