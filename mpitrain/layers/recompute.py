@@ -44,6 +44,12 @@ class Shared:
         self.ctx = ctx
 
 
+def forward_runs(mode: str) -> int:
+    """Times a block's forward runs per micro-batch under memory.recompute `mode`: twice under full recomputation
+    (backward runs it again), once otherwise (selective restores its kept arrays without a second forward)."""
+    return 2 if mode == "full" else 1
+
+
 def apply_recompute(model, mode: str, layers: int = 0) -> None:
     """Set the mode of the blocks of each chunk of `model` (a GPT): the first `layers` of the chunk (0: all)."""
     for chunk in model.chunks:

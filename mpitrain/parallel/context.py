@@ -31,6 +31,7 @@ import numpy as np
 from mpitrain.backend import array_module, wire_view
 from mpitrain.comm.mesh import all_groups_of
 from mpitrain.errors import ConfigError, LayoutError
+from mpitrain.layers.recompute import forward_runs
 from mpitrain.layers.ring_attention import visible_pairs
 from mpitrain.layers.ulysses_attention import bytes_per_block as ulysses_bytes_per_block
 from mpitrain.layers.ulysses_attention import kv_heads_per_rank
@@ -121,13 +122,13 @@ def ring_messages(recompute: str, cp: int) -> int:
     """Messages one rank sends per attention block and micro-batch on a ring of cp ranks (those of
     cp_bytes_per_block): K/V c - 1 hops in forward, K/V and the dK/dV accumulator c - 1 hops each in backward, the
     forward's again under memory.recompute = full."""
-    return ((2 if recompute == "full" else 1) + 2) * (cp - 1)
+    return (forward_runs(recompute) + 2) * (cp - 1)
 
 
 def ulysses_all_to_alls(recompute: str) -> int:
     """All-to-alls one attention block runs per micro-batch under Ulysses (those of cp_bytes_per_block): Q/K/V and
     the output in forward, dO and dQ/dK/dV in backward, and the forward's two again under memory.recompute = full."""
-    return 2 * (2 if recompute == "full" else 1) + 2
+    return 2 * forward_runs(recompute) + 2
 
 
 def cp_bytes_per_step(kind: str, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -135,8 +136,8 @@ def cp_bytes_per_step(kind: str, batch: int, seq_len: int, heads: int, kv_heads:
                       recompute: str = "none") -> dict[str, float]:
     """Bytes one rank sends per step on the cp groups, by counter: blocks (this rank's attention blocks) x
     micro_batches x (forward + backward, the forward twice under full recomputation) of cp_bytes_per_block."""
-    forward_runs = 2 if recompute == "full" else 1
-    return {counter: blocks * micro_batches * (forward_runs * sent["forward"] + sent["backward"])
+    runs = forward_runs(recompute)
+    return {counter: blocks * micro_batches * (runs * sent["forward"] + sent["backward"])
             for counter, sent in cp_bytes_per_block(kind, batch, seq_len, heads, kv_heads, head_dim, element_bytes,
                                                     cp_size, inside).items()}
 

@@ -19,6 +19,7 @@ layers/recompute.py). Their bytes are parallel/context.py cp_bytes_per_step's; h
 from __future__ import annotations
 
 from mpitrain.config import Config
+from mpitrain.layers.recompute import forward_runs
 from mpitrain.parallel import schedule_costs
 from mpitrain.parallel.context import cp_bytes_per_step, ring_messages, ulysses_all_to_alls
 from mpitrain.plan.clusters import Cluster, Link
@@ -100,8 +101,8 @@ def cp_seconds(cfg: Config, cluster: Cluster, work) -> float:
         return link.seconds(ulysses_bytes_per_micro_batch(cfg, e, layers), steps)
     # the attention the ring hides behind: Q K^T and P V in each forward run (4 rows T d / tp FLOPs), the four
     # gradient matmuls of backward (8)
-    forward_runs = 2 if recompute == "full" else 1
-    attention_s = layers * (4 * forward_runs + 8) * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / \
+    runs = forward_runs(recompute)
+    attention_s = layers * (4 * runs + 8) * work.rows * m_cfg.seq_len * m_cfg.d_model / p.tp / \
         (cluster.peak_flops * cluster.matmul_efficiency)
     if p.cp_kind == "hybrid":  # Ulysses inside the node, the ring across (plan/cost_sharding.py)
         return hybrid_cp_seconds(cfg, cluster, e, layers, attention_s)

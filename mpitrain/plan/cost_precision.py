@@ -35,6 +35,7 @@ from __future__ import annotations
 from mpitrain.config import Config
 from mpitrain.config_moe import MoeSettings
 from mpitrain.errors import ConfigError
+from mpitrain.layers.recompute import forward_runs
 from mpitrain.layers.tp_overlap import exposed_seconds
 from mpitrain.plan.clusters import Cluster, Link
 
@@ -130,7 +131,7 @@ def quantize_calls(cfg: Config, name: str, weights: int, expert: bool) -> list[t
         forward, backward = [("x", 1), ("w", 1)] * weights, [("x", 1), ("w", weights), ("dy", weights)]
     else:  # row-parallel, an expert's down: the input and weight again in the backward
         forward, backward = [("x", 1), ("w", 1)], [("x", 1), ("w", 1), ("dy", 1)]
-    return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
+    return forward * forward_runs(cfg.memory.recompute) + backward
 
 
 def rank_linears(cfg: Config, layers: int):
@@ -210,7 +211,7 @@ def tp_collectives(cfg: Config, element_bytes: int, moe_block: bool) -> list[tup
         backward += [("out", element_bytes, False)] + ([] if moe_block else [("down", element_bytes, False)])
     if cfg.memory.recompute == "selective" and cfg.parallel.sequence_parallel:
         backward += [("qkv", gathered, False), ("up", element_bytes if moe_block else gathered, False)]
-    return forward * (2 if cfg.memory.recompute == "full" else 1) + backward
+    return forward * forward_runs(cfg.memory.recompute) + backward
 
 
 def tp_micro_seconds(cfg: Config, work, link: Link, speed: float, speedup: float = 1.0) -> float:
